@@ -1,0 +1,139 @@
+"""The recipe: every value a run needs, overridable from the command line, checked before any heavy work."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+
+from transformers import HfArgumentParser
+
+MIXED_PRECISIONS = ("bf16", "fp16", "no")
+
+
+class ConfigError(ValueError):
+    """A bad recipe value, flag or environment: printed as one line, exit code 2, nothing loaded."""
+
+
+@dataclass
+class Recipe:
+    """What a recipe declares. Field names follow transformers' TrainingArguments where one exists."""
+
+    name: str = field(default="run", metadata={"help": "Recipe name; the default output dir is outputs/<name>."})
+    model_name_or_path: str = field(default="", metadata={"help": "Hub model id or local model directory."})
+    dataset: str = field(default="", metadata={"help": "Local JSONL file with `prompt`/`completion` or `text`."})
+    eval_fraction: float = field(default=0.05, metadata={"help": "Share of the data held out for eval."})
+    output_dir: str = field(default="", metadata={"help": "Where metrics, W&B files and the model go."})
+    max_seq_length: int = 2048
+    per_device_train_batch_size: int = 1
+    per_device_eval_batch_size: int = 8
+    global_batch_size: int | None = field(
+        default=None, metadata={"help": "Sequences per optimizer step over all ranks; accumulation is derived."}
+    )
+    gradient_accumulation_steps: int | None = field(
+        default=None, metadata={"help": "Micro-batches per optimizer step; must agree with --global_batch_size."}
+    )
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers scheduler name."})
+    warmup_ratio: float = 0.03
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; -1 means num_train_epochs."})
+    num_train_epochs: int = 1
+    gradient_checkpointing: bool = True
+    gradient_checkpointing_interval: int = field(
+        default=1, metadata={"help": "Recompute every k-th decoder layer (1 = all layers)."}
+    )
+    mixed_precision: str = field(default="bf16", metadata={"help": "bf16, fp16 (with a loss scaler) or no (fp32)."})
+    attn_implementation: str = "sdpa"
+    seed: int = 42
+    logging_steps: int = 10
+    eval_steps: int = field(default=0, metadata={"help": "Eval every N steps; 0 = only at the end."})
+    report_to: str = field(default="wandb", metadata={"help": "wandb or none."})
+    wandb_project: str = "shardtune"
+    run_name: str = ""
+    save_model: bool = field(default=True, metadata={"help": "Save the final model in Hugging Face format."})
+
+    @property
+    def resolved_output_dir(self) -> str:
+        return self.output_dir or os.path.join("outputs", self.name)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """global_batch_size = per_device_train_batch_size x gradient_accumulation_steps x data-parallel size."""
+
+    micro_batch: int
+    accumulation: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.world_size
+
+
+def parse_recipe(recipe: Recipe, argv: list[str] | None = None) -> Recipe:
+    """Apply command-line overrides (`--learning_rate 2e-5`, `--gradient_checkpointing false`) to a recipe."""
+    parser = HfArgumentParser(Recipe)
+    parser.set_defaults(**dataclasses.asdict(recipe))
+    args = sys.argv[1:] if argv is None else argv
+    (overridden,) = parser.parse_args_into_dataclasses(args=args)  # unknown flags: argparse error, exit 2
+    return overridden
+
+
+def plan_batches(recipe: Recipe, world_size: int) -> BatchPlan:
+    micro, gas, total = recipe.per_device_train_batch_size, recipe.gradient_accumulation_steps, recipe.global_batch_size
+    if micro < 1:
+        raise ConfigError(f"--per_device_train_batch_size must be >= 1, got {micro}.")
+    if gas is not None and gas < 1:
+        raise ConfigError(f"--gradient_accumulation_steps must be >= 1, got {gas}.")
+    per_step = micro * world_size
+    if total is None:
+        return BatchPlan(micro, gas or 1, world_size)
+    if total % per_step:
+        raise ConfigError(
+            f"--global_batch_size {total} is not divisible by per_device_train_batch_size x processes "
+            f"= {micro} x {world_size} = {per_step}. Pick a global batch that is a multiple of {per_step}, "
+            "or change --per_device_train_batch_size."
+        )
+    if gas is not None and gas * per_step != total:
+        raise ConfigError(
+            f"--gradient_accumulation_steps {gas} disagrees with --global_batch_size {total}: "
+            f"{micro} x {gas} x {world_size} processes = {gas * per_step}. Give only one of the two."
+        )
+    return BatchPlan(micro, total // per_step, world_size)
+
+
+def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: bool) -> BatchPlan:
+    """Every check that needs no model and no data loaded. Raises ConfigError."""
+    if not recipe.model_name_or_path:
+        raise ConfigError("No model: set --model_name_or_path to a local model directory or a Hub model id.")
+    if not recipe.dataset:
+        raise ConfigError("No dataset: set --dataset to a local JSONL file.")
+    if not os.path.isfile(recipe.dataset):
+        raise ConfigError(f"Dataset file not found: {recipe.dataset!r}. Check the path given to --dataset.")
+    if recipe.mixed_precision not in MIXED_PRECISIONS:
+        raise ConfigError(f"--mixed_precision must be one of {', '.join(MIXED_PRECISIONS)}; got {recipe.mixed_precision!r}.")
+    if recipe.mixed_precision == "fp16" and not (has_gpu or uses_deepspeed):
+        raise ConfigError(
+            "--mixed_precision fp16 needs a loss scaler, and accelerate has none without a GPU: fp16 would train "
+            "unscaled (or silently in fp32). Use --mixed_precision bf16 or no."
+        )
+    if not 0.0 < recipe.eval_fraction < 1.0:
+        raise ConfigError(f"--eval_fraction must be between 0 and 1 (exclusive), got {recipe.eval_fraction}.")
+    if recipe.max_steps <= 0 and recipe.num_train_epochs <= 0:
+        raise ConfigError("Nothing to train: set --max_steps > 0 or --num_train_epochs > 0.")
+    if recipe.gradient_checkpointing_interval < 1:
+        raise ConfigError(f"--gradient_checkpointing_interval must be >= 1, got {recipe.gradient_checkpointing_interval}.")
+    if recipe.report_to not in ("wandb", "none"):
+        raise ConfigError(f"--report_to must be wandb or none, got {recipe.report_to!r}.")
+    if recipe.logging_steps < 1:
+        raise ConfigError(f"--logging_steps must be >= 1, got {recipe.logging_steps}.")
+    output_dir = recipe.resolved_output_dir
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ConfigError(f"--output_dir {output_dir!r} is a file; give a directory.")
+    return plan_batches(recipe, world_size)

@@ -1,0 +1,79 @@
+"""A tiny Llama, its character tokenizer and a synthetic instruction task, made locally for the CPU demo and
+tests. The model is saved with `save_pretrained` and read back by the same `from_pretrained` path as real runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import string
+import tempfile
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARACTERS = string.ascii_lowercase + string.digits + " =:>"
+TASK_LETTERS = "abcdefghij"  # reversal over 10 letters: chance accuracy per target token is about 1/10
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character; BOS prepended; decoding joins characters back."""
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def tiny_llama_config(vocab_size: int, **overrides) -> LlamaConfig:
+    values = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return LlamaConfig(**(values | overrides))
+
+
+def reversal_examples(count: int, seed: int) -> list[dict]:
+    """`rev abcd=` -> `dcba`: learnable by a two-layer model, checkable per token."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        word = "".join(rng.choice(TASK_LETTERS) for _ in range(rng.randint(3, 8)))
+        rows.append({"prompt": f"rev {word}=", "completion": word[::-1]})
+    return rows
+
+
+def write_tiny_assets(root: str, num_examples: int = 4096, seed: int = 0, **config_overrides) -> None:
+    """Write `root/model` (config, random weights, tokenizer) and `root/data.jsonl`."""
+    os.makedirs(os.path.join(root, "model"))
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), **config_overrides))
+    model.save_pretrained(os.path.join(root, "model"))
+    tokenizer.save_pretrained(os.path.join(root, "model"))
+    with open(os.path.join(root, "data.jsonl"), "w") as file:
+        for row in reversal_examples(num_examples, seed):
+            file.write(json.dumps(row) + "\n")
+
+
+def ensure_tiny_assets(root: str) -> tuple[str, str]:
+    """Create the assets once. Every rank may call this: each writes a private copy and renames it into
+    place; the first rename wins and the content is identical (seeded), so no rank reads a half-written file."""
+    if not os.path.isdir(root):
+        os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
+        scratch = tempfile.mkdtemp(prefix=".tiny-", dir=os.path.dirname(os.path.abspath(root)))
+        write_tiny_assets(os.path.join(scratch, "assets"))
+        try:
+            os.rename(os.path.join(scratch, "assets"), root)
+        except OSError:
+            pass  # another rank was first
+        shutil.rmtree(scratch, ignore_errors=True)
+    return os.path.join(root, "model"), os.path.join(root, "data.jsonl")
