@@ -6,7 +6,8 @@ import os
 from datetime import timedelta
 
 import torch
-from accelerate import Accelerator
+from torch.distributed.fsdp import CPUOffloadPolicy
+from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
     DistributedType,
@@ -61,7 +62,10 @@ def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
     to FSDP with the plugin from the launch environment, before `prepare`, so accelerate's own FSDP path runs."""
     state = accelerator.state
     plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables set by `accelerate launch`
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)  # pinning host memory needs an accelerator
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
-    state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
+    # AcceleratorState copies PartialState's shared fields whenever it is instantiated again: set both.
+    PartialState._shared_state["distributed_type"] = state.distributed_type = DistributedType.FSDP
