@@ -21,11 +21,11 @@ RECIPE = Recipe(
     learning_rate=3e-3,
     weight_decay=0.0,
     warmup_ratio=0.05,
-    max_steps=200,
+    max_steps=600,
     gradient_checkpointing=False,
     mixed_precision="no",
-    logging_steps=20,
-    eval_steps=100,
+    logging_steps=50,
+    eval_steps=200,
     report_to="none",
 )
 

@@ -79,9 +79,12 @@ class BatchPlan:
 def parse_recipe(recipe: Recipe, argv: list[str] | None = None) -> Recipe:
     """Apply command-line overrides (`--learning_rate 2e-5`, `--gradient_checkpointing false`) to a recipe."""
     parser = HfArgumentParser(Recipe)
+    parser.allow_abbrev = False  # a typo such as --learning_rat must not pass as --learning_rate
     parser.set_defaults(**dataclasses.asdict(recipe))
     args = sys.argv[1:] if argv is None else argv
-    (overridden,) = parser.parse_args_into_dataclasses(args=args)  # unknown flags: argparse error, exit 2
+    overridden, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
+    if unknown:
+        raise ConfigError(f"Unknown argument(s): {' '.join(unknown)}. See --help for the recipe's flags.")
     return overridden
 
 
@@ -117,7 +120,8 @@ def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: boo
     if not os.path.isfile(recipe.dataset):
         raise ConfigError(f"Dataset file not found: {recipe.dataset!r}. Check the path given to --dataset.")
     if recipe.mixed_precision not in MIXED_PRECISIONS:
-        raise ConfigError(f"--mixed_precision must be one of {', '.join(MIXED_PRECISIONS)}; got {recipe.mixed_precision!r}.")
+        choices = ", ".join(MIXED_PRECISIONS)
+        raise ConfigError(f"--mixed_precision must be one of {choices}; got {recipe.mixed_precision!r}.")
     if recipe.mixed_precision == "fp16" and not (has_gpu or uses_deepspeed):
         raise ConfigError(
             "--mixed_precision fp16 needs a loss scaler, and accelerate has none without a GPU: fp16 would train "
@@ -128,7 +132,9 @@ def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: boo
     if recipe.max_steps <= 0 and recipe.num_train_epochs <= 0:
         raise ConfigError("Nothing to train: set --max_steps > 0 or --num_train_epochs > 0.")
     if recipe.gradient_checkpointing_interval < 1:
-        raise ConfigError(f"--gradient_checkpointing_interval must be >= 1, got {recipe.gradient_checkpointing_interval}.")
+        raise ConfigError(
+            f"--gradient_checkpointing_interval must be >= 1, got {recipe.gradient_checkpointing_interval}."
+        )
     if recipe.report_to not in ("wandb", "none"):
         raise ConfigError(f"--report_to must be wandb or none, got {recipe.report_to!r}.")
     if recipe.logging_steps < 1:

@@ -51,7 +51,8 @@ def load_splits(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[Dat
     )
     tokenized = tokenized.filter(lambda labels: any(label != IGNORE_INDEX for label in labels[1:]),
                                  input_columns="labels", desc="dropping rows with no target token")
-    logger.info("%d of %d rows truncated to %d tokens", sum(tokenized["truncated"]), len(tokenized), recipe.max_seq_length)
+    truncated = sum(tokenized["truncated"])
+    logger.info("%d of %d rows truncated to %d tokens", truncated, len(tokenized), recipe.max_seq_length)
     splits = tokenized.train_test_split(test_size=recipe.eval_fraction, seed=recipe.seed)
     return splits["train"].remove_columns("truncated"), splits["test"].remove_columns("truncated")
 

@@ -6,7 +6,6 @@ import os
 from datetime import timedelta
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy
 from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
@@ -15,6 +14,7 @@ from accelerate.utils import (
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
 )
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from shardtune.config import BatchPlan, ConfigError, Recipe
 
@@ -35,7 +35,9 @@ def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> A
         # MULTI_CPU over gloo. DeepSpeed ignores `cpu=True`; it gets gloo through the process-group kwargs.
         cpu=on_cpu and not uses_deepspeed,
         mixed_precision=recipe.mixed_precision,  # the recipe wins over the config file, DeepSpeed included
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=plan.accumulation, sync_with_dataloader=False),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=plan.accumulation, sync_with_dataloader=False  # the trainer ends every cycle itself
+        ),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.seed),
         step_scheduler_with_optimizer=False,  # the scheduler counts optimizer steps, stepped by the trainer
         log_with=log_with,

@@ -31,8 +31,6 @@ def load_model(recipe: Recipe) -> PreTrainedModel:
 
 def enable_gradient_checkpointing(model: PreTrainedModel, interval: int) -> list[int]:
     """Recompute every `interval`-th decoder layer in backward (non-reentrant). Returns their indices."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=interval)
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
-    for index, layer in enumerate(layers):
-        layer.gradient_checkpointing = index % interval == 0
     return [index for index, layer in enumerate(layers) if layer.gradient_checkpointing]

@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -25,9 +26,10 @@ from shardtune.tracking import log_metrics, peak_memory_gb, start_tracking
 
 def main(recipe: Recipe, argv: list[str] | None = None) -> None:
     """Entry point of every recipe: command-line overrides, checks, training. Bad input: one line, exit 2."""
-    recipe = parse_recipe(recipe, argv)
+    # DeepSpeed still calls these collectives by their old names, once per layer and step.
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
     try:
-        train(recipe)
+        train(parse_recipe(recipe, argv))
     except ConfigError as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"shardtune: error: {error}", file=sys.stderr)
@@ -83,6 +85,7 @@ def train(recipe: Recipe) -> None:
     window_loss = torch.zeros((), device=accelerator.device)
     window_tokens = torch.zeros((), device=accelerator.device)
     window_start, window_steps = time.perf_counter(), 0
+    first_loss = last_loss = eval_metrics = None
     progress = tqdm(range(1, max_steps + 1), disable=not accelerator.is_main_process, desc="training")
     for step in progress:
         micro_batches = next(batches)
@@ -117,6 +120,8 @@ def train(recipe: Recipe) -> None:
             progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
                                  tok_s=f"{metrics['tokens_per_second']:.0f}")
             log_metrics(accelerator, output_dir, step, metrics)
+            first_loss = metrics["loss"] if first_loss is None else first_loss
+            last_loss = metrics["loss"]
             window_loss.zero_(), window_tokens.zero_()
             window_start, window_steps = time.perf_counter(), 0
         if step == max_steps or (recipe.eval_steps and step % recipe.eval_steps == 0):
@@ -124,6 +129,8 @@ def train(recipe: Recipe) -> None:
             accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
             log_metrics(accelerator, output_dir, step, eval_metrics)
 
+    accelerator.print(f"first loss {first_loss:.4f} | last loss {last_loss:.4f} | "
+                      + " | ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
     if recipe.save_model:
         save_hf_model(accelerator, model, tokenizer, output_dir)
     accelerator.end_training()  # closes the trackers and the process group

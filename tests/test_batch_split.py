@@ -1,0 +1,31 @@
+"""One global batch of variable-length sequences, split differently over micro-batches, accumulation steps
+and ranks, gives the same losses and the same trained weights: the loss is normalised by the target tokens
+of the whole global batch, not per micro-batch. The tiny task's completions have 3 to 8 letters, so
+micro-batches hold different numbers of target tokens and a per-micro-batch mean would fail this test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import run_recipe, train_losses
+
+# (per-device micro-batch, processes, accumulation) = 32 sequences per update in every case
+SPLITS = [(32, 1, 1), (4, 1, 8), (8, 2, 2), (2, 2, 8)]
+
+
+def test_global_batch_split_gives_same_update(tiny_assets, tmp_path):
+    runs = {}
+    for micro, processes, accumulation in SPLITS:
+        output_dir = tmp_path / f"m{micro}-p{processes}-a{accumulation}"
+        run_recipe(output_dir, tiny_assets, "--max_steps", "4", "--mixed_precision", "no",
+                   "--per_device_train_batch_size", str(micro), "--global_batch_size", "32",
+                   config="ddp" if processes > 1 else None, processes=processes)
+        runs[output_dir.name] = (train_losses(output_dir), load_file(output_dir / "model.safetensors"))
+    (reference_losses, reference_weights), *others = runs.values()
+    for name, (losses, weights) in zip(list(runs)[1:], others, strict=True):
+        assert losses == pytest.approx(reference_losses, rel=1e-5), name
+        for key, tensor in reference_weights.items():
+            torch.testing.assert_close(weights[key], tensor, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+
