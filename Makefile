@@ -1,0 +1,35 @@
+# make demo: venv + CPU demo (ZeRO-3, 2 processes). make test: venv + lint + the whole suite.
+VENV := .venv
+PY := $(VENV)/bin/python
+# Two CPU ranks share the cores: one thread each.
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test lint clean
+
+$(VENV)/installed: requirements.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# DeepSpeed JIT-compiles its CPU ops (CPU Adam for offload, async I/O for NVMe offload) on first use: once per
+# machine, minutes on 2 cores. Build them here, with libaio for the NVMe path, so tests time the tests.
+$(VENV)/deepspeed-ops: $(VENV)/installed
+	dpkg -s libaio-dev >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libaio-dev; } \
+		|| echo "libaio-dev could not be installed: the NVMe offload test will skip"
+	$(PY) scripts/build_deepspeed_ops.py
+	touch $@
+
+demo: $(VENV)/installed
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py
+
+lint: $(VENV)/installed
+	$(VENV)/bin/ruff check .
+
+test: lint $(VENV)/deepspeed-ops
+	$(PY) -m pytest -q --durations=15
+
+clean:
+	rm -rf $(VENV) assets outputs

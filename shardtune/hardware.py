@@ -1,0 +1,87 @@
+"""GPUs: dense BF16 peak FLOP/s, device-name lookup, and the `--hardware` names the planner accepts."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+
+# Dense (no 2:4 sparsity) BF16 tensor-core peaks from the vendor data sheets. H100 means the SXM part; the PCIe card
+# has fewer SMs and lower clocks. H200 is the same GH100 die as the H100 SXM, with more and faster memory.
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "a100": 312e12,
+    "h100": 989e12,
+    "h100-pcie": 756e12,
+    "h200": 989e12,
+    "b200": 2.25e15,
+}
+
+# Checked in this order: "h100-pcie" before "h100", so that "NVIDIA H100 PCIe" does not match the SXM peak.
+_DEVICE_PATTERNS: list[tuple[str, str]] = [
+    ("h100-pcie", r"\bh100\b.*\bpcie\b"),
+    ("h100", r"\bh100\b"),
+    ("h200", r"\bh200\b"),
+    ("a100", r"\ba100\b"),
+    ("b200", r"\bb200\b"),
+]
+
+
+def gpu_key(device_name: str) -> str | None:
+    """Map `torch.cuda.get_device_name()` (e.g. "NVIDIA H100 80GB HBM3") to a PEAK_BF16_FLOPS key.
+
+    Unknown devices give None and a warning: a guessed peak would make every MFU figure wrong."""
+    name = device_name.lower().replace("_", " ")
+    for key, pattern in _DEVICE_PATTERNS:
+        if re.search(pattern, name):
+            return key
+    warnings.warn(f"Unknown GPU {device_name!r}: no BF16 peak known, so no MFU is reported.", stacklevel=2)
+    return None
+
+
+def peak_flops(gpu: str | None) -> float | None:
+    """Peak for a key or a device name; None when unknown."""
+    if gpu is None:
+        return None
+    key = gpu.lower()
+    if key in PEAK_BF16_FLOPS:
+        return PEAK_BF16_FLOPS[key]
+    key = gpu_key(gpu)
+    return PEAK_BF16_FLOPS[key] if key else None
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """`nodes` x `gpus_per_node` GPUs of `gpu_memory` bytes each."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_memory: int
+    gpu: str | None = None
+    name: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+NAMED_HARDWARE = ("8xh100-80gb", "8xa100-80gb", "8xa100-40gb", "8xh200-141gb", "1xh100-80gb", "2x8xh100-80gb")
+HARDWARE_FORMS = "NxMEMgb (one node, e.g. 8x80gb) or NODESxNxMEMgb (e.g. 2x8x80gb), optionally with a GPU name: 8xh100-80gb"
+_HARDWARE_RE = re.compile(r"^(?:(\d+)x)?(\d+)x(?:([a-z][a-z0-9]*(?:-[a-z][a-z0-9]*)*)-)?(\d+(?:\.\d+)?)gb$")
+
+
+class HardwareError(ValueError):
+    """A `--hardware` value the planner cannot read."""
+
+
+def parse_hardware(spec: str) -> Hardware:
+    """'8xh100-80gb' -> 1 node x 8 GPUs x 80 GB; '2x8xh100-80gb' -> 2 nodes. GB is 1e9 bytes: a card sold as
+    80 GB reports about 85e9 bytes, so reading the label as 1e9 errs on the safe side."""
+    match = _HARDWARE_RE.match(spec.strip().lower())
+    if not match:
+        raise HardwareError(
+            f"Unknown hardware {spec!r}. Valid: {', '.join(NAMED_HARDWARE)}, or a custom {HARDWARE_FORMS}."
+        )
+    nodes, gpus, gpu, memory = match.groups()
+    if int(gpus) < 1 or (nodes is not None and int(nodes) < 1) or float(memory) <= 0:
+        raise HardwareError(f"Hardware {spec!r} needs at least one node, one GPU and some memory.")
+    return Hardware(int(nodes or 1), int(gpus), int(float(memory) * 1e9), gpu, spec)
