@@ -23,7 +23,7 @@ $(VENV)/deepspeed-ops: $(VENV)/installed
 	touch $@
 
 demo: $(VENV)/installed
-	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --overwrite_output_dir true
 
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .

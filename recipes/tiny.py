@@ -26,6 +26,7 @@ RECIPE = Recipe(
     mixed_precision="no",
     logging_steps=50,
     eval_steps=200,
+    save_steps=0,
     report_to="none",
 )
 

@@ -1,6 +1,6 @@
 """shardtune: Accelerate recipes for fine-tuning Llama-class models with FSDP and DeepSpeed ZeRO."""
 
+from shardtune.cli import main
 from shardtune.config import Recipe
-from shardtune.trainer import main
 
 __all__ = ["Recipe", "main"]

@@ -57,6 +57,14 @@ class Recipe:
     wandb_project: str = "shardtune"
     run_name: str = ""
     save_model: bool = field(default=True, metadata={"help": "Save the final model in Hugging Face format."})
+    save_steps: int = field(default=500, metadata={"help": "Checkpoint every N steps and at the end; 0 = never."})
+    save_total_limit: int = field(default=2, metadata={"help": "Keep the newest K checkpoints; 0 = keep all."})
+    resume_from_checkpoint: str = field(
+        default="", metadata={"help": "`auto` (newest complete checkpoint in output_dir, if any) or a path."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Delete an earlier run in output_dir instead of refusing to start."}
+    )
 
     @property
     def resolved_output_dir(self) -> str:
@@ -74,6 +82,14 @@ class BatchPlan:
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.accumulation * self.world_size
+
+
+def launch_env() -> tuple[int, bool, bool]:
+    """(world size, DeepSpeed?, FSDP?) as `accelerate launch` set them, readable before any process group."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    uses_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    uses_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return world_size, uses_deepspeed, uses_fsdp
 
 
 def parse_recipe(recipe: Recipe, argv: list[str] | None = None) -> Recipe:
@@ -139,7 +155,15 @@ def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: boo
         raise ConfigError(f"--report_to must be wandb or none, got {recipe.report_to!r}.")
     if recipe.logging_steps < 1:
         raise ConfigError(f"--logging_steps must be >= 1, got {recipe.logging_steps}.")
+    if recipe.save_steps < 0 or recipe.save_total_limit < 0:
+        raise ConfigError("--save_steps and --save_total_limit must be >= 0.")
     output_dir = recipe.resolved_output_dir
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ConfigError(f"--output_dir {output_dir!r} is a file; give a directory.")
+    occupied = os.path.isdir(output_dir) and any(not name.startswith(".") for name in os.listdir(output_dir))
+    if occupied and not (recipe.resume_from_checkpoint or recipe.overwrite_output_dir):
+        raise ConfigError(
+            f"--output_dir {output_dir!r} already holds files of another run. Resume it with "
+            "--resume_from_checkpoint auto, replace it with --overwrite_output_dir true, or pick another directory."
+        )
     return plan_batches(recipe, world_size)

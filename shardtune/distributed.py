@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
@@ -16,15 +15,7 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from shardtune.config import BatchPlan, ConfigError, Recipe
-
-
-def launch_env() -> tuple[int, bool, bool]:
-    """(world size, DeepSpeed?, FSDP?) as `accelerate launch` set them, readable before any process group."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    uses_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    uses_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    return world_size, uses_deepspeed, uses_fsdp
+from shardtune.config import BatchPlan, ConfigError, Recipe, launch_env
 
 
 def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> Accelerator:

@@ -65,7 +65,7 @@ class Hardware:
 
 
 NAMED_HARDWARE = ("8xh100-80gb", "8xa100-80gb", "8xa100-40gb", "8xh200-141gb", "1xh100-80gb", "2x8xh100-80gb")
-HARDWARE_FORMS = "NxMEMgb (one node, e.g. 8x80gb) or NODESxNxMEMgb (e.g. 2x8x80gb), optionally with a GPU name: 8xh100-80gb"
+HARDWARE_FORMS = "NxMEMgb (one node, e.g. 8x80gb) or NODESxNxMEMgb (e.g. 2x8x80gb), optionally with a GPU: 8xh100-80gb"
 _HARDWARE_RE = re.compile(r"^(?:(\d+)x)?(\d+)x(?:([a-z][a-z0-9]*(?:-[a-z][a-z0-9]*)*)-)?(\d+(?:\.\d+)?)gb$")
 
 

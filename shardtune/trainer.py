@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 
 import torch
@@ -17,33 +17,21 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from shardtune.config import BatchPlan, ConfigError, Recipe, parse_recipe, validate
+from shardtune.checkpoint import save_checkpoint
+from shardtune.config import BatchPlan, ConfigError, Recipe
 from shardtune.data import IGNORE_INDEX, load_splits, make_collator
-from shardtune.distributed import launch_env, make_accelerator
+from shardtune.distributed import make_accelerator
 from shardtune.model import load_model, load_tokenizer
-from shardtune.tracking import log_metrics, peak_memory_gb, start_tracking
+from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, StopRequest
+from shardtune.tracking import log_metrics, peak_memory_gb, start_tracking, truncate_metrics
 
 
-def main(recipe: Recipe, argv: list[str] | None = None) -> None:
-    """Entry point of every recipe: command-line overrides, checks, training. Bad input: one line, exit 2."""
-    # DeepSpeed still calls these collectives by their old names, once per layer and step.
-    warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
-    try:
-        train(parse_recipe(recipe, argv))
-    except ConfigError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"shardtune: error: {error}", file=sys.stderr)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        sys.exit(2)
-
-
-def train(recipe: Recipe) -> None:
-    world_size, uses_deepspeed, _ = launch_env()
-    plan = validate(recipe, world_size, uses_deepspeed, has_gpu=torch.cuda.is_available())
+def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: int) -> None:
+    """Train `recipe` (already checked by shardtune.cli), from `resume_path` at `start_step` if given."""
     output_dir = recipe.resolved_output_dir
     accelerator = make_accelerator(recipe, plan, log_with="wandb" if recipe.report_to == "wandb" else None)
     set_seed(recipe.seed)
+    stop = StopRequest()
 
     tokenizer = load_tokenizer(recipe)
     with accelerator.main_process_first():
@@ -72,38 +60,69 @@ def train(recipe: Recipe) -> None:
         model, optimizer, train_loader, eval_loader, scheduler
     )
 
+    if resume_path:
+        accelerator.load_state(resume_path)
+        accelerator.print(f"shardtune: resumed from {resume_path} at step {start_step}")
+    elif recipe.overwrite_output_dir and accelerator.is_main_process:
+        shutil.rmtree(output_dir, ignore_errors=True)
+    accelerator.wait_for_everyone()
     os.makedirs(output_dir, exist_ok=True)
-    start_tracking(accelerator, recipe)
+    if accelerator.is_main_process:
+        truncate_metrics(output_dir, after_step=start_step)  # a killed run may have logged past its checkpoint
+    start_tracking(accelerator, recipe, resumed=resume_path is not None)
     accelerator.print(
         f"shardtune: {recipe.name} | {accelerator.distributed_type.value} x {plan.world_size} | "
         f"global batch {plan.global_batch} = {plan.micro_batch} x {plan.accumulation} accumulation x "
         f"{plan.world_size} ranks | {max_steps} steps | precision {recipe.mixed_precision}"
     )
 
+    def save(step: int) -> None:
+        def add_model_files(path: str) -> None:
+            accelerator.unwrap_model(model).config.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+
+        started = time.perf_counter()
+        path = save_checkpoint(accelerator, output_dir, step, recipe.save_total_limit, add_model_files)
+        accelerator.print(f"shardtune: saved {path} in {time.perf_counter() - started:.1f}s")
+
     model.train()
-    batches = global_batches(train_loader, plan, steps_per_epoch)
+    batches = global_batches(train_loader, plan, steps_per_epoch, start_step)
     window_loss = torch.zeros((), device=accelerator.device)
     window_tokens = torch.zeros((), device=accelerator.device)
     window_start, window_steps = time.perf_counter(), 0
     first_loss = last_loss = eval_metrics = None
-    progress = tqdm(range(1, max_steps + 1), disable=not accelerator.is_main_process, desc="training")
+    progress = tqdm(range(start_step + 1, max_steps + 1), initial=start_step, total=max_steps,
+                    disable=not accelerator.is_main_process, desc="training")
     for step in progress:
         micro_batches = next(batches)
         # The loss of an update is (sum of all target-token losses of the global batch) / (their count), however
         # the batch is split over micro-batches and ranks: count the targets of the whole global batch first.
         targets = accelerator.reduce(count_targets(micro_batches), reduction="sum")
+        step_loss = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
             with accelerator.accumulate(model):
                 loss = model(**batch, num_items_in_batch=targets).loss  # this micro-batch's share of the mean
                 # accelerate divides by the accumulation steps and the ranks average gradients: undo both.
                 accelerator.backward(loss * plan.accumulation * plan.world_size)
-            window_loss += loss.detach()
+            step_loss += loss.detach()
             window_tokens += batch["attention_mask"].sum()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)  # only on the update
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
+        window_loss += step_loss
         window_steps += 1
+
+        # One small all-reduce per step: any rank's non-finite loss or stop signal stops every rank together.
+        grad_finite = grad_norm is None or math.isfinite(float(grad_norm))
+        flags = torch.tensor([not torch.isfinite(step_loss) or not grad_finite, stop.requested], dtype=torch.float32)
+        non_finite, stop_requested = (accelerator.reduce(flags.to(accelerator.device), reduction="sum") > 0).tolist()
+        if non_finite:
+            accelerator.print(f"shardtune: error: non-finite loss or gradient norm at step {step} "
+                              f"(grad norm {float(grad_norm) if grad_norm is not None else 'n/a'}); nothing saved "
+                              "from this state. Lower --learning_rate or resume from the last checkpoint.")
+            accelerator.end_training()
+            sys.exit(NON_FINITE_EXIT_CODE)
 
         if step % recipe.logging_steps == 0 or step == max_steps:
             loss_sum, tokens = accelerator.reduce(torch.stack([window_loss, window_tokens]), reduction="sum").tolist()
@@ -124,13 +143,22 @@ def train(recipe: Recipe) -> None:
             last_loss = metrics["loss"]
             window_loss.zero_(), window_tokens.zero_()
             window_start, window_steps = time.perf_counter(), 0
+        if stop_requested:
+            save(step)
+            accelerator.print(f"shardtune: stop signal received; checkpoint at step {step} saved, "
+                              f"exiting with code {PREEMPTED_EXIT_CODE} (resume with --resume_from_checkpoint auto)")
+            accelerator.end_training()
+            sys.exit(PREEMPTED_EXIT_CODE)
+        if recipe.save_steps and (step % recipe.save_steps == 0 or step == max_steps):
+            save(step)
         if step == max_steps or (recipe.eval_steps and step % recipe.eval_steps == 0):
             eval_metrics = evaluate(model, eval_loader, accelerator)
             accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
             log_metrics(accelerator, output_dir, step, eval_metrics)
 
-    accelerator.print(f"first loss {first_loss:.4f} | last loss {last_loss:.4f} | "
-                      + " | ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
+    if first_loss is not None and eval_metrics is not None:
+        accelerator.print(f"first loss {first_loss:.4f} | last loss {last_loss:.4f} | "
+                          + " | ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
     if recipe.save_model:
         save_hf_model(accelerator, model, tokenizer, output_dir)
     accelerator.end_training()  # closes the trackers and the process group
@@ -144,17 +172,21 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def global_batches(loader: DataLoader, plan: BatchPlan, steps_per_epoch: int) -> Iterator[list[dict]]:
-    """This rank's micro-batches of each optimizer step. The prepared loader deals micro-batches to ranks in
-    turn, so one step covers `global_batch` consecutive rows of the epoch's seeded shuffle on any split.
-    The epoch's tail that does not fill a global batch is skipped."""
-    epoch = 0
+def global_batches(loader: DataLoader, plan: BatchPlan, steps_per_epoch: int, start_step: int = 0
+                   ) -> Iterator[list[dict]]:
+    """This rank's micro-batches of each optimizer step after `start_step`. The prepared loader deals
+    micro-batches to ranks in turn, so one step covers `global_batch` consecutive rows of the epoch's seeded
+    shuffle on any split. The epoch's tail that does not fill a global batch is skipped. A resumed run
+    re-seeds the same epoch and skips the micro-batches already trained on, so it sees the same data."""
+    epoch, done_in_epoch = divmod(start_step, steps_per_epoch)
     while True:
         loader.set_epoch(epoch)
         micro_batches = iter(loader)
-        for _ in range(steps_per_epoch):
+        for _ in range(done_in_epoch * plan.accumulation):
+            next(micro_batches)
+        for _ in range(steps_per_epoch - done_in_epoch):
             yield [next(micro_batches) for _ in range(plan.accumulation)]
-        epoch += 1
+        epoch, done_in_epoch = epoch + 1, 0
 
 
 def count_targets(micro_batches: list[dict]) -> torch.Tensor:
@@ -184,6 +216,8 @@ def save_hf_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer, o
     """Full weights gathered from FSDP / ZeRO-3 shards, written as safetensors by the main process."""
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+        accelerator.unwrap_model(model).save_pretrained(
+            output_dir, state_dict=state_dict, safe_serialization=True, max_shard_size="5GB"
+        )
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()

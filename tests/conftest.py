@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,11 @@ def tiny_assets(tmp_path_factory) -> tuple[str, str]:
     return ensure_tiny_assets(str(tmp_path_factory.mktemp("assets") / "tiny"))
 
 
-def run_recipe(
+def recipe_command(
     output_dir: Path, assets: tuple[str, str], *args: str, config: str | None = None, processes: int = 1,
-    launch_args: tuple[str, ...] = (), recipe: Path = TINY_RECIPE, check: bool = True,
-) -> subprocess.CompletedProcess:
-    """Run the tiny recipe on the given model and data; with `config`, through `accelerate launch`."""
+    launch_args: tuple[str, ...] = (), recipe: Path = TINY_RECIPE,
+) -> list[str]:
+    """The command that runs the tiny recipe on the given model and data; with `config`, `accelerate launch`."""
     model_dir, data_file = assets
     recipe_args = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),
                    "--report_to", "none", "--logging_steps", "1", "--eval_steps", "0", *args]
@@ -39,6 +40,12 @@ def run_recipe(
         command = [accelerate, "launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
                    "--num_processes", str(processes), "--main_process_port", str(free_port()), *launch_args,
                    str(recipe), *recipe_args]
+    return command
+
+
+def run_recipe(output_dir: Path, assets: tuple[str, str], *args: str, check: bool = True, **options
+               ) -> subprocess.CompletedProcess:
+    command = recipe_command(output_dir, assets, *args, **options)
     result = subprocess.run(command, cwd=output_dir.parent, env=ENV, capture_output=True, text=True, timeout=900)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)}\nexit {result.returncode}\n{result.stderr[-6000:]}")
@@ -51,6 +58,28 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 def train_losses(output_dir: Path) -> list[float]:
     return [row["loss"] for row in read_metrics(output_dir) if "loss" in row]
+
+
+def start_recipe(output_dir: Path, assets: tuple[str, str], *args: str, **options) -> subprocess.Popen:
+    """Start a run in its own process group, so that a test can signal or kill all of its processes."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = open(output_dir.parent / f"{output_dir.name}.log", "w")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(recipe_command(output_dir, assets, *args, **options), cwd=output_dir.parent, env=ENV,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_step(process: subprocess.Popen, output_dir: Path, step: int, timeout: float = 300) -> None:
+    """Block until the run has logged `step` (or fail if it ends or takes too long)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"run ended (exit {process.returncode}) before step {step}"
+        try:
+            if any(row.get("step", 0) >= step for row in read_metrics(output_dir)):
+                return
+        except (OSError, ValueError):  # not written yet, or a line half-written
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout}s")
 
 
 def free_port() -> int:

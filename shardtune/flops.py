@@ -1,0 +1,238 @@
+"""Model shapes, exact parameter counts, FLOPs per token and MFU, all without loading a weight.
+
+    python -m shardtune.flops --model llama-3.1-70b --tokens_per_second 400 --gpus 8 --gpu h100 [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+from transformers import AutoConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+
+from shardtune.hardware import PEAK_BF16_FLOPS, peak_flops
+
+DEFAULT_SEQ_LEN = 4096  # the recipes' max_seq_length
+
+
+def _llama3(hidden: int, inter: int, layers: int, heads: int, tied: bool, rope_factor: float) -> LlamaConfig:
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": rope_factor,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    return LlamaConfig(
+        vocab_size=128256, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters=rope, tie_word_embeddings=tied, bos_token_id=128000, eos_token_id=128001,
+    )
+
+
+def builtin_configs() -> dict[str, PretrainedConfig]:
+    """The public config.json values of the seven models in MISSION.md (built fresh: configs are mutable)."""
+    return {
+        "llama-3.2-1b": _llama3(2048, 8192, 16, 32, tied=True, rope_factor=32.0),
+        "llama-3.2-3b": _llama3(3072, 8192, 28, 24, tied=True, rope_factor=32.0),
+        "llama-3.1-8b": _llama3(4096, 14336, 32, 32, tied=False, rope_factor=8.0),
+        "llama-3.1-70b": _llama3(8192, 28672, 80, 64, tied=False, rope_factor=8.0),
+        "llama-3.1-405b": _llama3(16384, 53248, 126, 128, tied=False, rope_factor=8.0),
+        "mistral-7b": MistralConfig(
+            vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=4096,
+            tie_word_embeddings=False,
+        ),
+        # Qwen2 puts biases on q, k and v (not on o): 3584 + 2 x 512 extra parameters per layer.
+        "qwen2.5-7b": Qwen2Config(
+            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+        ),
+    }
+
+
+BUILTIN_MODELS = tuple(builtin_configs())
+# Hub ids whose last path component, lower-cased, does not already equal a built-in name.
+_ALIASES = {"mistral-7b-v0.1": "mistral-7b", "mistral-7b-v0.3": "mistral-7b"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOPs and memory formulas need from a decoder-only Llama-class config."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of q, k, v, o and the three SwiGLU projections of one decoder layer."""
+        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = self.hidden * q_out + 2 * self.hidden * kv_out + q_out * self.hidden
+        return attention + 3 * self.hidden * self.intermediate
+
+    @property
+    def layer_params(self) -> int:
+        """Matmul weights plus biases and the two RMSNorm weights."""
+        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        biases = (q_out + 2 * kv_out) * self.qkv_bias + self.hidden * self.o_bias
+        biases += (2 * self.intermediate + self.hidden) * self.mlp_bias
+        return self.layer_matmul_params + biases + 2 * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """Exact count as `sum(p.numel() for p in model.parameters())` (tied lm_head counted once)."""
+        lm_head = 0 if self.tied else self.embedding_params
+        return self.embedding_params + lm_head + self.layers * self.layer_params + self.hidden  # + final norm
+
+    @property
+    def non_embedding_matmul_params(self) -> int:
+        """N of the PaLM FLOPs formula: every matmul weight, lm_head included (it is a matmul even when tied to
+        the input embedding, which is a lookup and does no FLOPs)."""
+        return self.layers * self.layer_matmul_params + self.embedding_params
+
+
+def shape_from_config(config: PretrainedConfig, name: str = "") -> ModelShape:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    model_type = getattr(config, "model_type", "llama")
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    return ModelShape(
+        name=name or getattr(config, "name_or_path", "") or model_type,
+        hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
+        heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        vocab=config.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias and model_type != "qwen2",
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+    )
+
+
+class ModelError(ValueError):
+    """A `--model` value that is neither built in, nor a local config, nor a recipe."""
+
+
+def builtin_name(model_id: str) -> str | None:
+    """'meta-llama/Llama-3.1-70B' or 'llama-3.1-70b-instruct' -> 'llama-3.1-70b'; None when not built in."""
+    key = model_id.rstrip("/").split("/")[-1].lower().removesuffix("-instruct")
+    key = _ALIASES.get(key, key)
+    return key if key in BUILTIN_MODELS else None
+
+
+def recipe_fields(path: str) -> dict:
+    """The literal keyword values of `RECIPE = Recipe(...)` in a recipe file, read without running it (running
+    a recipe may write assets or import the trainer)."""
+    tree = ast.parse(open(path).read(), filename=path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "RECIPE" for t in node.targets):
+            if isinstance(node.value, ast.Call):
+                fields = {}
+                for keyword in node.value.keywords:
+                    try:
+                        fields[keyword.arg] = ast.literal_eval(keyword.value)
+                    except ValueError:
+                        fields[keyword.arg] = None  # computed at run time, e.g. the tiny recipe's model dir
+                return fields
+    raise ModelError(f"{path} defines no `RECIPE = Recipe(...)`.")
+
+
+def resolve_config(model: str) -> tuple[str, PretrainedConfig]:
+    """`--model`: a built-in name, a Hub id matching one, a local model directory or config.json, or a recipe."""
+    if model.endswith(".py") and os.path.isfile(model):
+        target = recipe_fields(model).get("model_name_or_path")
+        if not target:
+            raise ModelError(f"{model}: model_name_or_path is not a literal; pass the model directory instead.")
+        return resolve_config(target)
+    key = builtin_name(model)
+    if key:
+        return key, builtin_configs()[key]
+    path = os.path.dirname(model) if model.endswith(".json") else model
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return os.path.basename(os.path.abspath(path)), AutoConfig.from_pretrained(path)
+    raise ModelError(
+        f"Unknown model {model!r}: not built in ({', '.join(BUILTIN_MODELS)}), not a local model directory or "
+        "config.json, not a recipe file. The planner never downloads anything."
+    )
+
+
+def resolve_model(model: str) -> ModelShape:
+    name, config = resolve_config(model)
+    return shape_from_config(config, name)
+
+
+def flops_per_token(shape: ModelShape, seq_len: int = DEFAULT_SEQ_LEN, recompute: bool = False) -> float:
+    """Training FLOPs per token, PaLM's definition (Chowdhery et al. 2022, appendix B).
+
+    Model FLOPs: 6·N + 12·L·H·Q·T. N = non-embedding matmul parameters (input embedding excluded: a lookup;
+    lm_head included); each of them costs 2 FLOPs per token in forward and 4 in backward. 12·L·H·Q·T is the
+    attention score and value matmuls (QKᵀ and AV: 2·2·H·Q·T per layer forward, times 3 for forward+backward),
+    with L layers, H query heads, Q head dim, T sequence length; counted without causal-mask savings, as PaLM does.
+
+    With `recompute=True` the hardware FLOPs (HFU) of full activation recomputation: the forward runs twice, so
+    8·N + 16·L·H·Q·T. MFU never counts recomputation; HFU does."""
+    dense, attention = 6, 12
+    if recompute:
+        dense, attention = 8, 16
+    return dense * shape.non_embedding_matmul_params + attention * shape.layers * shape.heads * shape.head_dim * seq_len
+
+
+def mfu(tokens_per_second_total: float, flops_per_token: float, num_gpus: int, peak: float) -> float:
+    """Model FLOPs utilisation as a fraction: achieved model FLOP/s over the peak of all GPUs."""
+    return tokens_per_second_total * flops_per_token / (num_gpus * peak)
+
+
+def report(model: str, tokens_per_second: float, gpus: int, gpu: str | None, seq_len: int) -> dict:
+    shape = resolve_model(model)
+    per_token = flops_per_token(shape, seq_len)
+    peak = peak_flops(gpu)
+    achieved = tokens_per_second * per_token / gpus
+    return {
+        "model": shape.name, "params": shape.params, "non_embedding_matmul_params": shape.non_embedding_matmul_params,
+        "seq_len": seq_len, "flops_per_token": per_token, "hfu_flops_per_token": flops_per_token(shape, seq_len, True),
+        "tokens_per_second": tokens_per_second, "gpus": gpus, "gpu": gpu, "peak_flops_per_gpu": peak,
+        "tflops_per_gpu": achieved / 1e12, "mfu": mfu(tokens_per_second, per_token, gpus, peak) if peak else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardtune.flops", description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--model", required=True, help=f"Built-in ({', '.join(BUILTIN_MODELS)}), dir or recipe.")
+    parser.add_argument("--tokens_per_second", type=float, required=True, help="All GPUs together.")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpu", default=None, help=f"{', '.join(PEAK_BF16_FLOPS)} or a torch device name.")
+    parser.add_argument("--max_seq_length", type=int, default=DEFAULT_SEQ_LEN, help="T in the attention term.")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        result = report(args.model, args.tokens_per_second, args.gpus, args.gpu, args.max_seq_length)
+    except ValueError as error:
+        print(f"shardtune.flops: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['model']}: {result['flops_per_token']:.4g} FLOPs/token at T={args.max_seq_length} "
+          f"(N = {result['non_embedding_matmul_params']:,} non-embedding matmul params)")
+    print(f"{result['tflops_per_gpu']:.1f} TFLOP/s per GPU")
+    if result["mfu"] is None:
+        print("MFU: unknown GPU peak, not reported (give --gpu " + "|".join(PEAK_BF16_FLOPS) + ")")
+    else:
+        print(f"MFU: {100 * result['mfu']:.2f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""The memory planner: exact parameter counts, model-state formulas, the 70B verdict, the CLI, and the activation
+formula calibrated against what autograd really saves on tiny Llamas."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+from shardtune.flops import BUILTIN_MODELS, builtin_configs, resolve_model, shape_from_config
+from shardtune.hardware import HardwareError, parse_hardware
+from shardtune.plan import (
+    CONFIGS_DIR,
+    activation_bytes,
+    layer_activation_bytes,
+    main,
+    plan,
+    read_accelerate_config,
+    recommend,
+    saved_activation_bytes,
+)
+from shardtune.tiny import tiny_llama_config
+from tests.conftest import REPO
+
+MISSION_PARAMS = {
+    "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496, "llama-3.1-405b": 405_853_388_800, "mistral-7b": 7_241_732_096,
+    "qwen2.5-7b": 7_615_616_512,
+}
+H100 = parse_hardware("8xh100-80gb")
+
+
+def config(name: str):
+    return read_accelerate_config(os.path.join(CONFIGS_DIR, f"{name}.yaml"))
+
+
+@pytest.mark.parametrize("name", BUILTIN_MODELS)
+def test_exact_parameter_counts(name):
+    assert resolve_model(name).params == MISSION_PARAMS[name]
+
+
+@pytest.mark.parametrize("name,cls", [("llama-3.2-1b", LlamaForCausalLM), ("mistral-7b", MistralForCausalLM),
+                                      ("qwen2.5-7b", Qwen2ForCausalLM)])
+def test_analytic_count_matches_meta_model(name, cls):
+    """The analytic count equals numel over a model built on the meta device (tied weights once)."""
+    with torch.device("meta"):
+        model = cls(builtin_configs()[name])
+    unique = {id(p): p.numel() for p in model.parameters()}
+    assert sum(unique.values()) == resolve_model(name).params
+
+
+def test_hub_ids_and_recipes_resolve_to_builtins():
+    assert resolve_model("meta-llama/Llama-3.1-70B").name == "llama-3.1-70b"
+    assert resolve_model("mistralai/Mistral-7B-v0.1").name == "mistral-7b"
+    assert resolve_model(str(REPO / "recipes" / "qwen2_5_7b.py")).params == MISSION_PARAMS["qwen2.5-7b"]
+
+
+def test_70b_zero3_does_not_fit_8xh100():
+    result = plan(resolve_model("llama-3.1-70b"), H100, config("ds_zero3"), 1, 4096, True)
+    states = result.per_gpu["weights"] + result.per_gpu["gradients"] + result.per_gpu["optimizer"]
+    assert states >= 141e9
+    assert not result.fits
+    fsdp = plan(resolve_model("llama-3.1-70b"), H100, config("fsdp_full_shard"), 1, 4096, True)
+    assert fsdp.per_gpu["weights"] + fsdp.per_gpu["gradients"] + fsdp.per_gpu["optimizer"] >= 141e9
+
+
+def test_planning_70b_is_fast():
+    start = time.perf_counter()
+    recommend(resolve_model("llama-3.1-70b"), H100, 64, 4096)
+    assert time.perf_counter() - start < 5
+
+
+def test_ddp_1b_fits_80gb():
+    result = plan(resolve_model("llama-3.2-1b"), H100, config("ddp"), 1, 4096, True)
+    assert result.fits
+    assert result.per_gpu["weights"] + result.per_gpu["gradients"] + result.per_gpu["optimizer"] == pytest.approx(
+        16 * MISSION_PARAMS["llama-3.2-1b"])
+
+
+@pytest.mark.parametrize("name,per_param", [
+    ("ds_zero1", 4 + 12 / 8), ("ds_zero2", 2 + 14 / 8), ("ds_zero3", 16 / 8), ("fsdp_full_shard", 16 / 8),
+    ("fsdp_shard_grad_op", 16 / 8),
+])
+def test_model_states_follow_the_zero_table(name, per_param):
+    result = plan(resolve_model("llama-3.1-8b"), H100, config(name), 1, 1024, True)
+    states = result.per_gpu["weights"] + result.per_gpu["gradients"] + result.per_gpu["optimizer"]
+    assert states == pytest.approx(per_param * MISSION_PARAMS["llama-3.1-8b"])
+
+
+def test_fp32_deepspeed_keeps_an_fp32_master_clone():
+    strategy = read_accelerate_config(os.path.join(CONFIGS_DIR, "ds_zero1.yaml"), mixed_precision="no")
+    result = plan(resolve_model("llama-3.1-8b"), H100, strategy, 1, 1024, True)
+    states = result.per_gpu["weights"] + result.per_gpu["gradients"] + result.per_gpu["optimizer"]
+    assert states == pytest.approx((8 + 12 / 8) * MISSION_PARAMS["llama-3.1-8b"])
+
+
+def test_70b_recommendation_is_cpu_offload_with_host_ram():
+    found = recommend(resolve_model("llama-3.1-70b"), H100, 64, 4096)
+    assert found.plan is not None and not found.gpu_only
+    assert "offload" in found.plan.config and "nvme" not in found.plan.config
+    assert found.plan.host_ram_per_node > 1e12  # 16-18 bytes per parameter on the host
+    assert "141" in found.message and "host RAM" in found.message
+    assert found.plan.micro_batch * found.accumulation * 8 == 64
+
+
+def test_small_model_recommendation_is_ddp_and_keeps_global_batch():
+    found = recommend(resolve_model("llama-3.2-1b"), H100, 64, 4096)
+    assert found.gpu_only and found.plan.config == "ddp"
+    assert found.plan.micro_batch * found.accumulation * 8 == 64
+
+
+def test_too_small_host_ram_names_the_way_out():
+    found = recommend(resolve_model("llama-3.1-405b"), parse_hardware("8x80gb"), 64, 4096, host_ram=512e9)
+    assert found.plan is None
+    assert "Nothing fits" in found.message and "LoRA" in found.message
+
+
+def test_hardware_forms():
+    assert parse_hardware("2x8xh100-80gb").world_size == 16
+    assert parse_hardware("4x40gb").gpu_memory == 40e9
+    with pytest.raises(HardwareError, match="8xh100-80gb"):
+        parse_hardware("eight-h100s")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardtune.plan", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_json_and_bad_hardware():
+    result = run_cli("--model", "llama-3.1-8b", "--config_file", os.path.join(CONFIGS_DIR, "fsdp_full_shard.yaml"),
+                     "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert {"params", "per_gpu", "host_ram_per_node", "capacity", "fits"} <= data.keys()
+    assert {"weights", "gradients", "optimizer", "activations", "buffers", "total"} <= data["per_gpu"].keys()
+    assert data["params"] == MISSION_PARAMS["llama-3.1-8b"]
+
+    bad = run_cli("--model", "llama-3.1-8b", "--hardware", "8xh100")
+    assert bad.returncode != 0
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("shardtune.plan: error")]
+    assert len(errors) == 1 and "NxMEMgb" in errors[0]
+
+
+
+def test_compare_chart_is_a_png(tmp_path, capsys):
+    chart = tmp_path / "plan.png"
+    assert main(["--model", "llama-3.1-70b", "--compare", "--chart", str(chart)]) == 0
+    assert "ds_zero3_cpu_offload" in capsys.readouterr().out
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activation calibration: count unique storages saved for backward in one forward of a tiny Llama.
+
+
+def _is_weight_copy(tensor: torch.Tensor, params: set[int]) -> bool:
+    """A 16-bit copy of a parameter made by autocast (ToCopy of an AccumulateGrad leaf): a buffer, not an
+    activation. Returned separately so the activation count stays clean."""
+    grad_fn = tensor.grad_fn
+    while grad_fn is not None and grad_fn.name() in ("TBackward0", "ViewBackward0", "PermuteBackward0"):
+        grad_fn = grad_fn.next_functions[0][0]  # linear saves the copy transposed
+    if grad_fn is None or grad_fn.name() != "ToCopyBackward0":
+        return False
+    source = grad_fn.next_functions[0][0]
+    return source is not None and hasattr(source, "variable") and id(source.variable) in params
+
+
+def measure_saved(cfg, batch: int, seq: int, mode: str, checkpointing: bool, padded: bool) -> tuple[int, int]:
+    """(activation bytes, autocast weight-copy bytes) saved for backward by one forward with labels."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    if mode == "half":
+        model.to(torch.bfloat16)
+    if checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    param_ids = {id(p) for p in model.parameters()}
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    activations, copies = {}, {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in param_ptrs:  # parameters and views of them are not activations
+            target = copies if _is_weight_copy(tensor, param_ids) else activations
+            target.setdefault(pointer, storage.nbytes())
+        return tensor
+
+    ids = torch.randint(3, cfg.vocab_size, (batch, seq))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if padded:
+        mask[0, -max(1, seq // 8):] = 0
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()  # the graph is complete and usable
+    return sum(activations.values()), sum(copies.values())
+
+
+CASES = [
+    # (overrides, batch, seq, mode, checkpointing, attn, padded)
+    (dict(), 2, 32, "fp32", False, "sdpa", True),
+    (dict(hidden_size=96, intermediate_size=256, num_attention_heads=6, num_key_value_heads=2), 1, 64, "fp32",
+     False, "sdpa", True),
+    (dict(num_key_value_heads=4), 4, 16, "fp32", False, "sdpa", True),
+    (dict(num_attention_heads=8, num_key_value_heads=1, num_hidden_layers=3), 2, 48, "fp32", False, "sdpa", False),
+    (dict(), 3, 32, "half", False, "sdpa", True),
+    (dict(hidden_size=128, intermediate_size=352, num_attention_heads=8, num_key_value_heads=2), 2, 64, "half",
+     False, "sdpa", True),
+    (dict(), 2, 32, "autocast", False, "sdpa", True),
+    (dict(num_hidden_layers=3, num_key_value_heads=1), 1, 128, "autocast", False, "sdpa", True),
+    (dict(), 2, 32, "fp32", False, "eager", True),
+    (dict(hidden_size=96, intermediate_size=256, num_attention_heads=6, num_key_value_heads=3), 2, 40, "half",
+     False, "eager", True),
+    (dict(num_hidden_layers=4), 2, 64, "fp32", True, "sdpa", True),
+    (dict(num_hidden_layers=3, hidden_size=128, intermediate_size=352), 1, 256, "half", True, "sdpa", True),
+    (dict(num_hidden_layers=3), 4, 32, "autocast", True, "sdpa", True),
+]
+
+
+@pytest.mark.parametrize("overrides,batch,seq,mode,checkpointing,attn,padded", CASES)
+def test_activation_estimate_matches_measurement(overrides, batch, seq, mode, checkpointing, attn, padded):
+    torch.set_num_threads(1)
+    cfg = tiny_llama_config(96, **overrides)
+    cfg._attn_implementation = attn
+    measured, copies = measure_saved(cfg, batch, seq, mode, checkpointing, padded)
+    estimate = saved_activation_bytes(shape_from_config(cfg), batch, seq, mode, checkpointing, attn, padded)
+    error = abs(estimate - measured) / measured
+    print(f"{mode} ckpt={checkpointing} {attn} b={batch} s={seq}: measured {measured} estimate {estimate} "
+          f"error {error:.2%}")
+    assert error < 0.02  # the formula is byte-exact up to the loss scalars; 10% is the requirement
+    if mode == "autocast" and not checkpointing:  # every matmul weight cached in 16-bit: counted in buffers
+        assert copies == 2 * shape_from_config(cfg).non_embedding_matmul_params
+
+
+def test_recompute_peak_is_one_full_layer():
+    """With recomputation the planner adds one layer's full activations: the difference between measured
+    no-recompute runs of 3 and 2 layers."""
+    torch.set_num_threads(1)
+    shapes = [tiny_llama_config(96, num_hidden_layers=layers) for layers in (2, 3)]
+    for cfg in shapes:
+        cfg._attn_implementation = "sdpa"
+    two, three = (measure_saved(cfg, 2, 32, "half", False, True)[0] for cfg in shapes)
+    assert layer_activation_bytes(shape_from_config(shapes[0]), 2, 32, "half") == three - two
+    peak = activation_bytes(shape_from_config(shapes[0]), 2, 32, "half", checkpointing=True)
+    assert peak["transient"] >= three - two
