@@ -62,6 +62,11 @@ class Recipe:
     resume_from_checkpoint: str = field(
         default="", metadata={"help": "`auto` (newest complete checkpoint in output_dir, if any) or a path."}
     )
+    hardware: str = field(
+        default="", metadata={"help": "Plan memory for this hardware at start-up (e.g. 8xh100-80gb); "
+                              "default: the GPUs found. A plan that does not fit stops the run before loading."}
+    )
+    dry_run: bool = field(default=False, metadata={"help": "Print the memory plan and exit."})
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Delete an earlier run in output_dir instead of refusing to start."}
     )

@@ -503,6 +503,53 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def strategy_from_launch_env(mixed_precision: str) -> Strategy:
+    """The strategy `accelerate launch` set up for this process, read from the variables it exports."""
+    env = os.environ.get
+    on = "true"
+    if env("ACCELERATE_USE_DEEPSPEED", "false").lower() == on:
+        stage = int(env("ACCELERATE_DEEPSPEED_ZERO_STAGE", "0"))
+        return Strategy(f"DeepSpeed ZeRO-{stage}", "deepspeed", stage,
+                        env("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none"),
+                        env("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none"),
+                        env("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false").lower() == on and stage == 3, mixed_precision)
+    if env("ACCELERATE_USE_FSDP", "false").lower() == on:
+        reshard = env("FSDP_RESHARD_AFTER_FORWARD", on).lower() == on
+        offload = "cpu" if env("FSDP_OFFLOAD_PARAMS", "false").lower() == on else "none"
+        return Strategy(f"FSDP {'FULL_SHARD' if reshard else 'SHARD_GRAD_OP'}", "fsdp", 3 if reshard else 2,
+                        offload, offload, env("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == on,
+                        mixed_precision)
+    return Strategy("DDP", "ddp", 0, mixed_precision=mixed_precision)
+
+
+def launch_hardware(spec: str) -> Hardware | None:
+    """`--hardware NAME`, or the GPUs this process sees (nodes from WORLD_SIZE / LOCAL_WORLD_SIZE)."""
+    if spec:
+        return parse_hardware(spec)
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // per_node)
+    name = torch.cuda.get_device_name(0)
+    return Hardware(nodes, per_node, torch.cuda.get_device_properties(0).total_memory, name,
+                    f"{nodes}x{per_node}x {name}")
+
+
+def plan_launch(shape: ModelShape, hardware: Hardware, recipe) -> tuple[Plan, str | None]:
+    """The plan of a launched recipe under its accelerate config; with the nearest fitting plan when it does
+    not fit (None when it does)."""
+    strategy = strategy_from_launch_env(recipe.mixed_precision)
+    chosen = plan(shape, hardware, strategy, recipe.per_device_train_batch_size, recipe.max_seq_length,
+                  recipe.gradient_checkpointing, recipe.attn_implementation)
+    if chosen.fits:
+        return chosen, None
+    found = recommend(shape, hardware, recipe.global_batch_size, recipe.max_seq_length, recipe.mixed_precision,
+                      attn=recipe.attn_implementation)
+    return chosen, found.message
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardtune.plan", description=__doc__.strip().splitlines()[0])
     parser.add_argument("--model", required=True, help="Built-in name, Hub id of one, model dir/config.json or recipe")

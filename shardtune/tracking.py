@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import resource
+import uuid
 
 import torch
 from accelerate import Accelerator
@@ -21,11 +22,9 @@ def start_tracking(accelerator: Accelerator, recipe: Recipe, resumed: bool) -> N
         os.environ.setdefault("WANDB_MODE", "offline")  # a real, syncable run under output_dir/wandb
     id_file = os.path.join(recipe.resolved_output_dir, "wandb_run_id")
     if accelerator.is_main_process:
-        import wandb
-
         if not (resumed and os.path.isfile(id_file)):
             with open(id_file, "w") as file:
-                file.write(wandb.util.generate_id())
+                file.write(uuid.uuid4().hex[:8])
         with open(id_file) as file:
             run_id = file.read().strip()
     accelerator.init_trackers(

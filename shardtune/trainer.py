@@ -21,6 +21,8 @@ from shardtune.checkpoint import save_checkpoint
 from shardtune.config import BatchPlan, ConfigError, Recipe
 from shardtune.data import IGNORE_INDEX, load_splits, make_collator
 from shardtune.distributed import make_accelerator
+from shardtune.flops import flops_per_token, mfu, shape_from_config
+from shardtune.hardware import peak_flops
 from shardtune.model import load_model, load_tokenizer
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, StopRequest
 from shardtune.tracking import log_metrics, peak_memory_gb, start_tracking, truncate_metrics
@@ -45,6 +47,8 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
     max_steps = recipe.max_steps if recipe.max_steps > 0 else steps_per_epoch * recipe.num_train_epochs
 
     model = load_model(recipe)
+    flops_shape = shape_from_config(model.config, recipe.name)
+    peak = peak_flops(torch.cuda.get_device_name(accelerator.device)) if torch.cuda.is_available() else None
     optimizer = torch.optim.AdamW(
         param_groups(model, recipe.weight_decay), lr=recipe.learning_rate,
         betas=(recipe.adam_beta1, recipe.adam_beta2), eps=recipe.adam_epsilon,
@@ -61,8 +65,10 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
     )
 
     if resume_path:
+        started = time.perf_counter()
         accelerator.load_state(resume_path)
-        accelerator.print(f"shardtune: resumed from {resume_path} at step {start_step}")
+        accelerator.print(f"shardtune: resumed from {resume_path} at step {start_step} "
+                          f"(state loaded in {time.perf_counter() - started:.1f}s)")
     elif recipe.overwrite_output_dir and accelerator.is_main_process:
         shutil.rmtree(output_dir, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -89,6 +95,7 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
     batches = global_batches(train_loader, plan, steps_per_epoch, start_step)
     window_loss = torch.zeros((), device=accelerator.device)
     window_tokens = torch.zeros((), device=accelerator.device)
+    window_sequences = 0
     window_start, window_steps = time.perf_counter(), 0
     first_loss = last_loss = eval_metrics = None
     progress = tqdm(range(start_step + 1, max_steps + 1), initial=start_step, total=max_steps,
@@ -106,6 +113,7 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
                 accelerator.backward(loss * plan.accumulation * plan.world_size)
             step_loss += loss.detach()
             window_tokens += batch["attention_mask"].sum()
+            window_sequences += len(batch["input_ids"]) * plan.world_size
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)  # only on the update
         optimizer.step()
         scheduler.step()
@@ -133,16 +141,21 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "tokens_per_second": tokens / elapsed,
                 "tokens_per_second_per_device": tokens / elapsed / plan.world_size,
+                "step_time_s": elapsed / window_steps,
                 "epoch": step / steps_per_epoch,
                 **peak_memory_gb(accelerator.device),
             }
+            if peak:  # MFU as PaLM defines it; T is the mean sequence length of the window
+                per_token = flops_per_token(flops_shape, seq_len=round(tokens / window_sequences))
+                metrics["tflops_per_gpu"] = tokens / elapsed * per_token / plan.world_size / 1e12
+                metrics["mfu"] = mfu(tokens / elapsed, per_token, plan.world_size, peak)
             progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
                                  tok_s=f"{metrics['tokens_per_second']:.0f}")
             log_metrics(accelerator, output_dir, step, metrics)
             first_loss = metrics["loss"] if first_loss is None else first_loss
             last_loss = metrics["loss"]
             window_loss.zero_(), window_tokens.zero_()
-            window_start, window_steps = time.perf_counter(), 0
+            window_start, window_steps, window_sequences = time.perf_counter(), 0, 0
         if stop_requested:
             save(step)
             accelerator.print(f"shardtune: stop signal received; checkpoint at step {step} saved, "

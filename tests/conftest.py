@@ -20,9 +20,42 @@ TINY_RECIPE = REPO / "recipes" / "tiny.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline"}
 
 
+# The reference run of each strategy, shared by the equivalence and the resume tests: fp32, 8 steps of
+# 32 sequences (2 ranks x 8 x 2 accumulation steps, or 1 x 8 x 4 alone), a checkpoint every 2 steps.
+REFERENCE_ARGS = ("--max_steps", "8", "--save_steps", "2", "--save_total_limit", "0", "--mixed_precision", "no",
+                  "--per_device_train_batch_size", "8", "--global_batch_size", "32")
+
+
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> tuple[str, str]:
     return ensure_tiny_assets(str(tmp_path_factory.mktemp("assets") / "tiny"))
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_assets, tmp_path_factory):
+    """reference_run(config) -> output dir of that strategy's reference run (None: one process), run once."""
+    done: dict[str | None, Path] = {}
+
+    def run(config: str | None) -> Path:
+        if config not in done:
+            root = tmp_path_factory.mktemp(f"reference-{config or 'single'}")
+            run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, config=config, processes=2,
+                       launch_args=nvme_args(config, root))
+            done[config] = root / "out"
+        return done[config]
+
+    return run
+
+
+def nvme_args(config: str | None, root: Path) -> tuple[str, ...]:
+    if "nvme" not in (config or ""):
+        return ()
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        pytest.skip("NVMe offload needs libaio for DeepSpeed's async_io op: apt-get install libaio-dev")
+    (root / "nvme").mkdir()
+    return ("--offload_param_nvme_path", str(root / "nvme"), "--offload_optimizer_nvme_path", str(root / "nvme"))
 
 
 def recipe_command(

@@ -9,18 +9,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_recipe, train_losses
+from tests.conftest import REFERENCE_ARGS, run_recipe, train_losses
 
-# (per-device micro-batch, processes, accumulation) = 32 sequences per update in every case
-SPLITS = [(32, 1, 1), (4, 1, 8), (8, 2, 2), (2, 2, 8)]
+# (per-device micro-batch, processes, accumulation) = 32 sequences per update in every case. The reference
+# runs add 8 x 1 x 4 (one process) and 8 x 2 x 2 (DDP), compared with each other in test_strategies.py.
+SPLITS = [(32, 1, 1), (2, 2, 8)]
 
 
-def test_global_batch_split_gives_same_update(tiny_assets, tmp_path):
-    runs = {}
+def test_global_batch_split_gives_same_update(reference_run, tiny_assets, tmp_path):
+    reference = reference_run(None)
+    runs = {"m8-p1-a4": (train_losses(reference), load_file(reference / "model.safetensors"))}
     for micro, processes, accumulation in SPLITS:
         output_dir = tmp_path / f"m{micro}-p{processes}-a{accumulation}"
-        run_recipe(output_dir, tiny_assets, "--max_steps", "4", "--mixed_precision", "no",
-                   "--per_device_train_batch_size", str(micro), "--global_batch_size", "32",
+        run_recipe(output_dir, tiny_assets, *REFERENCE_ARGS, "--save_steps", "0",
+                   "--per_device_train_batch_size", str(micro),
                    config="ddp" if processes > 1 else None, processes=processes)
         runs[output_dir.name] = (train_losses(output_dir), load_file(output_dir / "model.safetensors"))
     (reference_losses, reference_weights), *others = runs.values()

@@ -20,11 +20,19 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE
-from tests.conftest import ENV, REPO, read_metrics, run_recipe, start_recipe, train_losses, wait_for_step
+from tests.conftest import (
+    ENV,
+    REFERENCE_ARGS,
+    REPO,
+    read_metrics,
+    run_recipe,
+    start_recipe,
+    train_losses,
+    wait_for_step,
+)
 
-# 2 ranks x 8 sequences x 2 accumulation steps = 32: a kill can land inside an accumulation cycle.
-ARGS = ("--max_steps", "8", "--save_steps", "2", "--save_total_limit", "0", "--mixed_precision", "no",
-        "--per_device_train_batch_size", "8", "--global_batch_size", "32")
+# The reference runs accumulate 2 micro-batches per step on 2 ranks: a kill can land inside a cycle.
+ARGS = REFERENCE_ARGS
 
 
 def weights(directory) -> dict[str, torch.Tensor]:
@@ -47,9 +55,8 @@ def export(checkpoint, output) -> None:
 
 
 @pytest.mark.parametrize("config", ["ddp", "fsdp_full_shard", "ds_zero3"])
-def test_kill_and_resume_equals_uninterrupted_run(config, tiny_assets, tmp_path):
-    reference = tmp_path / "reference"
-    run_recipe(reference, tiny_assets, *ARGS, config=config, processes=2)
+def test_kill_and_resume_equals_uninterrupted_run(config, reference_run, tiny_assets, tmp_path):
+    reference = reference_run(config)
 
     kill_step = random.randint(3, 6)
     killed = tmp_path / "killed"
@@ -66,7 +73,7 @@ def test_kill_and_resume_equals_uninterrupted_run(config, tiny_assets, tmp_path)
     export(killed / "checkpoint-8", tmp_path / "exported")
     final = weights(killed)
     for key, tensor in weights(tmp_path / "exported").items():
-        torch.testing.assert_close(tensor, final[key], rtol=0, atol=1e-2 if config == "ds_zero3" else 0, msg=key)
+        torch.testing.assert_close(tensor, final[key], rtol=0, atol=0, msg=key)
     if config == "ds_zero3":  # DeepSpeed's own converter on the same checkpoint gives the same weights
         subprocess.run([sys.executable, str(killed / "checkpoint-8" / "zero_to_fp32.py"), str(killed / "checkpoint-8"),
                         str(tmp_path / "zero_to_fp32"), "--safe_serialization", "--tag", "pytorch_model"],
@@ -89,9 +96,8 @@ def test_kill_and_resume_equals_uninterrupted_run(config, tiny_assets, tmp_path)
         assert result.returncode == 2 and "was saved by 2 processes and this run has 1" in result.stderr
 
 
-def test_crash_during_save_resumes_from_previous_checkpoint(tiny_assets, tmp_path):
-    reference = tmp_path / "reference"
-    run_recipe(reference, tiny_assets, *ARGS)
+def test_crash_during_save_resumes_from_previous_checkpoint(reference_run, tiny_assets, tmp_path):
+    reference = reference_run(None)
     crashed = tmp_path / "crashed"
     shutil.copytree(reference, crashed)
     # What a crash leaves: a save that never got renamed, and one renamed but never marked complete.

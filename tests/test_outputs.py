@@ -12,7 +12,7 @@ from tests.conftest import read_metrics, run_recipe
 def test_zero3_output_loads_generates_and_is_tracked(tiny_assets, tmp_path):
     output_dir = tmp_path / "out"
     run_recipe(output_dir, tiny_assets, "--max_steps", "8", "--report_to", "wandb", "--eval_steps", "4",
-               config="ds_zero3", processes=2)
+               "--save_steps", "4", config="ds_zero3", processes=2)
 
     model = AutoModelForCausalLM.from_pretrained(output_dir)  # vanilla transformers, no shardtune
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
@@ -33,3 +33,10 @@ def test_zero3_output_loads_generates_and_is_tracked(tiny_assets, tmp_path):
     records = runs[0].read_bytes()
     for row in losses:  # every logged loss is in the run's records, as W&B's JSON encoding of the float
         assert repr(row["loss"]).encode() in records
+
+    # A resumed run continues the same W&B run: same run id, a second offline segment to sync.
+    run_recipe(output_dir, tiny_assets, "--max_steps", "8", "--report_to", "wandb", "--save_steps", "4",
+               "--resume_from_checkpoint", str(output_dir / "checkpoint-4"), config="ds_zero3", processes=2)
+    runs = sorted((output_dir / "wandb").glob("offline-run-*"))
+    run_id = (output_dir / "wandb_run_id").read_text().strip()
+    assert len(runs) == 2 and all(run.name.endswith(f"-{run_id}") for run in runs)

@@ -1,0 +1,134 @@
+"""Benchmark a recipe under an accelerate config: tokens/s per device, MFU, peak memory and step time.
+
+    python scripts/bench.py --config_file accelerate_configs/fsdp_full_shard.yaml --recipe recipes/llama8b.py \
+        --num_processes 8 --steps 30 -- --dataset data/train.jsonl --per_device_train_batch_size 2
+
+Flags after `--` go to the recipe. The first `--warmup` steps are left out of the figures. Without CUDA it
+also runs a bare accelerate loop (forward, backward, clip, step: no logging, checks or checkpoints) on the
+same model, data and batches, and prints the trainer's throughput as a ratio of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def launch(args: argparse.Namespace, script: list[str], output_dir: Path) -> None:
+    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", args.config_file,
+               "--num_processes", str(args.num_processes), *script, "--max_steps", str(args.steps),
+               "--logging_steps", "1", "--eval_steps", "0", "--save_steps", "0", "--save_model", "false",
+               "--report_to", "none", "--output_dir", str(output_dir), *args.recipe_args]
+    subprocess.run(command, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+
+
+def summarize(rows: list[dict], warmup: int) -> dict:
+    timed = [row for row in rows if "loss" in row and row["step"] > warmup]
+    if not timed:
+        raise SystemExit(f"bench: error: no steps after the {warmup} warm-up steps; raise --steps.")
+    summary = {
+        "tokens_per_second_per_device": statistics.mean(row["tokens_per_second_per_device"] for row in timed),
+        "step_time_s": statistics.median(row["step_time_s"] for row in timed),
+    }
+    for key in ("mfu", "tflops_per_gpu", "peak_memory_gb", "peak_rss_gb"):
+        if key in timed[-1]:
+            summary[key] = timed[-1][key] if key.startswith("peak") else statistics.mean(row[key] for row in timed)
+    return summary
+
+
+def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str]) -> None:
+    """Run under `accelerate launch`: the plainest accelerate loop over the trainer's own batches."""
+    import importlib.util
+
+    import torch
+
+    from shardtune.config import launch_env, parse_recipe, validate
+    from shardtune.data import load_splits, make_collator
+    from shardtune.distributed import make_accelerator
+    from shardtune.model import load_model, load_tokenizer
+    from shardtune.trainer import global_batches
+
+    spec = importlib.util.spec_from_file_location("bench_recipe", recipe_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    recipe = parse_recipe(module.RECIPE, [*recipe_args, "--overwrite_output_dir", "true"])
+    world_size, uses_deepspeed, _ = launch_env()
+    plan = validate(recipe, world_size, uses_deepspeed, has_gpu=torch.cuda.is_available())
+    accelerator = make_accelerator(recipe, plan, log_with=None)
+    tokenizer = load_tokenizer(recipe)
+    with accelerator.main_process_first():
+        train_set, _ = load_splits(recipe, tokenizer)
+    model = load_model(recipe)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=plan.micro_batch, shuffle=True, drop_last=True,
+                                         collate_fn=make_collator(tokenizer))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    batches = global_batches(loader, plan, len(train_set) // plan.global_batch)
+    times, tokens = [], []
+    for step in range(1, steps + 1):
+        micro_batches = next(batches)
+        started = time.perf_counter()
+        for batch in micro_batches:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)
+        accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step > warmup:
+            times.append(time.perf_counter() - started)
+            tokens.append(sum(int(batch["attention_mask"].sum()) for batch in micro_batches))
+    total_tokens = accelerator.reduce(torch.tensor(float(sum(tokens)), device=accelerator.device), "sum").item()
+    if accelerator.is_main_process:
+        print("BARE " + json.dumps({"tokens_per_second_per_device": total_tokens / sum(times) / world_size}))
+    accelerator.end_training()
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    recipe_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config_file", required=True)
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--num_processes", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # the worker side of the bare loop
+    args = parser.parse_args(argv)
+    args.recipe_args = recipe_args
+    if args.bare:
+        return bare_loop(args.recipe, args.steps, args.warmup, recipe_args)
+
+    import torch
+
+    with tempfile.TemporaryDirectory() as scratch:
+        output_dir = Path(scratch) / "bench"
+        launch(args, [args.recipe], output_dir)
+        rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = summarize(rows, args.warmup)
+    for key, value in summary.items():
+        print(f"{key:>30}: {value:,.4f}")
+    if not torch.cuda.is_available():
+        bare_args = [__file__, "--bare", "--config_file", args.config_file, "--recipe", args.recipe,
+                     "--steps", str(args.steps), "--warmup", str(args.warmup), "--"]
+        command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", args.config_file,
+                   "--num_processes", str(args.num_processes), *bare_args, *recipe_args]
+        out = subprocess.run(command, check=True, capture_output=True, text=True,
+                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}).stdout
+        bare = json.loads(next(line for line in out.splitlines() if line.startswith("BARE "))[5:])
+        ratio = summary["tokens_per_second_per_device"] / bare["tokens_per_second_per_device"]
+        print(f"{'bare accelerate loop tokens/s':>30}: {bare['tokens_per_second_per_device']:,.4f}")
+        print(f"{'trainer / bare loop':>30}: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
