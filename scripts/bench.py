@@ -21,12 +21,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+LOG_EVERY = 5  # the trainer's figures are per logging window; the warm-up should be a multiple of it
 
 
 def launch(args: argparse.Namespace, script: list[str], output_dir: Path) -> None:
     command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", args.config_file,
                "--num_processes", str(args.num_processes), *script, "--max_steps", str(args.steps),
-               "--logging_steps", "1", "--eval_steps", "0", "--save_steps", "0", "--save_model", "false",
+               "--logging_steps", str(LOG_EVERY), "--eval_steps", "0", "--save_steps", "0", "--save_model", "false",
                "--report_to", "none", "--output_dir", str(output_dir), *args.recipe_args]
     subprocess.run(command, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
 
@@ -75,8 +76,8 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
     batches = global_batches(loader, plan, len(train_set) // plan.global_batch)
     times, tokens = [], []
     for step in range(1, steps + 1):
+        started = time.perf_counter()  # data loading counts, as it does in the trainer's tokens/s
         micro_batches = next(batches)
-        started = time.perf_counter()
         for batch in micro_batches:
             with accelerator.accumulate(model):
                 accelerator.backward(model(**batch).loss)
