@@ -392,21 +392,26 @@ def micro_batches(global_batch: int | None, world: int, limit: int = 64) -> list
 def recommend(shape: ModelShape, hardware: Hardware, global_batch: int | None = None, seq: int = 4096,
               mixed_precision: str = "bf16", configs_dir: str = CONFIGS_DIR, host_ram: float | None = None,
               attn: str = "sdpa") -> Recommendation:
-    """The fastest plan that fits: configs in SPEED_ORDER, no recomputation before recomputation, then the
-    largest micro-batch that keeps the global batch (accumulation derived; it must divide)."""
+    """The fastest plan that fits: GPU-only configs before offload; within each, no recomputation before
+    recomputation, configs in SPEED_ORDER, then the largest micro-batch that keeps the global batch
+    (accumulation derived; it must divide)."""
     pairs = micro_batches(global_batch, hardware.world_size)
     if not pairs:
         return Recommendation(None, False, None, f"Global batch {global_batch} is not divisible by the "
                               f"{hardware.world_size} GPUs of {hardware.name}: no micro-batch keeps it.")
-    for path in config_paths(configs_dir):
-        strategy = read_accelerate_config(path, mixed_precision)
+    strategies = [read_accelerate_config(path, mixed_precision) for path in config_paths(configs_dir)]
+    offloads = [s.offload_optimizer != "none" or s.offload_params != "none" for s in strategies]
+    gpu_only = [s for s, off in zip(strategies, offloads, strict=True) if not off]
+    offloading = [s for s, off in zip(strategies, offloads, strict=True) if off]
+    # Recomputation (~1/3 more compute) costs more than sharding on NVLink, offload more than both.
+    for group, offload in ((gpu_only, False), (offloading, True)):
         for checkpointing in (False, True):
-            for micro, accumulation in pairs:
-                candidate = plan(shape, hardware, strategy, micro, seq, checkpointing, attn, host_ram)
-                if candidate.fits and candidate.host_ram_fits is not False:
-                    offload = strategy.offload_optimizer != "none" or strategy.offload_params != "none"
-                    return Recommendation(candidate, not offload, accumulation,
-                                          _fit_message(candidate, accumulation, shape, hardware, offload))
+            for strategy in group:
+                for micro, accumulation in pairs:
+                    candidate = plan(shape, hardware, strategy, micro, seq, checkpointing, attn, host_ram)
+                    if candidate.fits and candidate.host_ram_fits is not False:
+                        return Recommendation(candidate, not offload, accumulation,
+                                              _fit_message(candidate, accumulation, shape, hardware, offload))
     return Recommendation(None, False, None, nothing_fits(shape, hardware, seq, mixed_precision, configs_dir))
 
 

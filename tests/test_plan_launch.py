@@ -3,6 +3,7 @@ fit with the numbers and the nearest plan that does."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -33,3 +34,12 @@ def test_dry_run_prints_the_plan_and_exits(tmp_path):
     too_big = dry_run("llama405b.py", "8xh100-80gb")
     assert too_big.returncode == 2 and "DOES NOT FIT" in too_big.stdout
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_readme_plan_table_is_current():
+    spec = importlib.util.spec_from_file_location("plan_table", REPO / "scripts" / "plan_table.py")
+    plan_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_table)
+    readme = (REPO / "README.md").read_text()
+    assert plan_table.readme_with_table(readme) == readme, "run: python scripts/plan_table.py --write"
+    assert "| llama-3.1-70b | 8xh100-80gb | ds_zero3_cpu_offload |" in readme
