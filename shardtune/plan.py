@@ -126,16 +126,22 @@ def model_states(strategy: Strategy, params: int, world: int) -> States:
 
     - DDP (accelerate's autocast): fp32 weights 4P + fp32 grads 4P + Adam m, v 8P = 16P. Autocast computes in
       16-bit but keeps the fp32 parameters, so their gradients are fp32 too.
-    - DeepSpeed with bf16/fp16 converts the module to 16-bit and keeps fp32 master weights, m and v (12P) in the
-      ZeRO optimizer: ZeRO-1: 2P + 2P + 12P/N; ZeRO-2: 2P + 2P/N + 12P/N; ZeRO-3: (2 + 2 + 12)P/N.
-    - DeepSpeed fp32 (mixed_precision no): weights and grads 4 bytes, and ZeRO-1/2/3 still clone an fp32
-      partition as "master" (stage_1_and_2.py: `.clone().to(master dtype)`): 4 + 4 + 12/N per parameter at stage 1.
+    - DeepSpeed with bf16/fp16 converts the module to 16-bit; the ZeRO optimizer keeps fp32 master weights, m
+      and v (12P/N). Gradients, as measured at the first step (tests/test_memory_measured.py): ZeRO-1 holds the
+      full 16-bit gradients until the reduction at the accumulation boundary (2P); ZeRO-2 and ZeRO-3 reduce
+      them into a 16-bit partition, and at the step (with gradient clipping on, as in every recipe) hold it next
+      to the fp32 partition the optimizer reads ((2 + 4)P/N). So ZeRO-1: 2 + 2 + 12/N, ZeRO-2: 2 + 18/N,
+      ZeRO-3: 20/N bytes per parameter: 25% above the textbook 16/N for ZeRO-3.
+    - DeepSpeed fp32 (mixed_precision no): the same with 4-byte weights and gradients; the fp32 "master" is still a
+      separate clone (stage_1_and_2.py: `.clone().to(master dtype)`).
     - FSDP2 (FULL_SHARD and SHARD_GRAD_OP): the sharded parameters stay fp32 and serve as master weights
       (MixedPrecisionPolicy only casts the all-gathered copies), so 4P/N + 4P/N + 8P/N. SHARD_GRAD_OP keeps the
       16-bit unsharded weights between forward and backward: counted in buffers().
-    - Offload: DeepSpeed offload_optimizer moves the fp32 master, m, v and the fp32 gradient partition (CPU Adam
-      reads fp32 grads) to host RAM; offload_param moves the 16-bit weight partition there too. FSDP
-      fsdp_offload_params (CPUOffloadPolicy) keeps sharded weights, grads and Adam states on the host."""
+    - Offload: DeepSpeed offload_optimizer moves the fp32 master, m and v (12P/N) to host RAM or NVMe; the
+      16-bit gradient partition and two fp32 ones (the one reduced into, the one CPU Adam reads) go to host RAM
+      in both cases: (2 + 8)P/N. offload_param moves the 16-bit weight partition too (2P/N).
+      FSDP fsdp_offload_params (CPUOffloadPolicy) keeps sharded weights, grads and Adam
+      states on the host."""
     p, n = float(params), world
     half = strategy.mixed_precision in ("bf16", "fp16")
     if strategy.kind == "ddp":
@@ -147,13 +153,14 @@ def model_states(strategy: Strategy, params: int, world: int) -> States:
         return states
     low = 2 if half else 4  # bytes of the module's weights and gradients
     weights = low * p / n if strategy.shard >= 3 else low * p
-    grads = low * p / n if strategy.shard >= 2 else low * p
+    grads = (low + 4) * p / n if strategy.shard >= 2 else low * p
     states = States(weights, grads, 12 * p / n)
     where = {"cpu": "host", "nvme": "nvme"}
     if strategy.offload_optimizer in where:
-        moved = states.optimizer + 4 * p / n  # + the fp32 gradient partition CPU Adam reads
-        setattr(states, where[strategy.offload_optimizer], moved)
-        states.optimizer, states.gradients = 0.0, 0.0  # grads stream out through the reduce bucket
+        states.host += states.gradients + 4 * p / n  # the gradient partitions stay in host RAM, even with NVMe
+        setattr(states, where[strategy.offload_optimizer], getattr(states, where[strategy.offload_optimizer])
+                + states.optimizer)
+        states.optimizer = states.gradients = 0.0
     if strategy.offload_params in where and strategy.shard >= 3:
         setattr(states, where[strategy.offload_params], getattr(states, where[strategy.offload_params]) + weights)
         states.weights = 0.0
@@ -180,7 +187,7 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
         cache = 2 * shape.non_embedding_matmul_params if activation_mode == "autocast" else 0
         return (4 * params if world > 1 else 0) + cache
     if strategy.kind == "deepspeed":
-        bucket = min(DS_REDUCE_BUCKET, params) * low
+        bucket = DS_REDUCE_BUCKET * low  # allocated at full size, however small the model (measured)
         if strategy.shard < 3:
             return bucket
         largest = max(layer, shape.embedding_params)

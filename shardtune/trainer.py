@@ -23,6 +23,7 @@ from shardtune.data import IGNORE_INDEX, load_splits, make_collator
 from shardtune.distributed import make_accelerator
 from shardtune.flops import flops_per_token, mfu, shape_from_config
 from shardtune.hardware import peak_flops
+from shardtune.memory import COMPONENTS, ModelStateProbe
 from shardtune.model import load_model, load_tokenizer
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, StopRequest
 from shardtune.tracking import log_metrics, peak_memory_gb, start_tracking, truncate_metrics
@@ -91,6 +92,7 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
         path = save_checkpoint(accelerator, output_dir, step, recipe.save_total_limit, add_model_files)
         accelerator.print(f"shardtune: saved {path} in {time.perf_counter() - started:.1f}s")
 
+    probe = ModelStateProbe(model, optimizer)
     model.train()
     batches = global_batches(train_loader, plan, steps_per_epoch, start_step)
     window_loss = torch.zeros((), device=accelerator.device)
@@ -111,6 +113,7 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
                 loss = model(**batch, num_items_in_batch=targets).loss  # this micro-batch's share of the mean
                 # accelerate divides by the accumulation steps and the ranks average gradients: undo both.
                 accelerator.backward(loss * plan.accumulation * plan.world_size)
+                probe.after_backward()
             step_loss += loss.detach()
             window_tokens += batch["attention_mask"].sum()
             window_sequences += len(batch["input_ids"]) * plan.world_size
@@ -132,6 +135,13 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
             accelerator.end_training()
             sys.exit(NON_FINITE_EXIT_CODE)
 
+        if step == start_step + 1:  # what the ranks really hold, to check against the planner's model states
+            held = accelerator.gather(torch.tensor([probe.held[key] for key in COMPONENTS], dtype=torch.float64,
+                                                   device=accelerator.device)).view(-1, len(COMPONENTS)).amax(0)
+            held = {f"held_{key}_bytes": int(value) for key, value in zip(COMPONENTS, held.tolist(), strict=True)}
+            accelerator.print("shardtune: held per rank (max over ranks): "
+                              + ", ".join(f"{key[5:-6]} {value / 2**30:.3f} GiB" for key, value in held.items()))
+            log_metrics(accelerator, output_dir, step, held)
         if step % recipe.logging_steps == 0 or step == max_steps:
             loss_sum, tokens = accelerator.reduce(torch.stack([window_loss, window_tokens]), reduction="sum").tolist()
             elapsed = time.perf_counter() - window_start

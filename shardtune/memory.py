@@ -1,0 +1,122 @@
+"""What a rank really holds in weights, gradients and optimizer states, measured on the live objects.
+
+This is the ground truth that the planner's `model_states` is tested against (tests/test_plan_measured.py), and
+what the trainer reports once per run. Tensors are counted by storage, each storage once, local shards only:
+FSDP2 parameters are DTensors (their local shard counts), ZeRO-3 parameters keep their shard in `ds_tensor`.
+
+The measurement is taken right after the innermost optimizer's first step, when everything coexists: the
+weights, the gradients the step consumed, and the optimizer states it has just created. Under DeepSpeed the
+inner optimizer steps on fp32 master partitions; every other tensor the ZeRO optimizer holds (16-bit gradient
+partitions, reduce buckets) is counted as gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+
+COMPONENTS = ("weights", "gradients", "optimizer", "buffers")
+# Counted apart: the model and the torch optimizer, and the gradient reduce buckets (communication buffers).
+SKIPPED_ZERO_ATTRIBUTES = ("module", "parameter_offload", "optimizer", "ipg_buckets")
+
+
+def innermost_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """accelerate's wrapper -> (DeepSpeed's ZeRO optimizer ->) the torch optimizer that updates the states."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def reachable_tensors(obj: object, seen: set[int] | None = None, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor held by `obj` through attributes, lists and dicts (DeepSpeed's ZeRO optimizers)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 8:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from reachable_tensors(value, seen, depth + 1)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from reachable_tensors(value, seen, depth + 1)
+    elif type(obj).__module__.startswith("deepspeed.runtime.zero") and hasattr(obj, "__dict__"):
+        for name, value in vars(obj).items():
+            if name not in SKIPPED_ZERO_ATTRIBUTES:
+                yield from reachable_tensors(value, seen, depth + 1)
+
+
+class _Storages:
+    """Adds up bytes of storages not counted before."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, int]] = set()
+
+    def bytes(self, tensors) -> int:
+        total = 0
+        for tensor in tensors:
+            if tensor is None:
+                continue
+            storage = local(tensor).untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            if storage.nbytes() == 0 or key in self.seen:
+                continue
+            self.seen.add(key)
+            total += storage.nbytes()
+        return total
+
+
+def held_model_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of weights, gradients and optimizer states on this rank (host and device together)."""
+    inner = innermost_optimizer(optimizer)
+    params = list(model.parameters())
+    counted = _Storages()
+    weights = counted.bytes(getattr(p, "ds_tensor", p) for p in params)
+    optimizer_states = counted.bytes(
+        [value for state in inner.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+        + [p for group in inner.param_groups for p in group["params"]]  # DeepSpeed's fp32 master partitions
+    )
+    grads = [p.grad for p in params] + [p.grad for group in inner.param_groups for p in group["params"]]
+    buffers = []
+    zero_optimizer = getattr(optimizer, "optimizer", None)
+    if zero_optimizer is not None and zero_optimizer is not inner:
+        grads += list(reachable_tensors(zero_optimizer))
+        buffers += list(reachable_tensors(getattr(zero_optimizer, "ipg_buckets", None)))
+    return {"weights": weights, "gradients": counted.bytes(grads), "optimizer": optimizer_states,
+            "buffers": counted.bytes(buffers)}
+
+
+class ModelStateProbe:
+    """Per component, the most this rank holds at two moments of the first optimizer step: after a backward
+    (gradients still full-size where a strategy keeps them so, e.g. ZeRO-1 between reductions) and right
+    after the inner optimizer's step (fp32 gradient partitions and freshly created optimizer states)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.held = dict.fromkeys(COMPONENTS, 0)
+        self.done = False
+        self._handle = innermost_optimizer(optimizer).register_step_post_hook(self._after_step)
+
+    def after_backward(self) -> None:
+        if not self.done:
+            self._observe()
+        elif self._handle is not None:  # removed here: a hook may not remove itself while hooks run
+            self._handle.remove()
+            self._handle = None
+
+    def _after_step(self, *_) -> None:
+        if not self.done:
+            self._observe()
+            self.done = True
+
+    def _observe(self) -> None:
+        for key, value in held_model_states(self.model, self.optimizer).items():
+            self.held[key] = max(self.held[key], value)
