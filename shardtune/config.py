@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser
 
 MIXED_PRECISIONS = ("bf16", "fp16", "no")
+DATASET_FORMATS = ("auto", "text", "prompt_completion", "messages")
+DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 class ConfigError(ValueError):
@@ -22,8 +24,26 @@ class Recipe:
 
     name: str = field(default="run", metadata={"help": "Recipe name; the default output dir is outputs/<name>."})
     model_name_or_path: str = field(default="", metadata={"help": "Hub model id or local model directory."})
-    dataset: str = field(default="", metadata={"help": "Local JSONL file with `prompt`/`completion` or `text`."})
+    dataset: str = field(default="", metadata={
+        "help": "A local .json/.jsonl/.parquet/.csv file, a `save_to_disk` directory, or a Hub dataset name."})
+    dataset_split: str = "train"
+    eval_split: str = field(default="", metadata={"help": "A held-out split of --dataset; default: --eval_fraction."})
     eval_fraction: float = field(default=0.05, metadata={"help": "Share of the data held out for eval."})
+    dataset_format: str = field(default="auto", metadata={
+        "help": "auto (from the columns), text, prompt_completion or messages (chat, via the chat template)."})
+    completion_only_loss: bool = field(default=True, metadata={
+        "help": "Loss on completion / assistant tokens only; false: on every token."})
+    truncation: str = field(default="truncate", metadata={"help": "Rows over --max_seq_length: truncate or drop."})
+    packing: bool = field(default=False, metadata={
+        "help": "Padding-free: each micro-batch is one row of its sequences, attention isolated per sequence."})
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters; the base stays frozen."})
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: str = field(default="all-linear", metadata={
+        "help": "all-linear, or comma-separated module names (q_proj,v_proj)."})
+    load_in_4bit: bool = field(default=False, metadata={
+        "help": "QLoRA: the frozen base in 4-bit NF4 (bitsandbytes, CUDA GPUs); needs --use_peft."})
     output_dir: str = field(default="", metadata={"help": "Where metrics, W&B files and the model go."})
     max_seq_length: int = 2048
     per_device_train_batch_size: int = 1
@@ -109,6 +129,25 @@ def parse_recipe(recipe: Recipe, argv: list[str] | None = None) -> Recipe:
     return overridden
 
 
+def check_dataset_path(dataset: str) -> None:
+    """A local file of a known type or a `save_to_disk` directory; anything that does not look like a path is taken
+    as a Hub dataset name (checked when it loads)."""
+    suffix = os.path.splitext(dataset)[1].lower()
+    # Hub names are `name` or `org/name`: a file suffix, a leading `.`, `/` or `~`, or deeper nesting is a path.
+    looks_local = suffix in DATA_FILE_TYPES or dataset.startswith((".", "/", "~")) or dataset.count("/") > 1
+    if os.path.isdir(dataset):
+        markers = ("dataset_info.json", "dataset_dict.json")
+        if not any(os.path.exists(os.path.join(dataset, marker)) for marker in markers):
+            raise ConfigError(f"--dataset {dataset!r} is a directory but not one written by `save_to_disk`; "
+                              "give a data file or a saved dataset.")
+    elif os.path.isfile(dataset):
+        if suffix not in DATA_FILE_TYPES:
+            raise ConfigError(f"--dataset {dataset!r}: unknown file type {suffix!r}; use one of "
+                              f"{', '.join(DATA_FILE_TYPES)} or a `save_to_disk` directory.")
+    elif looks_local:
+        raise ConfigError(f"Dataset file not found: {dataset!r}. Check the path given to --dataset.")
+
+
 def plan_batches(recipe: Recipe, world_size: int) -> BatchPlan:
     micro, gas, total = recipe.per_device_train_batch_size, recipe.gradient_accumulation_steps, recipe.global_batch_size
     if micro < 1:
@@ -137,9 +176,19 @@ def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: boo
     if not recipe.model_name_or_path:
         raise ConfigError("No model: set --model_name_or_path to a local model directory or a Hub model id.")
     if not recipe.dataset:
-        raise ConfigError("No dataset: set --dataset to a local JSONL file.")
-    if not os.path.isfile(recipe.dataset):
-        raise ConfigError(f"Dataset file not found: {recipe.dataset!r}. Check the path given to --dataset.")
+        raise ConfigError("No dataset: set --dataset to a local .jsonl/.parquet/.csv file or a dataset directory.")
+    check_dataset_path(recipe.dataset)
+    for name, value, choices in (("--dataset_format", recipe.dataset_format, DATASET_FORMATS),
+                                 ("--truncation", recipe.truncation, ("truncate", "drop"))):
+        if value not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}.")
+    if recipe.load_in_4bit and not recipe.use_peft:
+        raise ConfigError("--load_in_4bit true quantizes the frozen base for QLoRA: add --use_peft true.")
+    if recipe.load_in_4bit and not has_gpu:
+        raise ConfigError("--load_in_4bit needs a CUDA GPU: bitsandbytes' 4-bit kernels do not run on this machine. "
+                          "Use --use_peft true without --load_in_4bit (LoRA on a 16-bit base).")
+    if recipe.use_peft and (recipe.lora_r < 1 or recipe.lora_alpha < 1 or not 0 <= recipe.lora_dropout < 1):
+        raise ConfigError("LoRA needs --lora_r >= 1, --lora_alpha >= 1 and 0 <= --lora_dropout < 1.")
     if recipe.mixed_precision not in MIXED_PRECISIONS:
         choices = ", ".join(MIXED_PRECISIONS)
         raise ConfigError(f"--mixed_precision must be one of {choices}; got {recipe.mixed_precision!r}.")

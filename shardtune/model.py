@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -17,16 +18,42 @@ def load_tokenizer(recipe: Recipe) -> PreTrainedTokenizerBase:
 
 
 def load_model(recipe: Recipe) -> PreTrainedModel:
-    """Weights load in fp32: they are the master weights. bf16 compute comes from autocast, FSDP's
-    MixedPrecisionPolicy or DeepSpeed's bf16 mode. Must run after the Accelerator exists, so that ZeRO-3
-    partitions weights while they load and FSDP loads them on rank 0 only (RAM-efficient loading)."""
+    """Full fine-tuning loads the weights in fp32: they are the master weights, and bf16 compute comes from
+    autocast, FSDP's MixedPrecisionPolicy or DeepSpeed's bf16 mode. With --use_peft the frozen base loads in
+    the compute dtype (bf16; 4-bit NF4 with --load_in_4bit) and only the LoRA adapters train, in fp32.
+    Must run after the Accelerator exists, so that ZeRO-3 partitions weights while they load and FSDP loads
+    them on rank 0 only (RAM-efficient loading)."""
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.mixed_precision)
     model = AutoModelForCausalLM.from_pretrained(
-        recipe.model_name_or_path, dtype=torch.float32, attn_implementation=recipe.attn_implementation
+        recipe.model_name_or_path, dtype=half if recipe.use_peft and half else torch.float32,
+        attn_implementation=recipe.attn_implementation, quantization_config=quantization(recipe, half),
     )
     model.config.use_cache = False  # no KV cache in training
     if recipe.gradient_checkpointing:
         enable_gradient_checkpointing(model, recipe.gradient_checkpointing_interval)
+    if recipe.use_peft:
+        model = get_peft_model(model, lora_config(recipe), autocast_adapter_dtype=True)  # adapters in fp32
     return model
+
+
+def lora_config(recipe: Recipe) -> LoraConfig:
+    targets = recipe.lora_target_modules
+    return LoraConfig(
+        r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout, task_type="CAUSAL_LM",
+        target_modules=targets if targets == "all-linear" else [name.strip() for name in targets.split(",")],
+    )
+
+
+def quantization(recipe: Recipe, compute_dtype: torch.dtype | None):
+    """QLoRA's 4-bit NF4 base with double quantization. The 4-bit weights are stored in the compute dtype so
+    that FSDP and ZeRO-3 can shard them like any other 16-bit tensor."""
+    if not recipe.load_in_4bit:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    dtype = compute_dtype or torch.bfloat16
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel, interval: int) -> list[int]:

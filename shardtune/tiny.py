@@ -16,7 +16,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = string.ascii_lowercase + string.digits + " =:>"
-TASK_LETTERS = "abcdefghij"  # reversal over 10 letters: chance accuracy per target token is about 1/10
+TASK_LETTERS = "abcdefghij"
+# A minimal chat template in the tokenizer's alphabet: `user:rev abc=>assistant:cba</s>`.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] + ':' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)  # reversal over 10 letters: chance accuracy per target token is about 1/10
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -26,9 +32,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def tiny_llama_config(vocab_size: int, **overrides) -> LlamaConfig:

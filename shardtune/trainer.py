@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from peft import PeftModel
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -58,9 +59,10 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
         recipe.lr_scheduler_type, optimizer,
         num_warmup_steps=math.ceil(recipe.warmup_ratio * max_steps), num_training_steps=max_steps,
     )
-    collator = make_collator(tokenizer)
-    train_loader = DataLoader(train_set, batch_size=plan.micro_batch, shuffle=True, drop_last=True, collate_fn=collator)
-    eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_eval_batch_size, collate_fn=collator)
+    train_loader = DataLoader(train_set, batch_size=plan.micro_batch, shuffle=True, drop_last=True,
+                              collate_fn=make_collator(tokenizer, packing=recipe.packing))
+    eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_eval_batch_size,
+                             collate_fn=make_collator(tokenizer))
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
@@ -96,7 +98,7 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
     model.train()
     batches = global_batches(train_loader, plan, steps_per_epoch, start_step)
     window_loss = torch.zeros((), device=accelerator.device)
-    window_tokens = torch.zeros((), device=accelerator.device)
+    window_tokens = torch.zeros(2, device=accelerator.device)  # sequence tokens, tokens processed (with padding)
     window_sequences = 0
     window_start, window_steps = time.perf_counter(), 0
     first_loss = last_loss = eval_metrics = None
@@ -115,8 +117,8 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
                 accelerator.backward(loss * plan.accumulation * plan.world_size)
                 probe.after_backward()
             step_loss += loss.detach()
-            window_tokens += batch["attention_mask"].sum()
-            window_sequences += len(batch["input_ids"]) * plan.world_size
+            window_tokens += count_tokens(batch)
+            window_sequences += plan.micro_batch * plan.world_size  # packed batches are one row
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)  # only on the update
         optimizer.step()
         scheduler.step()
@@ -143,7 +145,8 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
                               + ", ".join(f"{key[5:-6]} {value / 2**30:.3f} GiB" for key, value in held.items()))
             log_metrics(accelerator, output_dir, step, held)
         if step % recipe.logging_steps == 0 or step == max_steps:
-            loss_sum, tokens = accelerator.reduce(torch.stack([window_loss, window_tokens]), reduction="sum").tolist()
+            loss_sum, tokens, processed = accelerator.reduce(torch.cat([window_loss[None], window_tokens]),
+                                                             reduction="sum").tolist()
             elapsed = time.perf_counter() - window_start
             metrics = {
                 "loss": loss_sum / window_steps,
@@ -151,6 +154,7 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "tokens_per_second": tokens / elapsed,
                 "tokens_per_second_per_device": tokens / elapsed / plan.world_size,
+                "token_utilization": tokens / processed,  # padding wastes the rest
                 "step_time_s": elapsed / window_steps,
                 "epoch": step / steps_per_epoch,
                 **peak_memory_gb(accelerator.device),
@@ -191,6 +195,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only, not on norms and biases (by name: ZeRO-3 params have no real shape)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
+        if not param.requires_grad:  # a frozen PEFT base
+            continue
         (no_decay if "norm" in name or name.endswith("bias") else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
@@ -210,6 +216,13 @@ def global_batches(loader: DataLoader, plan: BatchPlan, steps_per_epoch: int, st
         for _ in range(steps_per_epoch - done_in_epoch):
             yield [next(micro_batches) for _ in range(plan.accumulation)]
         epoch, done_in_epoch = epoch + 1, 0
+
+
+def count_tokens(batch: dict) -> torch.Tensor:
+    """(sequence tokens, tokens processed): padded batches carry an attention mask, packed ones no padding."""
+    processed = batch["input_ids"].numel()
+    real = batch["attention_mask"].sum() if "attention_mask" in batch else torch.tensor(processed)
+    return torch.stack([real.to(torch.float32), torch.tensor(float(processed))]).to(real.device)
 
 
 def count_targets(micro_batches: list[dict]) -> torch.Tensor:
@@ -236,11 +249,13 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerato
 
 
 def save_hf_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer, output_dir: str) -> None:
-    """Full weights gathered from FSDP / ZeRO-3 shards, written as safetensors by the main process."""
+    """Full weights gathered from FSDP / ZeRO-3 shards, written as safetensors by the main process. A PEFT
+    model writes its adapter in peft's format, taken from the same gathered state dict (under ZeRO-3 the
+    local adapter tensors are empty shards)."""
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(
-            output_dir, state_dict=state_dict, safe_serialization=True, max_shard_size="5GB"
-        )
+        unwrapped = accelerator.unwrap_model(model)
+        shards = {} if isinstance(unwrapped, PeftModel) else {"max_shard_size": "5GB"}
+        unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True, **shards)
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
