@@ -198,7 +198,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not param.requires_grad:  # a frozen PEFT base
             continue
         (no_decay if "norm" in name or name.endswith("bias") else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]  # DeepSpeed drops empty groups (LoRA has no norms)
 
 
 def global_batches(loader: DataLoader, plan: BatchPlan, steps_per_epoch: int, start_step: int = 0

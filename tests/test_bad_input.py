@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from shardtune import Recipe, main
 from tests.conftest import run_recipe
 
 CASES = {
@@ -15,19 +16,28 @@ CASES = {
     "fp16 without a loss scaler": (["--mixed_precision", "fp16"], "needs a loss scaler"),
     "unknown precision": (["--mixed_precision", "fp8"], "--mixed_precision must be one of"),
     "missing dataset": (["--dataset", "no/such/file.jsonl"], "Dataset file not found: 'no/such/file.jsonl'"),
+    "4-bit without LoRA": (["--load_in_4bit", "true"], "add --use_peft true"),
+    "QLoRA without a GPU": (["--use_peft", "true", "--load_in_4bit", "true"], "--load_in_4bit needs a CUDA GPU"),
+    "unknown data format": (["--dataset_format", "sharegpt"], "--dataset_format must be one of"),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_refused_before_loading(case, tiny_assets, tmp_path):
+def test_refused_before_loading(case, tiny_assets, tmp_path, capsys):
+    """The recipe entry point itself, in this process (a launched refusal is tested below): exit code 2, one
+    line naming the problem and the fix, no traceback, nothing loaded, nothing written."""
     args, message = CASES[case]
     output_dir = tmp_path / "out"
-    result = run_recipe(output_dir, tiny_assets, *args, check=False)
-    assert result.returncode == 2
-    error_lines = [line for line in result.stderr.splitlines() if line.startswith("shardtune: error:")]
-    assert len(error_lines) == 1 and message in error_lines[0], result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    assert "Loading weights" not in result.stderr
+    model_dir, data_file = tiny_assets
+    argv = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),
+            "--report_to", "none", *args]
+    with pytest.raises(SystemExit) as exit_info:
+        main(Recipe(name="tiny", max_seq_length=64, per_device_train_batch_size=16, global_batch_size=32), argv)
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    error_lines = [line for line in stderr.splitlines() if line.startswith("shardtune: error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], stderr[-2000:]
+    assert "Traceback" not in stderr and "Loading weights" not in stderr
     assert not output_dir.exists()
 
 
