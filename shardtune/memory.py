@@ -6,8 +6,8 @@ FSDP2 parameters are DTensors (their local shard counts), ZeRO-3 parameters keep
 
 The measurement is taken right after the innermost optimizer's first step, when everything coexists: the
 weights, the gradients the step consumed, and the optimizer states it has just created. Under DeepSpeed the
-inner optimizer steps on fp32 master partitions; every other tensor the ZeRO optimizer holds (16-bit gradient
-partitions, reduce buckets) is counted as gradients."""
+inner optimizer steps on fp32 master partitions; the ZeRO optimizer's reduce buckets and the ZeRO-3 parameters
+still gathered count as buffers, every other tensor it holds (16-bit and fp32 gradient partitions) as gradients."""
 
 from __future__ import annotations
 
@@ -84,14 +84,15 @@ def held_model_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
         [value for state in inner.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
         + [p for group in inner.param_groups for p in group["params"]]  # DeepSpeed's fp32 master partitions
     )
-    grads = [p.grad for p in params] + [p.grad for group in inner.param_groups for p in group["params"]]
-    buffers = []
+    # Buffers: ZeRO-3 parameters still gathered (their full data beside the shard) and the reduce buckets.
     zero_optimizer = getattr(optimizer, "optimizer", None)
-    if zero_optimizer is not None and zero_optimizer is not inner:
+    is_zero = zero_optimizer is not None and zero_optimizer is not inner
+    buckets = reachable_tensors(getattr(zero_optimizer, "ipg_buckets", None)) if is_zero else []
+    buffers = counted.bytes([p for p in params if hasattr(p, "ds_tensor")] + list(buckets))
+    grads = [p.grad for p in params] + [p.grad for group in inner.param_groups for p in group["params"]]
+    if is_zero:
         grads += list(reachable_tensors(zero_optimizer))
-        buffers += list(reachable_tensors(getattr(zero_optimizer, "ipg_buckets", None)))
-    return {"weights": weights, "gradients": counted.bytes(grads), "optimizer": optimizer_states,
-            "buffers": counted.bytes(buffers)}
+    return {"weights": weights, "gradients": counted.bytes(grads), "optimizer": optimizer_states, "buffers": buffers}
 
 
 class ModelStateProbe:

@@ -109,6 +109,46 @@ def _deepspeed_json(path: str, fallback: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # Model states.
 
+# QLoRA's NF4: 4 bits per weight plus double-quantized block constants (0.127 bits per weight, QLoRA paper).
+NF4_BYTES = (4 + 0.127) / 8
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Peft:
+    """LoRA adapters of rank `rank` on the named linear layers of every decoder layer ("all-linear": all seven),
+    on a frozen base held in 16 bits, or in 4-bit NF4 with `load_in_4bit` (QLoRA)."""
+
+    rank: int = 16
+    targets: str = "all-linear"
+    load_in_4bit: bool = False
+
+    def trainable_params(self, shape: ModelShape) -> int:
+        q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        h, inter = shape.hidden, shape.intermediate
+        shapes = {"q_proj": (h, q_dim), "k_proj": (h, kv_dim), "v_proj": (h, kv_dim), "o_proj": (q_dim, h),
+                  "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+        names = LORA_TARGETS if self.targets == "all-linear" else [t.strip() for t in self.targets.split(",")]
+        unknown = [name for name in names if name not in shapes]
+        if unknown:
+            raise PlanError(f"LoRA target(s) {unknown} are not linear layers of {shape.name}; use {LORA_TARGETS}.")
+        return shape.layers * sum(self.rank * (shapes[name][0] + shapes[name][1]) for name in names)
+
+
+def peft_states(strategy: Strategy, shape: ModelShape, world: int, peft: Peft) -> States:
+    """The adapters train like a small full model (model_states of the trainable parameters: fp32 weights and
+    Adam, DeepSpeed's 16-bit copy and master); the frozen base adds weights only, no gradient and no optimizer
+    state, in 16 bits (4 in fp32 runs) or NF4, sharded where the strategy shards weights."""
+    states = model_states(strategy, peft.trainable_params(shape), world)
+    per_param = NF4_BYTES if peft.load_in_4bit else (4 if strategy.mixed_precision == "no" else 2)
+    sharded = strategy.kind == "fsdp" or (strategy.kind == "deepspeed" and strategy.shard >= 3)
+    base = per_param * shape.params / (world if sharded else 1)
+    if strategy.offload_params != "none" and sharded:
+        states.host += base
+    else:
+        states.weights += base
+    return states
+
 
 @dataclass
 class States:
@@ -167,7 +207,8 @@ def model_states(strategy: Strategy, params: int, world: int) -> States:
     return states
 
 
-def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, activation_mode: str) -> float:
+def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, activation_mode: str,
+            trainable: int | None = None) -> float:
     """Transient 16-bit copies and communication buffers alive during forward/backward (assumptions documented
     per case; DeepSpeed values are its defaults, see DS_REDUCE_BUCKET).
 
@@ -183,9 +224,10 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
     low = 2 if strategy.mixed_precision in ("bf16", "fp16") else 4
     layer = shape.layer_params
     root = shape.params - shape.layers * layer
-    if strategy.kind == "ddp":
-        cache = 2 * shape.non_embedding_matmul_params if activation_mode == "autocast" else 0
-        return (4 * params if world > 1 else 0) + cache
+    if strategy.kind == "ddp":  # with LoRA only the adapters have gradients, and a 16-bit base needs no cast
+        trainable = params if trainable is None else trainable
+        cached = shape.non_embedding_matmul_params if trainable == params else trainable
+        return (4 * trainable if world > 1 else 0) + (2 * cached if activation_mode == "autocast" else 0)
     if strategy.kind == "deepspeed":
         bucket = DS_REDUCE_BUCKET * low  # allocated at full size, however small the model (measured)
         if strategy.shard < 3:
@@ -321,6 +363,7 @@ class Plan:
     hardware: str
     config: str
     params: int
+    trainable_params: int
     world_size: int
     micro_batch: int
     max_seq_length: int
@@ -341,13 +384,15 @@ class Plan:
 
 
 def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch: int = 1, seq: int = 4096,
-         checkpointing: bool = True, attn: str = "sdpa", host_ram: float | None = None) -> Plan:
-    """Per-GPU memory of one training step. Runs in microseconds: nothing is built or loaded."""
+         checkpointing: bool = True, attn: str = "sdpa", host_ram: float | None = None, peft: Peft | None = None
+         ) -> Plan:
+    """Per-GPU memory of one training step. Runs in microseconds: nothing is built or loaded. With `peft`,
+    activations are the base model's (LoRA's rank-r intermediates and dropout copies are not counted)."""
     params, world = shape.params, hardware.world_size
     mode = activation_mode(strategy)
-    states = model_states(strategy, params, world)
+    states = peft_states(strategy, shape, world, peft) if peft else model_states(strategy, params, world)
     acts = activation_bytes(shape, micro_batch, seq, mode, checkpointing, attn)
-    buffer = buffers(strategy, shape, params, world, mode)
+    buffer = buffers(strategy, shape, params, world, mode, peft.trainable_params(shape) if peft else None)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
                "activations": float(acts["total"]), "buffers": float(buffer)}
     per_gpu["total"] = sum(per_gpu.values())
@@ -359,7 +404,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     if strategy.kind == "ddp" and mode == "autocast":
         notes.append("DDP autocast: 16-bit weight copies cached during forward are counted in buffers")
     return Plan(
-        model=shape.name, hardware=hardware.name, config=strategy.name, params=params, world_size=world,
+        model=shape.name, hardware=hardware.name, config=strategy.name, params=params,
+        trainable_params=peft.trainable_params(shape) if peft else params, world_size=world,
         micro_batch=micro_batch, max_seq_length=seq, gradient_checkpointing=checkpointing,
         mixed_precision=strategy.mixed_precision, activation_mode=mode, per_gpu=per_gpu,
         host_ram_per_node=max(offloaded, loading), host_ram=host, nvme_per_node=states.nvme * hardware.gpus_per_node,
@@ -398,7 +444,7 @@ def micro_batches(global_batch: int | None, world: int, limit: int = 64) -> list
 
 def recommend(shape: ModelShape, hardware: Hardware, global_batch: int | None = None, seq: int = 4096,
               mixed_precision: str = "bf16", configs_dir: str = CONFIGS_DIR, host_ram: float | None = None,
-              attn: str = "sdpa") -> Recommendation:
+              attn: str = "sdpa", peft: Peft | None = None) -> Recommendation:
     """The fastest plan that fits: GPU-only configs before offload; within each, no recomputation before
     recomputation, configs in SPEED_ORDER, then the largest micro-batch that keeps the global batch
     (accumulation derived; it must divide)."""
@@ -415,7 +461,7 @@ def recommend(shape: ModelShape, hardware: Hardware, global_batch: int | None = 
         for checkpointing in (False, True):
             for strategy in group:
                 for micro, accumulation in pairs:
-                    candidate = plan(shape, hardware, strategy, micro, seq, checkpointing, attn, host_ram)
+                    candidate = plan(shape, hardware, strategy, micro, seq, checkpointing, attn, host_ram, peft)
                     if candidate.fits and candidate.host_ram_fits is not False:
                         return Recommendation(candidate, not offload, accumulation,
                                               _fit_message(candidate, accumulation, shape, hardware, offload))
@@ -553,12 +599,13 @@ def plan_launch(shape: ModelShape, hardware: Hardware, recipe) -> tuple[Plan, st
     """The plan of a launched recipe under its accelerate config; with the nearest fitting plan when it does
     not fit (None when it does)."""
     strategy = strategy_from_launch_env(recipe.mixed_precision)
+    peft = Peft(recipe.lora_r, recipe.lora_target_modules, recipe.load_in_4bit) if recipe.use_peft else None
     chosen = plan(shape, hardware, strategy, recipe.per_device_train_batch_size, recipe.max_seq_length,
-                  recipe.gradient_checkpointing, recipe.attn_implementation)
+                  recipe.gradient_checkpointing, recipe.attn_implementation, peft=peft)
     if chosen.fits:
         return chosen, None
     found = recommend(shape, hardware, recipe.global_batch_size, recipe.max_seq_length, recipe.mixed_precision,
-                      attn=recipe.attn_implementation)
+                      attn=recipe.attn_implementation, peft=peft)
     return chosen, found.message
 
 
@@ -574,6 +621,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed_precision", choices=("bf16", "fp16", "no"))
     parser.add_argument("--attn_implementation", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--host_ram_gb", type=float, help="Host RAM per node, to check offload plans")
+    parser.add_argument("--use_peft", type=_bool, help="LoRA on a frozen base")
+    parser.add_argument("--lora_r", type=int)
+    parser.add_argument("--lora_target_modules", help="all-linear or comma-separated names")
+    parser.add_argument("--load_in_4bit", type=_bool, help="QLoRA: the frozen base in 4-bit NF4")
     parser.add_argument("--compare", action="store_true", help="All accelerate_configs/*.yaml side by side")
     parser.add_argument("--chart", help="With --compare: write a stacked-bar PNG here")
     parser.add_argument("--json", action="store_true")
@@ -596,21 +647,26 @@ def _run(args: argparse.Namespace) -> int:
         checkpointing = recipe.get("gradient_checkpointing", True)
     precision = args.mixed_precision or recipe.get("mixed_precision")
     host_ram = args.host_ram_gb * 1e9 if args.host_ram_gb else None
+    peft = None
+    if args.use_peft if args.use_peft is not None else recipe.get("use_peft", False):
+        peft = Peft(args.lora_r or recipe.get("lora_r", 16),
+                    args.lora_target_modules or recipe.get("lora_target_modules", "all-linear"),
+                    args.load_in_4bit if args.load_in_4bit is not None else recipe.get("load_in_4bit", False))
     if args.compare or args.chart:
         plans = [plan(shape, hardware, read_accelerate_config(path, precision), micro, seq, checkpointing,
-                      args.attn_implementation, host_ram) for path in config_paths()]
+                      args.attn_implementation, host_ram, peft) for path in config_paths()]
         if args.chart:
             write_chart(plans, args.chart)
         print(json.dumps([p.to_json() for p in plans]) if args.json else format_compare(plans))
         return 0
     if args.config_file:
         strategy = read_accelerate_config(args.config_file, precision)
-        result = plan(shape, hardware, strategy, micro, seq, checkpointing, args.attn_implementation, host_ram)
+        result = plan(shape, hardware, strategy, micro, seq, checkpointing, args.attn_implementation, host_ram, peft)
         print(json.dumps(result.to_json()) if args.json else format_plan(result))
         return 0
     global_batch = args.global_batch_size or recipe.get("global_batch_size")
     found = recommend(shape, hardware, global_batch, seq, precision or "bf16", host_ram=host_ram,
-                      attn=args.attn_implementation)
+                      attn=args.attn_implementation, peft=peft)
     if args.json:
         body = found.plan.to_json() if found.plan else {"params": shape.params, "fits": False}
         print(json.dumps({**body, "recommendation": found.message, "gpu_only": found.gpu_only,

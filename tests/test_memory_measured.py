@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 
 from shardtune.flops import resolve_model
-from shardtune.plan import DS_REDUCE_BUCKET, model_states, read_accelerate_config
+from shardtune.plan import buffers, model_states, read_accelerate_config
 from tests.conftest import CONFIGS, read_metrics
 from tests.test_strategies import CONFIG_NAMES
 
 # Weights and optimizer states: exact up to Adam's step counters (4 bytes per tensor) and, under ZeRO, how each
 # parameter group's flat buffer splits over the ranks (0.3% off the even share here).
 EXACT_RTOL = 1e-2
-# DeepSpeed keeps the gradients of the last reduced parameters until the step: a few tensors beside the
-# partitions. On this 98k-parameter model they add 3-14% (measured); at real sizes they vanish in P.
-GRADIENT_RTOL = 0.15
+# ZeRO-1/2 keep one full-size gradient (the embedding's, measured: +2.9% on this 98k-parameter model) beside the
+# partitions until the step; at real sizes it is a fraction of a percent.
+GRADIENT_RTOL = 0.05
 
 
 def held(output_dir) -> dict[str, int]:
@@ -28,7 +28,8 @@ def held(output_dir) -> dict[str, int]:
 def test_model_states_equal_the_bytes_each_rank_holds(config, reference_run, tiny_assets):
     measured = held(reference_run(config))
     strategy = read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision="no")
-    params = resolve_model(tiny_assets[0]).params
+    shape = resolve_model(tiny_assets[0])
+    params = shape.params
     planned = model_states(strategy, params, world=2)
     offloaded = planned.host + planned.nvme
     if not offloaded:
@@ -41,5 +42,5 @@ def test_model_states_equal_the_bytes_each_rank_holds(config, reference_run, tin
                                       rel=GRADIENT_RTOL)
     else:  # NVMe: Adam's states and the fp32 master live in swap files; the gradient partitions in host RAM
         assert measured["gradients"] == pytest.approx(planned.host, rel=GRADIENT_RTOL)
-    if strategy.kind == "deepspeed":  # the reduce bucket is allocated whole, however small the model
-        assert measured["buffers"] <= DS_REDUCE_BUCKET * 4
+    if strategy.kind == "deepspeed":  # reduce buckets (allocated whole) and ZeRO-3 layers still gathered
+        assert measured["buffers"] <= buffers(strategy, shape, params, 2, "fp32")

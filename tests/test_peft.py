@@ -13,7 +13,9 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import ENV, REFERENCE_ARGS, REPO, read_metrics, run_recipe, train_losses
+from shardtune.flops import resolve_model
+from shardtune.plan import Peft, peft_states, read_accelerate_config
+from tests.conftest import CONFIGS, ENV, REFERENCE_ARGS, REPO, read_metrics, run_recipe, train_losses
 
 LORA_ARGS = (*REFERENCE_ARGS, "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
              "--gradient_checkpointing", "true", "--save_steps", "8")
@@ -76,3 +78,17 @@ def test_adapter_round_trip_and_merge(lora_runs, tiny_assets, tmp_path):
         merged_logits = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)(input_ids).logits
     assert not torch.allclose(adapted_logits, base_logits, atol=1e-3), "the adapter changes nothing"
     torch.testing.assert_close(merged_logits, adapted_logits, rtol=1e-4, atol=1e-5)
+
+
+def test_planned_lora_states_equal_the_bytes_each_rank_holds(lora_runs, tiny_assets):
+    """The planner's PEFT model states (frozen base: weights only; adapters: weights, gradients, Adam) against
+    what the ranks of each LoRA run really held at their first step."""
+    shape = resolve_model(tiny_assets[0])
+    peft = Peft(rank=4)
+    for config, output_dir in lora_runs.items():
+        (row,) = [row for row in read_metrics(output_dir) if "held_weights_bytes" in row]
+        strategy = read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision="no")
+        planned = peft_states(strategy, shape, 2, peft)
+        assert row["held_weights_bytes"] == pytest.approx(planned.weights, rel=1e-2), config
+        assert row["held_optimizer_bytes"] == pytest.approx(planned.optimizer, rel=1e-2), config
+        assert row["held_gradients_bytes"] == pytest.approx(planned.gradients, rel=0.05), config

@@ -18,6 +18,7 @@ from shardtune.flops import BUILTIN_MODELS, builtin_configs, resolve_model, shap
 from shardtune.hardware import HardwareError, parse_hardware
 from shardtune.plan import (
     CONFIGS_DIR,
+    Peft,
     activation_bytes,
     layer_activation_bytes,
     main,
@@ -254,3 +255,30 @@ def test_recompute_peak_is_one_full_layer():
     assert layer_activation_bytes(shape_from_config(shapes[0]), 2, 32, "half") == three - two
     peak = activation_bytes(shape_from_config(shapes[0]), 2, 32, "half", checkpointing=True)
     assert peak["transient"] >= three - two
+
+
+@pytest.mark.parametrize("name,targets", [("llama-3.1-8b", "all-linear"), ("llama-3.1-70b", "q_proj,v_proj"),
+                                          ("qwen2.5-7b", "all-linear")])
+def test_lora_trainable_parameters_are_peft_s_count(name, targets):
+    """The planner's LoRA count against peft itself, on the real architecture built on the meta device."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(builtin_configs()[name])
+    modules = targets if targets == "all-linear" else targets.split(",")
+    model = get_peft_model(model, LoraConfig(r=16, target_modules=modules, task_type="CAUSAL_LM"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert Peft(16, targets).trainable_params(resolve_model(name)) == trainable
+
+
+def test_70b_lora_fits_one_h100_node_and_qlora_one_gpu():
+    shape = resolve_model("llama-3.1-70b")
+    lora = plan(shape, H100, config("ds_zero3"), 1, 4096, True, peft=Peft(16))
+    assert lora.fits and lora.per_gpu["weights"] == pytest.approx(2 * shape.params / 8, rel=0.01)
+    assert lora.per_gpu["optimizer"] < 1e9  # Adam only for the adapters
+    assert not plan(shape, H100, config("ddp"), 1, 4096, True, peft=Peft(16)).fits  # 141 GB of bf16 base
+    one_gpu = parse_hardware("1xh100-80gb")
+    qlora = plan(shape, one_gpu, config("ddp"), 1, 4096, True, peft=Peft(16, load_in_4bit=True))
+    adapters = Peft(16).trainable_params(shape)  # fp32
+    assert qlora.fits and qlora.per_gpu["weights"] == pytest.approx(0.516 * shape.params + 4 * adapters, rel=1e-3)

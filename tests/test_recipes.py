@@ -11,7 +11,8 @@ from shardtune.config import Recipe, parse_recipe
 from tests.conftest import CONFIGS, REPO
 
 RECIPES = sorted(path for path in (REPO / "recipes").glob("*.py") if path.stem != "tiny")
-EXPECTED = {"llama1b", "llama3b", "llama8b", "llama70b", "llama405b", "mistral7b", "qwen2_5_7b"}
+EXPECTED = {"llama1b", "llama3b", "llama8b", "llama70b", "llama405b", "mistral7b", "qwen2_5_7b", "llama8b_lora",
+            "llama70b_lora", "llama70b_qlora"}
 
 
 def load(path) -> Recipe:
