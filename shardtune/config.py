@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -187,6 +188,8 @@ def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: boo
     if recipe.load_in_4bit and not has_gpu:
         raise ConfigError("--load_in_4bit needs a CUDA GPU: bitsandbytes' 4-bit kernels do not run on this machine. "
                           "Use --use_peft true without --load_in_4bit (LoRA on a 16-bit base).")
+    if recipe.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
     if recipe.use_peft and (recipe.lora_r < 1 or recipe.lora_alpha < 1 or not 0 <= recipe.lora_dropout < 1):
         raise ConfigError("LoRA needs --lora_r >= 1, --lora_alpha >= 1 and 0 <= --lora_dropout < 1.")
     if recipe.mixed_precision not in MIXED_PRECISIONS:
