@@ -11,48 +11,57 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-
-from transformers import AutoConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from shardtune.hardware import PEAK_BF16_FLOPS, peak_flops
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DEFAULT_SEQ_LEN = 4096  # the recipes' max_seq_length
 
 
-def _llama3(hidden: int, inter: int, layers: int, heads: int, tied: bool, rope_factor: float) -> LlamaConfig:
+def _llama3(hidden: int, inter: int, layers: int, heads: int, tied: bool, rope_factor: float) -> dict:
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": rope_factor,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    return LlamaConfig(
-        vocab_size=128256, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+    return dict(
+        model_type="llama", vocab_size=128256, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
         rope_parameters=rope, tie_word_embeddings=tied, bos_token_id=128000, eos_token_id=128001,
     )
 
 
+# The public config.json values of the seven models in MISSION.md, as plain values: planning a built-in model
+# needs no transformers import (which pulls in torch and takes seconds).
+BUILTIN_CONFIG_VALUES = {
+    "llama-3.2-1b": _llama3(2048, 8192, 16, 32, tied=True, rope_factor=32.0),
+    "llama-3.2-3b": _llama3(3072, 8192, 28, 24, tied=True, rope_factor=32.0),
+    "llama-3.1-8b": _llama3(4096, 14336, 32, 32, tied=False, rope_factor=8.0),
+    "llama-3.1-70b": _llama3(8192, 28672, 80, 64, tied=False, rope_factor=8.0),
+    "llama-3.1-405b": _llama3(16384, 53248, 126, 128, tied=False, rope_factor=8.0),
+    "mistral-7b": dict(
+        model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=4096,
+        tie_word_embeddings=False,
+    ),
+    # Qwen2 puts biases on q, k and v (not on o): 3584 + 2 x 512 extra parameters per layer.
+    "qwen2.5-7b": dict(
+        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+    ),
+}
+BUILTIN_MODELS = tuple(BUILTIN_CONFIG_VALUES)
+
+
 def builtin_configs() -> dict[str, PretrainedConfig]:
-    """The public config.json values of the seven models in MISSION.md (built fresh: configs are mutable)."""
-    return {
-        "llama-3.2-1b": _llama3(2048, 8192, 16, 32, tied=True, rope_factor=32.0),
-        "llama-3.2-3b": _llama3(3072, 8192, 28, 24, tied=True, rope_factor=32.0),
-        "llama-3.1-8b": _llama3(4096, 14336, 32, 32, tied=False, rope_factor=8.0),
-        "llama-3.1-70b": _llama3(8192, 28672, 80, 64, tied=False, rope_factor=8.0),
-        "llama-3.1-405b": _llama3(16384, 53248, 126, 128, tied=False, rope_factor=8.0),
-        "mistral-7b": MistralConfig(
-            vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=4096,
-            tie_word_embeddings=False,
-        ),
-        # Qwen2 puts biases on q, k and v (not on o): 3584 + 2 x 512 extra parameters per layer.
-        "qwen2.5-7b": Qwen2Config(
-            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
-        ),
-    }
+    """The built-in models as transformers configs (built fresh: configs are mutable)."""
+    from transformers import CONFIG_MAPPING
 
-
-BUILTIN_MODELS = tuple(builtin_configs())
+    return {name: CONFIG_MAPPING[values["model_type"]](**{k: v for k, v in values.items() if k != "model_type"})
+            for name, values in BUILTIN_CONFIG_VALUES.items()}
 # Hub ids whose last path component, lower-cased, does not already equal a built-in name.
 _ALIASES = {"mistral-7b-v0.1": "mistral-7b", "mistral-7b-v0.3": "mistral-7b"}
 
@@ -158,9 +167,11 @@ def resolve_config(model: str) -> tuple[str, PretrainedConfig]:
         return resolve_config(target)
     key = builtin_name(model)
     if key:
-        return key, builtin_configs()[key]
+        return key, SimpleNamespace(**BUILTIN_CONFIG_VALUES[key])
     path = os.path.dirname(model) if model.endswith(".json") else model
     if os.path.isfile(os.path.join(path, "config.json")):
+        from transformers import AutoConfig
+
         return os.path.basename(os.path.abspath(path)), AutoConfig.from_pretrained(path)
     raise ModelError(
         f"Unknown model {model!r}: not built in ({', '.join(BUILTIN_MODELS)}), not a local model directory or "
