@@ -28,13 +28,23 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
 
         train(recipe, plan, resume_path, start_step)
     except ConfigError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if reports_errors():
             print(f"shardtune: error: {error}", file=sys.stderr)
         import torch.distributed
 
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(2)
+
+
+def reports_errors() -> bool:
+    """The first rank of each machine prints the error that every rank hits, so that each machine's log says why
+    it stopped; a rank whose own RANK or WORLD_SIZE is wrong prints its own."""
+    try:
+        valid = 0 <= int(os.environ.get("RANK", "0")) < int(os.environ.get("WORLD_SIZE", "1"))
+        return not valid or int(os.environ.get("LOCAL_RANK", "0")) == 0
+    except ValueError:
+        return True
 
 
 def print_memory_plan(recipe: Recipe, required: bool) -> int:

@@ -7,12 +7,18 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from transformers import HfArgumentParser
 
 MIXED_PRECISIONS = ("bf16", "fp16", "no")
 DATASET_FORMATS = ("auto", "text", "prompt_completion", "messages")
 DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# transformers' schedulers that need neither extra arguments nor a metric at every step (the trainer gives neither).
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt")
+ZERO_STAGES = ("1", "2", "3")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 class ConfigError(ValueError):
@@ -61,7 +67,7 @@ class Recipe:
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers scheduler name."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": f"One of {', '.join(LR_SCHEDULERS)}."})
     warmup_ratio: float = 0.03
     max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; -1 means num_train_epochs."})
     num_train_epochs: int = 1
@@ -91,6 +97,12 @@ class Recipe:
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Delete an earlier run in output_dir instead of refusing to start."}
     )
+    collective_timeout_minutes: float = field(default=10, metadata={
+        "help": "A training collective that waits longer fails the job instead of hanging."})
+    startup_timeout_minutes: float = field(default=30, metadata={
+        "help": "The same for start-up (weights load on one rank) and checkpoint saves."})
+    rank_timeout_s: float = field(default=60, metadata={
+        "help": "A rank silent this long is taken as dead: every rank stops with a message naming it."})
 
     @property
     def resolved_output_dir(self) -> str:
@@ -111,16 +123,93 @@ class BatchPlan:
 
 
 def launch_env() -> tuple[int, bool, bool]:
-    """(world size, DeepSpeed?, FSDP?) as `accelerate launch` set them, readable before any process group."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    """(world size, DeepSpeed?, FSDP?) as `accelerate launch` set them, readable before any process group.
+    Raises ConfigError for a launch environment in which the ranks could not meet or the trainer could not run."""
+    world_size = env_int("WORLD_SIZE", 1)
+    rank = env_int("RANK", 0)
+    if world_size < 1:
+        raise ConfigError(f"WORLD_SIZE is {world_size}; unset it and start the run with accelerate launch, "
+                          "which sets it to the number of processes.")
+    if not 0 <= rank < world_size:
+        raise ConfigError(
+            f"RANK {rank} does not fit WORLD_SIZE {world_size} (ranks run from 0 to {world_size - 1}): relaunch "
+            "with accelerate launch, giving every node the same --num_machines and --num_processes and its own "
+            "--machine_rank."
+        )
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if world_size > 1 and not os.environ.get(name)]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE is {world_size} but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+            "set, so the ranks cannot find each other: launch every node with accelerate launch --num_machines N "
+            "--machine_rank R --main_process_ip <rank-0 node address> --main_process_port <free port>."
+        )
     uses_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     uses_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if uses_deepspeed:
+        check_deepspeed_env()
+    if uses_fsdp:
+        check_fsdp_env()
     return world_size, uses_deepspeed, uses_fsdp
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer launch variable; unset or empty gives `default`."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a whole number; unset it and start the run with accelerate "
+                          "launch, which sets it.") from None
+
+
+def check_deepspeed_env() -> None:
+    """The DeepSpeed settings `accelerate launch` exported from the config's deepspeed_config."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("The accelerate config uses DeepSpeed, which is not installed: pip install deepspeed, "
+                          "or launch with an FSDP or DDP config.")
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")  # unset when a DeepSpeed JSON file sets the stage
+    if stage is not None and stage.strip() not in ZERO_STAGES:
+        raise ConfigError(f"The accelerate config sets zero_stage {stage!r}; shardtune trains with ZeRO stage 1, 2 "
+                          "or 3: set one of these in its deepspeed_config (or use ddp.yaml for no sharding).")
+    for kind in ("optimizer", "param"):
+        device = os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind.upper()}_DEVICE", "none").strip().lower()
+        if device not in OFFLOAD_DEVICES:
+            raise ConfigError(f"The accelerate config sets offload_{kind}_device {device!r}; set it to one of "
+                              f"{', '.join(OFFLOAD_DEVICES)} in its deepspeed_config.")
+        # Below ZeRO-3, DeepSpeed ignores parameter offload and keeps an NVMe optimizer offload in CPU RAM.
+        if stage is not None and stage.strip() != "3" and (kind == "param" or device == "nvme") and device != "none":
+            raise ConfigError(f"offload_{kind}_device {device} needs ZeRO stage 3 and the accelerate config sets "
+                              f"zero_stage {stage.strip()}: set zero_stage: 3 or offload_{kind}_device: none.")
+
+
+def check_fsdp_env() -> None:
+    """The FSDP settings `accelerate launch` exported from the config's fsdp_config: the trainer runs FSDP2."""
+    version = os.environ.get("FSDP_VERSION", "1").strip()  # accelerate's own default is FSDP1
+    if version != "2":
+        raise ConfigError(f"The accelerate config runs FSDP version {version} and shardtune's trainer is written "
+                          "for FSDP2: set fsdp_version: 2 in its fsdp_config.")
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").strip().lower()
+    if reshard not in ("true", "false"):
+        raise ConfigError(f"fsdp_reshard_after_forward {reshard.upper()!r} is an FSDP1 strategy; FSDP2 takes true "
+                          "(like FULL_SHARD) or false (like SHARD_GRAD_OP): set one of these in the fsdp_config.")
+    strategy = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").strip().upper()
+    if strategy not in ("FULL_SHARD", "1"):  # `accelerate launch` exports FULL_SHARD unless the config says more
+        raise ConfigError(f"fsdp_sharding_strategy {strategy} is an FSDP1 setting that FSDP2 ignores (the run would "
+                          "fully shard): remove it, and set fsdp_reshard_after_forward: false for SHARD_GRAD_OP.")
+
+
+class RecipeParser(HfArgumentParser):
+    """argparse's own errors (a bad value such as `--packing maybe`) as ConfigError: one line, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"Bad command line: {message.rstrip('.')}; see --help for the recipe's flags.")
 
 
 def parse_recipe(recipe: Recipe, argv: list[str] | None = None) -> Recipe:
     """Apply command-line overrides (`--learning_rate 2e-5`, `--gradient_checkpointing false`) to a recipe."""
-    parser = HfArgumentParser(Recipe)
+    parser = RecipeParser(Recipe)
     parser.allow_abbrev = False  # a typo such as --learning_rat must not pass as --learning_rate
     parser.set_defaults(**dataclasses.asdict(recipe))
     args = sys.argv[1:] if argv is None else argv
@@ -145,6 +234,8 @@ def check_dataset_path(dataset: str) -> None:
         if suffix not in DATA_FILE_TYPES:
             raise ConfigError(f"--dataset {dataset!r}: unknown file type {suffix!r}; use one of "
                               f"{', '.join(DATA_FILE_TYPES)} or a `save_to_disk` directory.")
+        if os.path.getsize(dataset) == 0:
+            raise ConfigError(f"The data file {dataset!r} is empty; give --dataset a file with training rows.")
     elif looks_local:
         raise ConfigError(f"Dataset file not found: {dataset!r}. Check the path given to --dataset.")
 
@@ -191,7 +282,8 @@ def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: boo
     if recipe.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
     if recipe.use_peft and (recipe.lora_r < 1 or recipe.lora_alpha < 1 or not 0 <= recipe.lora_dropout < 1):
-        raise ConfigError("LoRA needs --lora_r >= 1, --lora_alpha >= 1 and 0 <= --lora_dropout < 1.")
+        raise ConfigError(f"LoRA needs --lora_r >= 1, --lora_alpha >= 1 and 0 <= --lora_dropout < 1; got "
+                          f"{recipe.lora_r}, {recipe.lora_alpha} and {recipe.lora_dropout}.")
     if recipe.mixed_precision not in MIXED_PRECISIONS:
         choices = ", ".join(MIXED_PRECISIONS)
         raise ConfigError(f"--mixed_precision must be one of {choices}; got {recipe.mixed_precision!r}.")
@@ -202,18 +294,37 @@ def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: boo
         )
     if not 0.0 < recipe.eval_fraction < 1.0:
         raise ConfigError(f"--eval_fraction must be between 0 and 1 (exclusive), got {recipe.eval_fraction}.")
+    if not recipe.learning_rate > 0:  # also NaN
+        raise ConfigError(f"--learning_rate must be > 0, got {recipe.learning_rate}: give e.g. --learning_rate 1e-5.")
+    if not 0.0 <= recipe.warmup_ratio <= 1.0:
+        raise ConfigError(f"--warmup_ratio is the share of steps spent warming up: between 0 and 1, got "
+                          f"{recipe.warmup_ratio}.")
+    if recipe.lr_scheduler_type not in LR_SCHEDULERS:
+        raise ConfigError(f"--lr_scheduler_type must be one of {', '.join(LR_SCHEDULERS)}; got "
+                          f"{recipe.lr_scheduler_type!r}.")
     if recipe.max_steps <= 0 and recipe.num_train_epochs <= 0:
         raise ConfigError("Nothing to train: set --max_steps > 0 or --num_train_epochs > 0.")
-    if recipe.gradient_checkpointing_interval < 1:
-        raise ConfigError(
-            f"--gradient_checkpointing_interval must be >= 1, got {recipe.gradient_checkpointing_interval}."
-        )
+    for name, value, lowest in (("--max_seq_length", recipe.max_seq_length, 2),  # a token and one to predict
+                                ("--per_device_eval_batch_size", recipe.per_device_eval_batch_size, 1),
+                                ("--gradient_checkpointing_interval", recipe.gradient_checkpointing_interval, 1),
+                                ("--logging_steps", recipe.logging_steps, 1),
+                                ("--eval_steps", recipe.eval_steps, 0),
+                                ("--save_steps", recipe.save_steps, 0),
+                                ("--save_total_limit", recipe.save_total_limit, 0)):
+        if value < lowest:
+            raise ConfigError(f"{name} must be >= {lowest}, got {value}.")
     if recipe.report_to not in ("wandb", "none"):
         raise ConfigError(f"--report_to must be wandb or none, got {recipe.report_to!r}.")
-    if recipe.logging_steps < 1:
-        raise ConfigError(f"--logging_steps must be >= 1, got {recipe.logging_steps}.")
-    if recipe.save_steps < 0 or recipe.save_total_limit < 0:
-        raise ConfigError("--save_steps and --save_total_limit must be >= 0.")
+    for name in ("collective_timeout_minutes", "startup_timeout_minutes", "rank_timeout_s"):
+        if not getattr(recipe, name) > 0:
+            raise ConfigError(f"--{name} must be > 0, got {getattr(recipe, name)}.")
+    if recipe.report_to == "wandb" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--report_to wandb needs wandb, which is not installed: pip install wandb, or pass "
+                          "--report_to none.")
+    resume = recipe.resume_from_checkpoint
+    if resume and resume != "auto" and not os.path.isdir(resume):
+        raise ConfigError(f"--resume_from_checkpoint {resume!r} is not a directory: give a checkpoint "
+                          "(<output_dir>/checkpoint-<step>), or `auto` for the newest complete one in --output_dir.")
     output_dir = recipe.resolved_output_dir
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ConfigError(f"--output_dir {output_dir!r} is a file; give a directory.")

@@ -34,7 +34,8 @@ def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> A
         log_with=log_with,
         project_dir=recipe.resolved_output_dir,
         kwargs_handlers=[InitProcessGroupKwargs(
-            backend="gloo" if on_cpu and uses_deepspeed else None, timeout=timedelta(minutes=30)
+            backend="gloo" if on_cpu and uses_deepspeed else None,
+            timeout=timedelta(minutes=recipe.startup_timeout_minutes),  # lowered once the model is in place
         )],
     )
     if on_cpu and uses_fsdp:

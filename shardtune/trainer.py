@@ -27,13 +27,22 @@ from shardtune.hardware import peak_flops
 from shardtune.memory import COMPONENTS, ModelStateProbe
 from shardtune.model import load_model, load_tokenizer
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, StopRequest
+from shardtune.ranks import check_ranks_agree, launch_fingerprint, set_collective_timeout, watch_ranks
 from shardtune.tracking import log_metrics, peak_memory_gb, start_tracking, truncate_metrics
 
 
 def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: int) -> None:
-    """Train `recipe` (already checked by shardtune.cli), from `resume_path` at `start_step` if given."""
-    output_dir = recipe.resolved_output_dir
+    """Train `recipe` (already checked by shardtune.cli), from `resume_path` at `start_step` if given. Every rank
+    first checks that all ranks were launched alike, then trains watched by the others."""
     accelerator = make_accelerator(recipe, plan, log_with="wandb" if recipe.report_to == "wandb" else None)
+    check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, plan))
+    with watch_ranks(accelerator, recipe):
+        train_loop(accelerator, recipe, plan, resume_path, start_step)
+
+
+def train_loop(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, resume_path: str | None,
+               start_step: int) -> None:
+    output_dir = recipe.resolved_output_dir
     set_seed(recipe.seed)
     stop = StopRequest()
 
@@ -75,6 +84,7 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
     elif recipe.overwrite_output_dir and accelerator.is_main_process:
         shutil.rmtree(output_dir, ignore_errors=True)
     accelerator.wait_for_everyone()
+    set_collective_timeout(recipe.collective_timeout_minutes)  # start-up is over: a long wait now is a hang
     os.makedirs(output_dir, exist_ok=True)
     if accelerator.is_main_process:
         truncate_metrics(output_dir, after_step=start_step)  # a killed run may have logged past its checkpoint
@@ -91,7 +101,9 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
             tokenizer.save_pretrained(path)
 
         started = time.perf_counter()
+        set_collective_timeout(recipe.startup_timeout_minutes)  # every shard written: as slow as the filesystem
         path = save_checkpoint(accelerator, output_dir, step, recipe.save_total_limit, add_model_files)
+        set_collective_timeout(recipe.collective_timeout_minutes)
         accelerator.print(f"shardtune: saved {path} in {time.perf_counter() - started:.1f}s")
 
     probe = ModelStateProbe(model, optimizer)
@@ -187,6 +199,7 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
         accelerator.print(f"first loss {first_loss:.4f} | last loss {last_loss:.4f} | "
                           + " | ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
     if recipe.save_model:
+        set_collective_timeout(recipe.startup_timeout_minutes)
         save_hf_model(accelerator, model, tokenizer, output_dir)
     accelerator.end_training()  # closes the trackers and the process group
 

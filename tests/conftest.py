@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -60,7 +61,7 @@ def nvme_args(config: str | None, root: Path) -> tuple[str, ...]:
 
 def recipe_command(
     output_dir: Path, assets: tuple[str, str], *args: str, config: str | None = None, processes: int = 1,
-    launch_args: tuple[str, ...] = (), recipe: Path = TINY_RECIPE,
+    launch_args: tuple[str, ...] = (), recipe: Path = TINY_RECIPE, port: int | None = None,
 ) -> list[str]:
     """The command that runs the tiny recipe on the given model and data; with `config`, `accelerate launch`."""
     model_dir, data_file = assets
@@ -71,7 +72,7 @@ def recipe_command(
     else:
         accelerate = str(Path(sys.executable).parent / "accelerate")
         command = [accelerate, "launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
-                   "--num_processes", str(processes), "--main_process_port", str(free_port()), *launch_args,
+                   "--num_processes", str(processes), "--main_process_port", str(port or free_port()), *launch_args,
                    str(recipe), *recipe_args]
     return command
 
@@ -93,12 +94,28 @@ def train_losses(output_dir: Path) -> list[float]:
     return [row["loss"] for row in read_metrics(output_dir) if "loss" in row]
 
 
-def start_recipe(output_dir: Path, assets: tuple[str, str], *args: str, **options) -> subprocess.Popen:
+def start_recipe(output_dir: Path, assets: tuple[str, str], *args: str, log_name: str | None = None, **options
+                 ) -> subprocess.Popen:
     """Start a run in its own process group, so that a test can signal or kill all of its processes."""
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    log = open(output_dir.parent / f"{output_dir.name}.log", "w")  # noqa: SIM115 (closed with the process)
+    log = open(output_dir.parent / f"{log_name or output_dir.name}.log", "w")  # noqa: SIM115 (closed with the process)
     return subprocess.Popen(recipe_command(output_dir, assets, *args, **options), cwd=output_dir.parent, env=ENV,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_machines(output_dir: Path, assets: tuple[str, str], *args: str, configs: list[str],
+                   machine_args: list[tuple[str, ...]] | None = None) -> list[subprocess.Popen]:
+    """One `accelerate launch` per machine, all on loopback, one process each: machine i runs configs[i] with
+    `args` and machine_args[i]. Logs go to <output_dir>-machine<i>.log."""
+    port, machines = free_port(), len(configs)
+    processes = []
+    for rank, config in enumerate(configs):
+        launch_args = ("--num_machines", str(machines), "--machine_rank", str(rank),
+                       "--main_process_ip", "127.0.0.1")
+        extra = machine_args[rank] if machine_args else ()
+        processes.append(start_recipe(output_dir, assets, *args, *extra, config=config, processes=machines,
+                                      launch_args=launch_args, port=port, log_name=f"{output_dir.name}-machine{rank}"))
+    return processes
 
 
 def wait_for_step(process: subprocess.Popen, output_dir: Path, step: int, timeout: float = 300) -> None:
@@ -113,6 +130,26 @@ def wait_for_step(process: subprocess.Popen, output_dir: Path, step: int, timeou
             pass
         time.sleep(0.2)
     raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def wait_all(processes: list[subprocess.Popen], timeout: float, started: float | None = None) -> list[float]:
+    """Seconds from `started` (default: now) until each launcher exited; kills them all and fails if any
+    outlives `timeout`."""
+    started, ended = started or time.monotonic(), {}
+    while len(ended) < len(processes):
+        for index, process in enumerate(processes):
+            if index not in ended and process.poll() is not None:
+                ended[index] = time.monotonic() - started
+        if time.monotonic() - started > timeout:
+            for process in processes:
+                os.killpg(process.pid, signal.SIGKILL)
+            raise AssertionError(f"launchers still running after {timeout}s: a hang")
+        time.sleep(0.1)
+    return [ended[index] for index in range(len(processes))]
+
+
+def machine_log(output_dir: Path, machine: int) -> str:
+    return (output_dir.parent / f"{output_dir.name}-machine{machine}.log").read_text()
 
 
 def free_port() -> int:

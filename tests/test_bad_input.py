@@ -2,43 +2,133 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
 import pytest
 
 from shardtune import Recipe, main
 from tests.conftest import run_recipe
 
+
+@dataclass(frozen=True)
+class Case:
+    """Flags (`{tmp}` is the test's directory), launch variables, files written under {tmp} first, modules made
+    to look uninstalled, and what the one error line must say."""
+
+    args: tuple[str, ...]
+    message: str
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    uninstalled: tuple[str, ...] = ()
+
+
+MULTI_NODE = {"WORLD_SIZE": "2", "RANK": "0"}
+RENDEZVOUS = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+DEEPSPEED = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
+FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
+        "FSDP_SHARDING_STRATEGY": "FULL_SHARD"}
+EARLIER_RUN = {"out/metrics.jsonl": '{"step": 1, "loss": 2.5}\n', "out/checkpoint-1/checkpoint_complete.json":
+               '{"step": 1, "world_size": 1}'}
+
 CASES = {
-    "unknown flag": (["--learning_rat", "1e-4"], "Unknown argument(s): --learning_rat"),
-    "batch does not divide": (["--global_batch_size", "33", "--per_device_train_batch_size", "4"],
-                              "--global_batch_size 33 is not divisible"),
-    "accumulation disagrees": (["--global_batch_size", "32", "--per_device_train_batch_size", "4",
-                                "--gradient_accumulation_steps", "4"], "disagrees with --global_batch_size"),
-    "fp16 without a loss scaler": (["--mixed_precision", "fp16"], "needs a loss scaler"),
-    "unknown precision": (["--mixed_precision", "fp8"], "--mixed_precision must be one of"),
-    "missing dataset": (["--dataset", "no/such/file.jsonl"], "Dataset file not found: 'no/such/file.jsonl'"),
-    "4-bit without LoRA": (["--load_in_4bit", "true"], "add --use_peft true"),
-    "QLoRA without a GPU": (["--use_peft", "true", "--load_in_4bit", "true"], "--load_in_4bit needs a CUDA GPU"),
-    "unknown data format": (["--dataset_format", "sharegpt"], "--dataset_format must be one of"),
+    # Recipe fields and command-line flags.
+    "unknown flag": Case(("--learning_rat", "1e-4"), "Unknown argument(s): --learning_rat"),
+    "batch does not divide": Case(("--global_batch_size", "33", "--per_device_train_batch_size", "4"),
+                                  "--global_batch_size 33 is not divisible"),
+    "accumulation disagrees": Case(("--global_batch_size", "32", "--per_device_train_batch_size", "4",
+                                    "--gradient_accumulation_steps", "4"), "disagrees with --global_batch_size"),
+    "fp16 without a loss scaler": Case(("--mixed_precision", "fp16"), "needs a loss scaler"),
+    "unknown precision": Case(("--mixed_precision", "fp8"), "--mixed_precision must be one of"),
+    "4-bit without LoRA": Case(("--load_in_4bit", "true"), "add --use_peft true"),
+    "QLoRA without a GPU": Case(("--use_peft", "true", "--load_in_4bit", "true"), "--load_in_4bit needs a CUDA GPU"),
+    "unknown data format": Case(("--dataset_format", "sharegpt"), "--dataset_format must be one of"),
+    "zero learning rate": Case(("--learning_rate", "0"), "--learning_rate must be > 0, got 0.0"),
+    "negative learning rate": Case(("--learning_rate", "-0.0001"), "--learning_rate must be > 0, got -0.0001"),
+    "max_seq_length 0": Case(("--max_seq_length", "0"), "--max_seq_length must be >= 2, got 0"),
+    "not a boolean": Case(("--packing", "maybe"), "Bad command line: argument --packing: Truthy value expected"),
+    "not a number": Case(("--max_steps", "ten"), "invalid int value: 'ten'"),
+    "LoRA rank 0": Case(("--use_peft", "true", "--lora_r", "0"), "LoRA needs --lora_r >= 1"),
+    "unknown scheduler": Case(("--lr_scheduler_type", "cosine_decay"), "--lr_scheduler_type must be one of"),
+    "scheduler needing arguments": Case(("--lr_scheduler_type", "warmup_stable_decay"),
+                                        "--lr_scheduler_type must be one of"),
+    "eval_fraction over 1": Case(("--eval_fraction", "1.5"), "--eval_fraction must be between 0 and 1"),
+    "negative save_total_limit": Case(("--save_total_limit", "-1"), "--save_total_limit must be >= 0, got -1"),
+    "zero rank timeout": Case(("--rank_timeout_s", "0"), "--rank_timeout_s must be > 0, got 0.0"),
+    "resume from a missing checkpoint": Case(("--resume_from_checkpoint", "{tmp}/out/checkpoint-9"),
+                                             "/out/checkpoint-9' is not a directory"),
+    "output_dir of an earlier run": Case((), "already holds files of another run", files=EARLIER_RUN),
+    "output_dir is a file": Case((), "is a file; give a directory", files={"out": "not a directory"}),
+    # The launch environment, as `accelerate launch` exports it from the config file and its flags.
+    "multi-node without MASTER_ADDR": Case((), "MASTER_ADDR is not set", env={**MULTI_NODE, "MASTER_PORT": "29500"}),
+    "multi-node without a rendezvous": Case((), "MASTER_ADDR and MASTER_PORT are not set", env=MULTI_NODE),
+    "RANK not below WORLD_SIZE": Case((), "RANK 2 does not fit WORLD_SIZE 2",
+                                      env={**MULTI_NODE, **RENDEZVOUS, "RANK": "2"}),
+    "WORLD_SIZE not a number": Case((), "WORLD_SIZE='two' is not a whole number", env={"WORLD_SIZE": "two"}),
+    "ZeRO stage 4": Case((), "sets zero_stage '4'", env={**DEEPSPEED, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "4"}),
+    "parameter offload below ZeRO-3": Case((), "offload_param_device cpu needs ZeRO stage 3", env={
+        **DEEPSPEED, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu"}),
+    "NVMe optimizer offload below ZeRO-3": Case((), "offload_optimizer_device nvme needs ZeRO stage 3", env={
+        **DEEPSPEED, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "nvme"}),
+    "DeepSpeed not installed": Case((), "pip install deepspeed", env=DEEPSPEED, uninstalled=("deepspeed",)),
+    "FSDP version 1": Case((), "set fsdp_version: 2", env={**FSDP, "FSDP_VERSION": "1"}),
+    "FSDP1 strategy as reshard_after_forward": Case((), "'HYBRID_SHARD' is an FSDP1 strategy",
+                                                    env={**FSDP, "FSDP_RESHARD_AFTER_FORWARD": "HYBRID_SHARD"}),
+    "FSDP1 sharding_strategy under FSDP2": Case((), "fsdp_sharding_strategy SHARD_GRAD_OP is an FSDP1 setting",
+                                                env={**FSDP, "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"}),
+    "W&B without wandb": Case(("--report_to", "wandb"), "pip install wandb, or pass --report_to none",
+                              uninstalled=("wandb",)),
+    # Data files, as far as they can be judged without reading them.
+    "missing dataset": Case(("--dataset", "no/such/file.jsonl"), "Dataset file not found: 'no/such/file.jsonl'"),
+    "empty data file": Case(("--dataset", "{tmp}/train.jsonl"), "train.jsonl' is empty", files={"train.jsonl": ""}),
+    "unsupported file type": Case(("--dataset", "{tmp}/train.txt"), "unknown file type '.txt'",
+                                  files={"train.txt": "rev ab=ba\n"}),
+    "directory not from save_to_disk": Case(("--dataset", "{tmp}/rows"), "not one written by `save_to_disk`",
+                                            files={"rows/part-0.jsonl": '{"text": "a"}\n'}),
+    # Hardware names for the memory plan.
+    "unknown hardware": Case(("--hardware", "dgx-h100"), "Unknown hardware 'dgx-h100'. Valid: 8xh100-80gb"),
+    "hardware without memory": Case(("--hardware", "9xh100"), "Unknown hardware '9xh100'"),
+    "hardware with zero nodes": Case(("--hardware", "0x8xh100-80gb"), "needs at least one node"),
 }
+# Whatever the shell running the tests exported must not leak into a case.
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, bytes] | None]:
+    return {str(path.relative_to(root)): (path.stat().st_mtime_ns, path.read_bytes()) if path.is_file() else None
+            for path in sorted(root.rglob("*"))}
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_refused_before_loading(case, tiny_assets, tmp_path, capsys):
+def test_refused_before_loading(case, tiny_assets, tmp_path, capsys, monkeypatch):
     """The recipe entry point itself, in this process (a launched refusal is tested below): exit code 2, one
-    line naming the problem and the fix, no traceback, nothing loaded, nothing written."""
-    args, message = CASES[case]
+    line naming the problem and the fix, no traceback, nothing loaded, nothing on disk created or changed."""
+    spec = CASES[case]
+    for name in [*os.environ]:
+        if name in LAUNCH_VARIABLES or name.startswith(("ACCELERATE_", "FSDP_")):
+            monkeypatch.delenv(name)
+    for name, value in spec.env.items():
+        monkeypatch.setenv(name, value)
+    for module in spec.uninstalled:
+        monkeypatch.setitem(sys.modules, module, None)  # importlib.util.find_spec then answers None
+    for name, content in spec.files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(content)
+    before = snapshot(tmp_path)
     output_dir = tmp_path / "out"
     model_dir, data_file = tiny_assets
     argv = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),
-            "--report_to", "none", *args]
+            "--report_to", "none", *(arg.replace("{tmp}", str(tmp_path)) for arg in spec.args)]
     with pytest.raises(SystemExit) as exit_info:
         main(Recipe(name="tiny", max_seq_length=64, per_device_train_batch_size=16, global_batch_size=32), argv)
     assert exit_info.value.code == 2
     stderr = capsys.readouterr().err
     error_lines = [line for line in stderr.splitlines() if line.startswith("shardtune: error:")]
-    assert len(error_lines) == 1 and message in error_lines[0], stderr[-2000:]
+    assert len(error_lines) == 1 and spec.message in error_lines[0], stderr[-2000:]
     assert "Traceback" not in stderr and "Loading weights" not in stderr
-    assert not output_dir.exists()
+    assert snapshot(tmp_path) == before  # no output_dir created, an earlier run's files untouched
 
 
 def test_batch_must_divide_over_ranks(tiny_assets, tmp_path):

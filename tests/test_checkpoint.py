@@ -24,10 +24,13 @@ from tests.conftest import (
     ENV,
     REFERENCE_ARGS,
     REPO,
+    machine_log,
     read_metrics,
     run_recipe,
+    start_machines,
     start_recipe,
     train_losses,
+    wait_all,
     wait_for_step,
 )
 
@@ -54,17 +57,48 @@ def export(checkpoint, output) -> None:
                    check=True, env=ENV, capture_output=True)
 
 
-@pytest.mark.parametrize("config", ["ddp", "fsdp_full_shard", "ds_zero3"])
-def test_kill_and_resume_equals_uninterrupted_run(config, reference_run, tiny_assets, tmp_path):
+# DDP runs as one launcher of two processes and dies whole. FSDP and ZeRO-3 run as two machines of one process
+# each (two launchers on loopback): their losses, equal to the one-machine reference, show that multi-machine
+# training is the same computation. Under FSDP one rank dies alone: the surviving machine must name it and stop
+# within the rank timeout. Under ZeRO-3 both machines die at once. Each run resumes as it was launched.
+KILLS = [("ddp", 1), ("fsdp_full_shard", 2), ("ds_zero3", 2)]
+RANK_TIMEOUT_S = 10
+
+
+def launch(output_dir, tiny_assets, *args, config: str, machines: int) -> list[subprocess.Popen]:
+    args = (*args, "--rank_timeout_s", str(RANK_TIMEOUT_S))
+    if machines == 1:
+        return [start_recipe(output_dir, tiny_assets, *args, config=config, processes=2)]
+    return start_machines(output_dir, tiny_assets, *args, configs=[config] * machines)
+
+
+@pytest.mark.parametrize(("config", "machines"), KILLS, ids=[f"{config}-{n}machines" for config, n in KILLS])
+def test_kill_and_resume_equals_uninterrupted_run(config, machines, reference_run, tiny_assets, tmp_path):
     reference = reference_run(config)
 
     kill_step = random.randint(3, 6)
     killed = tmp_path / "killed"
-    process = start_recipe(killed, tiny_assets, *ARGS, config=config, processes=2)
-    wait_for_step(process, killed, kill_step)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    run_recipe(killed, tiny_assets, *ARGS, "--resume_from_checkpoint", "auto", config=config, processes=2)
+    launchers = launch(killed, tiny_assets, *ARGS, config=config, machines=machines)
+    wait_for_step(launchers[0], killed, kill_step)
+    if config == "fsdp_full_shard":
+        (rank_1,) = [child for child in psutil.Process(launchers[1].pid).children(recursive=True)
+                     if "tiny.py" in " ".join(child.cmdline())]
+        rank_1.kill()
+        exit_times = wait_all(launchers, timeout=120)
+        survivor_log = machine_log(killed, 0)
+        assert "rank 1 on machine 1 (" in survivor_log and "has not answered" in survivor_log, survivor_log[-4000:]
+        print(f"rank 1 killed at step {kill_step}: machines exited after {exit_times} s "
+              f"(rank timeout {RANK_TIMEOUT_S} s)")
+        assert max(exit_times) < RANK_TIMEOUT_S + 20
+    else:
+        for launcher in launchers:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    resumed = launch(killed, tiny_assets, *ARGS, "--resume_from_checkpoint", "auto", config=config,
+                     machines=machines)
+    wait_all(resumed, timeout=600)
+    log = machine_log(killed, 0) if machines > 1 else (tmp_path / "killed.log").read_text()
+    assert [launcher.returncode for launcher in resumed] == [0] * machines, log[-4000:]
 
     assert [row["step"] for row in read_metrics(killed) if "loss" in row] == list(range(1, 9))
     assert train_losses(killed) == train_losses(reference), f"killed at step {kill_step}"  # bitwise

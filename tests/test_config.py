@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from shardtune.config import BatchPlan, ConfigError, Recipe, parse_recipe, plan_batches
+from shardtune.config import (
+    LR_SCHEDULERS,
+    BatchPlan,
+    ConfigError,
+    Recipe,
+    launch_env,
+    parse_recipe,
+    plan_batches,
+    validate,
+)
 
 
 def test_command_line_overrides_recipe_values():
@@ -31,3 +42,48 @@ def test_inconsistent_batches_refused(micro, gas, total, world):
     recipe = Recipe(per_device_train_batch_size=micro, gradient_accumulation_steps=gas, global_batch_size=total)
     with pytest.raises(ConfigError):
         plan_batches(recipe, world)
+
+
+@pytest.mark.parametrize("env", [
+    {},  # one process, no launcher
+    {"WORLD_SIZE": "16", "RANK": "15", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},  # 2 nodes, DDP
+    {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+     "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+     "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "nvme", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"},
+    {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+     "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none"},
+    {"ACCELERATE_USE_DEEPSPEED": "true"},  # stage from a DeepSpeed JSON file
+    {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false",
+     "FSDP_SHARDING_STRATEGY": "FULL_SHARD"},  # what `accelerate launch` exports for fsdp_shard_grad_op.yaml
+])
+def test_good_launch_environments_pass(env, monkeypatch):
+    for name in [*os.environ]:
+        if name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT") or name.startswith(("ACCELERATE_", "FSDP_")):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    world_size, uses_deepspeed, uses_fsdp = launch_env()
+    assert world_size == int(env.get("WORLD_SIZE", 1))
+    assert (uses_deepspeed, uses_fsdp) == ("ACCELERATE_USE_DEEPSPEED" in env, "ACCELERATE_USE_FSDP" in env)
+
+
+def test_good_recipe_passes_validation(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "rev ab=", "completion": "ba"}\n')
+    recipe = Recipe(model_name_or_path="some/model", dataset=str(data), output_dir=str(tmp_path / "out"),
+                    per_device_train_batch_size=4, global_batch_size=32, resume_from_checkpoint="auto")
+    assert validate(recipe, world_size=8, uses_deepspeed=False, has_gpu=False) == BatchPlan(4, 1, 8)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", LR_SCHEDULERS)
+def test_accepted_schedulers_step_without_arguments(name):
+    """The names --lr_scheduler_type accepts build and step as the trainer calls them: no kwargs, no metric."""
+    import torch
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=1, num_training_steps=4)
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
