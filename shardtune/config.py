@@ -97,6 +97,9 @@ class Recipe:
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Delete an earlier run in output_dir instead of refusing to start."}
     )
+    offload_nvme_path: str = field(default="", metadata={
+        "help": "A directory on local NVMe for ds_zero3_nvme_offload.yaml's swap files (accelerate launch does not "
+                "pass the config file's NVMe paths on)."})
     collective_timeout_minutes: float = field(default=10, metadata={
         "help": "A training collective that waits longer fails the job instead of hanging."})
     startup_timeout_minutes: float = field(default=30, metadata={
@@ -198,6 +201,22 @@ def check_fsdp_env() -> None:
     if strategy not in ("FULL_SHARD", "1"):  # `accelerate launch` exports FULL_SHARD unless the config says more
         raise ConfigError(f"fsdp_sharding_strategy {strategy} is an FSDP1 setting that FSDP2 ignores (the run would "
                           "fully shard): remove it, and set fsdp_reshard_after_forward: false for SHARD_GRAD_OP.")
+
+
+def check_nvme_path(recipe: Recipe, uses_deepspeed: bool) -> None:
+    """NVMe offload needs --offload_nvme_path, and the flag needs NVMe offload: accelerate launch does not pass a
+    config's nvme paths to the script, so DeepSpeed would write its swap files to ./none."""
+    offloaded = [kind for kind in ("optimizer", "param") if uses_deepspeed and os.environ.get(
+        f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind.upper()}_DEVICE", "none").strip().lower() == "nvme"]
+    path = recipe.offload_nvme_path
+    if offloaded and not path:
+        raise ConfigError(f"The accelerate config offloads the {' and '.join(offloaded)} states to NVMe: pass "
+                          "--offload_nvme_path <directory on a local NVMe disk>.")
+    if path and not offloaded:
+        raise ConfigError("--offload_nvme_path is used only with NVMe offload (ds_zero3_nvme_offload.yaml): drop it "
+                          "or launch with that config.")
+    if path and not os.path.isdir(path):
+        raise ConfigError(f"--offload_nvme_path {path!r} is not a directory: create it on a local NVMe disk.")
 
 
 class RecipeParser(HfArgumentParser):
@@ -315,6 +334,7 @@ def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: boo
             raise ConfigError(f"{name} must be >= {lowest}, got {value}.")
     if recipe.report_to not in ("wandb", "none"):
         raise ConfigError(f"--report_to must be wandb or none, got {recipe.report_to!r}.")
+    check_nvme_path(recipe, uses_deepspeed)
     for name in ("collective_timeout_minutes", "startup_timeout_minutes", "rank_timeout_s"):
         if not getattr(recipe, name) > 0:
             raise ConfigError(f"--{name} must be > 0, got {getattr(recipe, name)}.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -21,6 +22,9 @@ from shardtune.config import BatchPlan, ConfigError, Recipe, launch_env
 def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> Accelerator:
     world_size, uses_deepspeed, uses_fsdp = launch_env()
     on_cpu = not torch.cuda.is_available()
+    if uses_deepspeed and recipe.offload_nvme_path:  # read by accelerate's DeepSpeed plugin; the launcher sets none
+        for kind in ("OPTIMIZER", "PARAM"):
+            os.environ[f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind}_NVME_PATH"] = recipe.offload_nvme_path
     accelerator = Accelerator(
         # Without CUDA, accelerate would start N unconnected single processes for DDP/FSDP configs: ask for
         # MULTI_CPU over gloo. DeepSpeed ignores `cpu=True`; it gets gloo through the process-group kwargs.

@@ -40,8 +40,8 @@ def reference_run(tiny_assets, tmp_path_factory):
     def run(config: str | None) -> Path:
         if config not in done:
             root = tmp_path_factory.mktemp(f"reference-{config or 'single'}")
-            run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, config=config, processes=2,
-                       launch_args=nvme_args(config, root))
+            run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, *nvme_args(config, root), config=config,
+                       processes=2)
             done[config] = root / "out"
         return done[config]
 
@@ -56,7 +56,7 @@ def nvme_args(config: str | None, root: Path) -> tuple[str, ...]:
     if not AsyncIOBuilder().is_compatible(verbose=False):
         pytest.skip("NVMe offload needs libaio for DeepSpeed's async_io op: apt-get install libaio-dev")
     (root / "nvme").mkdir()
-    return ("--offload_param_nvme_path", str(root / "nvme"), "--offload_optimizer_nvme_path", str(root / "nvme"))
+    return ("--offload_nvme_path", str(root / "nvme"))
 
 
 def recipe_command(

@@ -67,6 +67,11 @@ CASES = {
     "RANK not below WORLD_SIZE": Case((), "RANK 2 does not fit WORLD_SIZE 2",
                                       env={**MULTI_NODE, **RENDEZVOUS, "RANK": "2"}),
     "WORLD_SIZE not a number": Case((), "WORLD_SIZE='two' is not a whole number", env={"WORLD_SIZE": "two"}),
+    "NVMe offload without a path": Case((), "offloads the optimizer and param states to NVMe: pass --offload_nvme_path",
+                                        env={**DEEPSPEED, "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "nvme",
+                                             "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"}),
+    "NVMe path without NVMe offload": Case(("--offload_nvme_path", "{tmp}"), "is used only with NVMe offload",
+                                           env=DEEPSPEED),
     "ZeRO stage 4": Case((), "sets zero_stage '4'", env={**DEEPSPEED, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "4"}),
     "parameter offload below ZeRO-3": Case((), "offload_param_device cpu needs ZeRO stage 3", env={
         **DEEPSPEED, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu"}),

@@ -42,5 +42,8 @@ def test_model_states_equal_the_bytes_each_rank_holds(config, reference_run, tin
                                       rel=GRADIENT_RTOL)
     else:  # NVMe: Adam's states and the fp32 master live in swap files; the gradient partitions in host RAM
         assert measured["gradients"] == pytest.approx(planned.host, rel=GRADIENT_RTOL)
+        # DeepSpeed swapped under --offload_nvme_path (it deletes the files at exit, the folders stay).
+        swap_root = reference_run(config).parent / "nvme" / "zero_stage_3"
+        assert {path.name for path in swap_root.iterdir()} == {"optimizer", "float32params"}
     if strategy.kind == "deepspeed":  # reduce buckets (allocated whole) and ZeRO-3 layers still gathered
         assert measured["buffers"] <= buffers(strategy, shape, params, 2, "fp32")
