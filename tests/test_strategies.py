@@ -35,10 +35,11 @@ def test_every_config_trains_and_matches_one_process_in_fp32(config, reference_r
 
 
 def test_bf16_strategies_agree(reference_run, tiny_assets, tmp_path):
-    """One run per bf16 mechanism: autocast (DDP, as one process), FSDP2's MixedPrecisionPolicy (FULL_SHARD;
-    SHARD_GRAD_OP casts the same way) and DeepSpeed's bf16 engine (ZeRO-3; ZeRO-1/2 use the same engine)."""
+    """One run per bf16 mechanism: autocast (one process; DDP casts the same way), FSDP2's MixedPrecisionPolicy
+    (FULL_SHARD; SHARD_GRAD_OP casts the same way) and DeepSpeed's bf16 engine (ZeRO-3; ZeRO-1/2 use the same
+    engine)."""
     curves = {}
-    for config in (None, "ddp", "fsdp_full_shard", "ds_zero3"):
+    for config in (None, "fsdp_full_shard", "ds_zero3"):
         output_dir = tmp_path / (config or "single")
         run_recipe(output_dir, tiny_assets, *REFERENCE_ARGS, "--mixed_precision", "bf16", "--save_steps", "0",
                    config=config, processes=2)
