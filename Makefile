@@ -22,13 +22,20 @@ $(VENV)/deepspeed-ops: $(VENV)/installed
 	$(PY) scripts/build_deepspeed_ops.py
 	touch $@
 
+# tests/test_slurm.py starts its own munged, slurmctld and two slurmd; it skips without the SLURM binaries.
+$(VENV)/slurm: $(VENV)/installed
+	dpkg -s slurmctld slurmd slurm-client munge >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge; } \
+		|| echo "slurm-wlm could not be installed: the SLURM test will skip"
+	touch $@
+
 demo: $(VENV)/installed
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --overwrite_output_dir true
 
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .
 
-test: lint $(VENV)/deepspeed-ops
+test: lint $(VENV)/deepspeed-ops $(VENV)/slurm
 	$(PY) -m pytest -q --durations=15
 
 clean:
