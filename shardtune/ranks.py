@@ -99,14 +99,17 @@ def watch_ranks(accelerator: Accelerator, recipe: Recipe) -> Iterator[None]:
     watchdog = RankWatchdog(interval=min(5.0, recipe.rank_timeout_s / 4), timeout=recipe.rank_timeout_s)
     try:
         yield
+    except SystemExit:  # a stop every rank takes together: non-finite loss, stop signal
+        watchdog.stop(clean=True)
+        raise
     except Exception as error:
         # A peer's death surfaces here as whatever the backend raises (gloo: a RuntimeError "Connection reset
         # by peer"), from inside torch.distributed.
         if any(f"torch{os.sep}distributed" in frame.filename for frame in traceback.extract_tb(error.__traceback__)):
             watchdog.wait_for_verdict()
+        watchdog.stop(clean=False)  # this rank fails alone: let the others' watchdogs name it
         raise
-    finally:
-        watchdog.stop()
+    watchdog.stop(clean=True)
 
 
 class RankWatchdog:
@@ -165,11 +168,12 @@ class RankWatchdog:
         """After a collective failed here: give the watchdog time to name the rank that died, then return."""
         self.verdict.wait(self.timeout + 3 * self.interval)
 
-    def stop(self) -> None:
-        """This rank leaves on purpose (done, or stopping with the others): its watcher must not raise alarm."""
-        if not self.stopped.is_set():
-            self.stopped.set()
-            self.thread.join()
+    def stop(self, clean: bool) -> None:
+        """Stop beating. `clean`: this rank leaves on purpose, with the others, so its watcher must not raise an
+        alarm; otherwise the watcher names it after the timeout."""
+        self.stopped.set()
+        self.thread.join()
+        if clean:
             try:
                 self.store.set(f"beat/{self.rank}", "done")
             except Exception:  # noqa: BLE001 (the store's launcher may already be gone at the very end)
