@@ -4,6 +4,7 @@ bounded time, and stop together when one of them dies, with a message that names
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import socket
 import sys
@@ -17,16 +18,17 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 
 from shardtune.config import BatchPlan, ConfigError, Recipe
 
 PEER_LOST_EXIT_CODE = 4
-VERSIONED_PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "datasets", "shardtune")
-# What `accelerate launch` exports from the accelerate config: distributed type, ZeRO stage and offload, FSDP
-# strategy, precision. Paths and ports may differ per machine and are left out.
-LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_")
-PER_MACHINE_KEYS = ("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_LOG_LEVEL")
+# What `accelerate launch` exports from the accelerate config (distributed type, ZeRO stage and offload, FSDP
+# strategy, precision), less the paths that may differ per machine.
+LAUNCH_PREFIXES = ("ACCELERATE_USE_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_MIXED_PRECISION", "FSDP_")
+PER_MACHINE_KEYS = ("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
+                    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH")
+MACHINES_NAMED = 3  # per differing value: enough to find them, short at 128 machines
 
 
 def machine_of_rank() -> str:
@@ -34,7 +36,7 @@ def machine_of_rank() -> str:
     return f"machine {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"
 
 
-def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan) -> dict[str, str]:
+def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, start_step: int) -> dict[str, str]:
     """Everything the ranks of one job must agree on, as strings, one key per value."""
     fingerprint = {
         "distributed_type": accelerator.distributed_type.value,
@@ -43,11 +45,18 @@ def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan
         "micro_batch": plan.micro_batch,
         "accumulation": plan.accumulation,
         "global_batch": plan.global_batch,
+        "resume_step": start_step,  # a per-machine output_dir or a stale network filesystem would differ here
         **{key: value for key, value in os.environ.items()
            if key.startswith(LAUNCH_PREFIXES) and key not in PER_MACHINE_KEYS},
         **{f"recipe.{key}": value for key, value in dataclasses.asdict(recipe).items()},
     }
-    for package in VERSIONED_PACKAGES:
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if config_file and os.path.isfile(config_file):  # its path may differ per machine, its contents may not
+        fingerprint["deepspeed_config_sha256"] = hashlib.sha256(open(config_file, "rb").read()).hexdigest()
+    packages = ["torch", "transformers", "accelerate", "datasets", "shardtune"]
+    packages += ["deepspeed"] if accelerator.distributed_type == DistributedType.DEEPSPEED else []
+    packages += ["peft"] if recipe.use_peft else []
+    for package in packages:
         try:
             fingerprint[f"version.{package}"] = version(package)
         except PackageNotFoundError:
@@ -55,15 +64,15 @@ def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan
     return {key: str(value) for key, value in fingerprint.items()}
 
 
-def check_ranks_agree(accelerator: Accelerator, fingerprint: dict[str, str]) -> None:
+def check_ranks_agree(accelerator: Accelerator, fingerprint: dict[str, str]) -> list[str]:
     """Exchange every rank's fingerprint; on any difference every rank raises the same ConfigError, naming the
     keys and the machines. Machines started with different ZeRO stages or batch settings would otherwise hang
-    in mismatched collectives or silently train different things."""
+    in mismatched collectives or silently train different things. Returns each rank's machine name."""
     everyone = gather_object([(machine_of_rank(), fingerprint)])
     differing = sorted({key for _, other in everyone for key in other.keys() | fingerprint.keys()
                         if other.get(key) != fingerprint.get(key)})
     if not differing:
-        return
+        return [machine for machine, _ in everyone]
     details = []
     for key in differing[:5]:
         machines_by_value: dict[str, list[str]] = {}
@@ -71,8 +80,10 @@ def check_ranks_agree(accelerator: Accelerator, fingerprint: dict[str, str]) -> 
             machines = machines_by_value.setdefault(other.get(key, "<unset>"), [])
             if machine not in machines:
                 machines.append(machine)
-        details.append(f"{key}: " + ", ".join(f"{value!r} on {', '.join(machines)}"
-                                              for value, machines in machines_by_value.items()))
+        details.append(f"{key}: " + ", ".join(
+            f"{value!r} on {', '.join(machines[:MACHINES_NAMED])}"
+            + (f" and {len(machines) - MACHINES_NAMED} more" if len(machines) > MACHINES_NAMED else "")
+            for value, machines in machines_by_value.items()))
     more = f" (and {len(differing) - 5} more)" if len(differing) > 5 else ""
     raise ConfigError(
         f"the machines of this job were started differently: {'; '.join(details)}{more}. Launch every machine with "
@@ -81,86 +92,104 @@ def check_ranks_agree(accelerator: Accelerator, fingerprint: dict[str, str]) -> 
 
 
 def set_collective_timeout(minutes: float) -> None:
-    """How long any collective of the default process group may wait before the job fails rather than hangs.
-    The recipe's start-up timeout covers the slowest first collectives (rank 0 reading 140 GB of 70B weights
-    while the others wait, DeepSpeed's CPU Adam build) and saves (every shard written to a slow filesystem);
-    a training step of even 405B takes seconds, so its shorter timeout means a hang."""
-    if dist.is_initialized():
-        dist.distributed_c10d._set_pg_timeout(timedelta(minutes=minutes))
+    """How long any collective may wait before the job fails rather than hangs, in every process group of this
+    rank (DeepSpeed and FSDP make their own). The recipe's start-up timeout covers the slowest first collectives
+    (rank 0 reading 140 GB of 70B weights while the others wait, DeepSpeed's CPU Adam build) and saves (every
+    shard written to a slow filesystem); a training step of even 405B takes seconds, so its shorter timeout
+    means a hang."""
+    if not dist.is_initialized():
+        return
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if not dist.distributed_c10d._rank_not_in_group(group):
+            dist.distributed_c10d._set_pg_timeout(timedelta(minutes=minutes), group)
 
 
 @contextmanager
-def watch_ranks(accelerator: Accelerator, recipe: Recipe) -> Iterator[None]:
+def watch_ranks(accelerator: Accelerator, recipe: Recipe, machines: list[str]) -> Iterator[None]:
     """Run the body under a RankWatchdog (multi-process runs). An error from inside torch.distributed (a peer
-    died) waits for the watchdog to name that peer before it propagates."""
+    died) waits for the watchdog to name that peer before it propagates; any other error is posted at once, so
+    that the other ranks stop with its cause instead of waiting for it in a collective."""
     if accelerator.num_processes == 1:
         yield
         return
-    watchdog = RankWatchdog(interval=min(5.0, recipe.rank_timeout_s / 4), timeout=recipe.rank_timeout_s)
+    watchdog = RankWatchdog(machines, interval=min(5.0, recipe.rank_timeout_s / 4), timeout=recipe.rank_timeout_s)
     try:
         yield
-    except SystemExit:  # a stop every rank takes together: non-finite loss, stop signal
-        watchdog.stop(clean=True)
-        raise
-    except Exception as error:
-        # A peer's death surfaces here as whatever the backend raises (gloo: a RuntimeError "Connection reset
-        # by peer"), from inside torch.distributed.
-        if any(f"torch{os.sep}distributed" in frame.filename for frame in traceback.extract_tb(error.__traceback__)):
+    except BaseException as error:
+        frames = traceback.extract_tb(error.__traceback__)
+        if any(f"torch{os.sep}distributed" in frame.filename for frame in frames):
             watchdog.wait_for_verdict()
-        watchdog.stop(clean=False)  # this rank fails alone: let the others' watchdogs name it
+        watchdog.stop(failure=f"{type(error).__name__}: {error}".strip().splitlines()[0][:300])
         raise
-    watchdog.stop(clean=True)
+    watchdog.stop()
 
 
 class RankWatchdog:
     """Each rank bumps a counter in the rendezvous store every `interval` seconds and watches the next rank's.
-    A counter that stops moving for `timeout` seconds means that rank died (or its machine did): the watcher
-    posts one message naming it, and every rank, seeing the message, prints it and exits. That bounds the
-    job's life after a death by about `timeout + interval` seconds, whatever the collective timeouts; a NCCL
-    survivor would otherwise block until its collective timeout. Counters, not clock times, because the
-    machines' clocks need not agree. A hung but living rank still beats: collective timeouts catch hangs."""
+    A counter that stops moving for `timeout` seconds means that rank died, froze, or lost its machine: the
+    watcher posts one message naming it, and every rank, seeing the message, prints it and exits. That bounds
+    the job's life after a death by about `timeout + interval` seconds, whatever the collective timeouts; a NCCL
+    survivor would otherwise block until its collective timeout. A rank that fails posts its error, and stops
+    everyone at once. Counters, not clock times, because the machines' clocks need not agree. A hung but living
+    rank still beats: the collective timeouts catch that."""
 
-    def __init__(self, interval: float, timeout: float) -> None:
+    def __init__(self, machines: list[str], interval: float, timeout: float) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.watched = (self.rank + 1) % self.world_size
-        self.interval, self.timeout = interval, timeout
-        # The store every rank already reached at rendezvous (under torchrun it lives in machine 0's launcher).
-        self.store = dist.PrefixStore("shardtune/watchdog/", dist.distributed_c10d._get_default_store())
+        self.machines, self.interval, self.timeout = machines, interval, timeout
+        # Its own client of the store every rank reached at rendezvous (under torchrun, served by machine 0's
+        # launcher), with the watchdog's timeout: the main thread's client may block in a long `wait`.
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=timedelta(seconds=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted launch keeps its store
+        self.store = dist.PrefixStore(f"shardtune/watchdog/{attempt}/", client)
         self.stopped = threading.Event()
         self.verdict = threading.Event()
-        self.beats = 0
-        self.store.set(f"machine/{self.rank}", machine_of_rank())
         self.thread = threading.Thread(target=self._run, name="shardtune-watchdog", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        last_seen, last_change = None, time.monotonic()
+        last_seen, last_change, store_ok = -1, time.monotonic(), time.monotonic()
         while not self.stopped.wait(self.interval):
             try:
-                self.beats += 1
-                self.store.set(f"beat/{self.rank}", str(self.beats))
+                self.store.add(f"beat/{self.rank}", 1)
                 if self.store.check(["abort"]):
                     self._exit(self.store.get("abort").decode())
-                seen = self.store.get(f"beat/{self.watched}") if self.store.check([f"beat/{self.watched}"]) else None
-                if seen == b"done":
-                    continue
-                if seen != last_seen:
-                    last_seen, last_change = seen, time.monotonic()
-                elif time.monotonic() - last_change > self.timeout:
-                    machine = self.store.get(f"machine/{self.watched}").decode()
-                    message = (f"rank {self.watched} on {machine} has not answered for {self.timeout:.0f}s: it "
-                               "died or lost its network; stopping every rank. Its own log says why; resume with "
-                               "--resume_from_checkpoint auto.")
-                    self.store.set("abort", message)
-                    self._exit(message)
-            except Exception as error:  # noqa: BLE001 (the store is gone: machine 0 or its launcher died)
+                seen = self.store.add(f"beat/{self.watched}", 0)
+                store_ok = time.monotonic()
+            except Exception as error:  # noqa: BLE001 (a blip, or machine 0's launcher is gone)
                 if self.stopped.is_set():
                     return
-                self._exit(f"lost the rendezvous store on {os.environ.get('MASTER_ADDR')}:"
-                           f"{os.environ.get('MASTER_PORT')} ({error}): machine 0 or its launcher died; stopping.")
+                if time.monotonic() - store_ok > self.timeout:
+                    self._exit(f"lost the rendezvous store on {os.environ.get('MASTER_ADDR')}:"
+                               f"{os.environ.get('MASTER_PORT')} for {self.timeout:.0f}s ({error}): machine 0 or "
+                               "its launcher died; stopping.")
+                continue
+            if seen != last_seen:
+                last_seen, last_change = seen, time.monotonic()
+                continue
+            state = self._state(self.watched)
+            if state == "done":
+                continue
+            watched = f"rank {self.watched} on {self.machines[self.watched]}"
+            if state:  # it failed and said why
+                self._abort(f"{watched} failed ({state}); stopping every rank.")
+            elif time.monotonic() - last_change > self.timeout:
+                self._abort(f"{watched} has not answered for {self.timeout:.0f}s: it died, froze or lost its "
+                            "network; stopping every rank. Its own log says why; resume with "
+                            "--resume_from_checkpoint auto.")
 
-    def _exit(self, message: str) -> None:
-        print(f"shardtune: error: [rank {self.rank}] {message}", file=sys.stderr, flush=True)
+    def _state(self, rank: int) -> str:
+        key = f"state/{rank}"
+        return self.store.get(key).decode() if self.store.check([key]) else ""
+
+    def _abort(self, message: str) -> None:
+        self.store.set("abort", message)
+        self._exit(message, detected=True)
+
+    def _exit(self, message: str, detected: bool = False) -> None:
+        if detected or os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine, and by the rank that saw it
+            print(f"shardtune: error: [rank {self.rank}] {message}", file=sys.stderr, flush=True)
         self.verdict.set()
         os._exit(PEER_LOST_EXIT_CODE)  # the main thread may be blocked inside a collective that never returns
 
@@ -168,13 +197,12 @@ class RankWatchdog:
         """After a collective failed here: give the watchdog time to name the rank that died, then return."""
         self.verdict.wait(self.timeout + 3 * self.interval)
 
-    def stop(self, clean: bool) -> None:
-        """Stop beating. `clean`: this rank leaves on purpose, with the others, so its watcher must not raise an
-        alarm; otherwise the watcher names it after the timeout."""
+    def stop(self, failure: str = "") -> None:
+        """Stop beating and say why: done (the watcher must not raise an alarm) or this rank's failure (the
+        watcher stops everyone with it)."""
         self.stopped.set()
         self.thread.join()
-        if clean:
-            try:
-                self.store.set(f"beat/{self.rank}", "done")
-            except Exception:  # noqa: BLE001 (the store's launcher may already be gone at the very end)
-                pass
+        try:
+            self.store.set(f"state/{self.rank}", f"{failure}" if failure else "done")
+        except Exception:  # noqa: BLE001 (the store's launcher may already be gone)
+            pass

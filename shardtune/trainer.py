@@ -33,18 +33,22 @@ from shardtune.tracking import log_metrics, peak_memory_gb, start_tracking, trun
 
 def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: int) -> None:
     """Train `recipe` (already checked by shardtune.cli), from `resume_path` at `start_step` if given. Every rank
-    first checks that all ranks were launched alike, then trains watched by the others."""
+    first checks that all ranks were launched alike, then trains watched by the others. Exits with the trainer's
+    code when it stops early (non-finite loss, stop signal)."""
+    stop = StopRequest()  # from the start: a signal during start-up still ends in a checkpoint and code 75
     accelerator = make_accelerator(recipe, plan, log_with="wandb" if recipe.report_to == "wandb" else None)
-    check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, plan))
-    with watch_ranks(accelerator, recipe):
-        train_loop(accelerator, recipe, plan, resume_path, start_step)
+    machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, plan, start_step))
+    with watch_ranks(accelerator, recipe, machines):
+        exit_code = train_loop(accelerator, recipe, plan, resume_path, start_step, stop)
+    accelerator.end_training()  # closes the trackers and the process group, once no rank watches the others
+    if exit_code:
+        sys.exit(exit_code)
 
 
 def train_loop(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, resume_path: str | None,
-               start_step: int) -> None:
+               start_step: int, stop: StopRequest) -> int:
     output_dir = recipe.resolved_output_dir
     set_seed(recipe.seed)
-    stop = StopRequest()
 
     tokenizer = load_tokenizer(recipe)
     with accelerator.main_process_first():
@@ -146,8 +150,7 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, resume
             accelerator.print(f"shardtune: error: non-finite loss or gradient norm at step {step} "
                               f"(grad norm {float(grad_norm) if grad_norm is not None else 'n/a'}); nothing saved "
                               "from this state. Lower --learning_rate or resume from the last checkpoint.")
-            accelerator.end_training()
-            sys.exit(NON_FINITE_EXIT_CODE)
+            return NON_FINITE_EXIT_CODE
 
         if step == start_step + 1:  # what the ranks really hold, to check against the planner's model states
             held = accelerator.gather(torch.tensor([probe.held[key] for key in COMPONENTS], dtype=torch.float64,
@@ -185,9 +188,9 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, resume
         if stop_requested:
             save(step)
             accelerator.print(f"shardtune: stop signal received; checkpoint at step {step} saved, "
-                              f"exiting with code {PREEMPTED_EXIT_CODE} (resume with --resume_from_checkpoint auto)")
-            accelerator.end_training()
-            sys.exit(PREEMPTED_EXIT_CODE)
+                              f"exiting with code {PREEMPTED_EXIT_CODE} (resume with --resume_from_checkpoint auto)",
+                              flush=True)  # a requeue script reads it while the launchers shut down
+            return PREEMPTED_EXIT_CODE
         if recipe.save_steps and (step % recipe.save_steps == 0 or step == max_steps):
             save(step)
         if step == max_steps or (recipe.eval_steps and step % recipe.eval_steps == 0):
@@ -201,7 +204,7 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, resume
     if recipe.save_model:
         set_collective_timeout(recipe.startup_timeout_minutes)
         save_hf_model(accelerator, model, tokenizer, output_dir)
-    accelerator.end_training()  # closes the trackers and the process group
+    return 0
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
