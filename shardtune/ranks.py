@@ -116,12 +116,19 @@ def watch_ranks(accelerator: Accelerator, recipe: Recipe, machines: list[str]) -
     try:
         yield
     except BaseException as error:
-        frames = traceback.extract_tb(error.__traceback__)
-        if any(f"torch{os.sep}distributed" in frame.filename for frame in frames):
+        if from_a_collective(error):
             watchdog.wait_for_verdict()
         watchdog.stop(failure=f"{type(error).__name__}: {error}".strip().splitlines()[0][:300])
         raise
     watchdog.stop()
+
+
+def from_a_collective(error: BaseException) -> bool:
+    """A peer's loss surfaces as the backend's error: torch's DistError (NCCL), or gloo's RuntimeError, raised
+    from a wait inside torch.distributed or in DeepSpeed's own collectives."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return (isinstance(error, dist.DistError) or "gloo" in str(error)
+            or any(f"torch{os.sep}distributed" in frame.filename for frame in frames))
 
 
 class RankWatchdog:
