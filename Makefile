@@ -30,7 +30,7 @@ $(VENV)/slurm: $(VENV)/installed
 	touch $@
 
 demo: $(VENV)/installed
-	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --overwrite_output_dir true
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --use_cpu true --overwrite_output_dir true
 
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .

@@ -53,7 +53,7 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
     import torch
 
     from shardtune.config import launch_env, parse_recipe, validate
-    from shardtune.data import load_splits, make_collator
+    from shardtune.data import COUNTS, load_splits, make_collator
     from shardtune.distributed import make_accelerator
     from shardtune.model import load_model, load_tokenizer
     from shardtune.trainer import global_batches
@@ -78,6 +78,7 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
     for step in range(1, steps + 1):
         started = time.perf_counter()  # data loading counts, as it does in the trainer's tokens/s
         micro_batches = next(batches)
+        counts = [batch.pop(COUNTS) for batch in micro_batches]  # the trainer's host-side counts, free here too
         for batch in micro_batches:
             with accelerator.accumulate(model):
                 accelerator.backward(model(**batch).loss)
@@ -86,7 +87,7 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
         optimizer.zero_grad()
         if step > warmup:
             times.append(time.perf_counter() - started)
-            tokens.append(sum(int(batch["attention_mask"].sum()) for batch in micro_batches))
+            tokens.append(sum(count["tokens"] for count in counts))
     total_tokens = accelerator.reduce(torch.tensor(float(sum(tokens)), device=accelerator.device), "sum").item()
     if accelerator.is_main_process:
         print("BARE " + json.dumps({"tokens_per_second_per_device": total_tokens / sum(times) / world_size}))

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -87,6 +88,34 @@ def save_checkpoint(
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+class Checkpointer:
+    """Decides itself when the trainer's state is saved, and saves it. The trainer calls `after_step` after
+    every optimizer step, `save` on a stop signal, and `wait` before it exits, so that nothing it reports as
+    saved is still being written."""
+
+    def __init__(self, accelerator: Accelerator, recipe, extra_files: Callable[[str], None]) -> None:
+        self.accelerator, self.recipe, self.extra_files = accelerator, recipe, extra_files
+
+    def after_step(self, step: int, max_steps: int) -> None:
+        every = self.recipe.save_steps
+        if every and (step % every == 0 or step == max_steps):
+            self.save(step)
+
+    def save(self, step: int) -> str:
+        from shardtune.ranks import set_collective_timeout
+
+        started = time.perf_counter()
+        set_collective_timeout(self.recipe.startup_timeout_minutes)  # every shard written: as slow as the disk
+        path = save_checkpoint(self.accelerator, self.recipe.resolved_output_dir, step, self.recipe.save_total_limit,
+                               self.extra_files)
+        set_collective_timeout(self.recipe.collective_timeout_minutes)
+        self.accelerator.print(f"shardtune: saved {path} in {time.perf_counter() - started:.1f}s")
+        return path
+
+    def wait(self) -> None:
+        """Block until every save started so far is complete and durable (saves are synchronous today)."""
 
 
 def write_marker(checkpoint: str, content: dict) -> None:

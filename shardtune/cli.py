@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import warnings
@@ -14,6 +15,8 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
     """Parse overrides, check everything that needs no model, train. Bad input: one line on stderr, exit 2."""
     try:
         recipe = parse_recipe(recipe, argv)
+        if os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true":  # use_cpu: true in the accelerate config
+            recipe = dataclasses.replace(recipe, use_cpu=True)
         world_size, uses_deepspeed, _ = launch_env()
         import torch  # after the flag checks: --help and typos answer at once
 

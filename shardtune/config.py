@@ -18,6 +18,9 @@ DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".c
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
 ZERO_STAGES = ("1", "2", "3")
+# transformers' attention implementations for training, and the package each needs beyond torch.
+ATTENTION_PACKAGES = {"sdpa": None, "eager": None, "flex_attention": None, "flash_attention_2": "flash_attn",
+                      "flash_attention_3": "flash_attn_interface"}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
@@ -76,7 +79,12 @@ class Recipe:
         default=1, metadata={"help": "Recompute every k-th decoder layer (1 = all layers)."}
     )
     mixed_precision: str = field(default="bf16", metadata={"help": "bf16, fp16 (with a loss scaler) or no (fp32)."})
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = field(default="sdpa", metadata={
+        "help": f"One of {', '.join(ATTENTION_PACKAGES)}. With --packing on a GPU: flash_attention_2 or "
+                "flex_attention (SDPA and eager build a dense mask over the packed row)."})
+    use_cpu: bool = field(default=False, metadata={
+        "help": "Train on CPU over gloo (tests, demos). Without it a machine with no visible CUDA GPU is an error, "
+                "not a silent CPU run."})
     seed: int = 42
     logging_steps: int = 10
     eval_steps: int = field(default=0, metadata={"help": "Eval every N steps; 0 = only at the end."})
@@ -86,6 +94,11 @@ class Recipe:
     save_model: bool = field(default=True, metadata={"help": "Save the final model in Hugging Face format."})
     save_steps: int = field(default=500, metadata={"help": "Checkpoint every N steps and at the end; 0 = never."})
     save_total_limit: int = field(default=2, metadata={"help": "Keep the newest K checkpoints; 0 = keep all."})
+    save_only_model: bool = field(default=False, metadata={
+        "help": "Checkpoints hold the model only (no optimizer, scheduler or RNG state): they export, not resume."})
+    async_save: bool = field(default=False, metadata={
+        "help": "Copy the state to host memory, write it in the background while training goes on (costs host RAM "
+                "equal to each rank's checkpoint shard)."})
     resume_from_checkpoint: str = field(
         default="", metadata={"help": "`auto` (newest complete checkpoint in output_dir, if any) or a path."}
     )
@@ -282,8 +295,38 @@ def plan_batches(recipe: Recipe, world_size: int) -> BatchPlan:
     return BatchPlan(micro, total // per_step, world_size)
 
 
+def check_device(recipe: Recipe, has_cuda: bool) -> None:
+    """A node whose CUDA is broken must not train on CPU unnoticed: CPU mode is asked for, or there is a GPU."""
+    if not has_cuda and not recipe.use_cpu:
+        raise ConfigError("No CUDA GPU is visible (torch.cuda.is_available() is False): check the node's GPUs and "
+                          "driver (nvidia-smi, CUDA_VISIBLE_DEVICES), or pass --use_cpu true to train on CPU.")
+
+
+def check_attention(recipe: Recipe, on_gpu: bool) -> None:
+    name = recipe.attn_implementation
+    if name not in ATTENTION_PACKAGES:
+        raise ConfigError(f"--attn_implementation {name!r} is unknown: use one of {', '.join(ATTENTION_PACKAGES)}.")
+    package = ATTENTION_PACKAGES[name]
+    if package and not on_gpu:
+        raise ConfigError(f"--attn_implementation {name} runs on CUDA GPUs only: use sdpa on this machine.")
+    if package and importlib.util.find_spec(package) is None:
+        raise ConfigError(f"--attn_implementation {name} needs the {package} package, which is not installed: "
+                          f"install it (pip install {package.split('_interface')[0].replace('_', '-')}) or use "
+                          "sdpa or flex_attention.")
+    if name == "flex_attention" and not on_gpu:
+        raise ConfigError("--attn_implementation flex_attention has no backward pass on CPU in this torch: use sdpa "
+                          "on this machine (flex_attention trains on GPUs).")
+    if recipe.packing and on_gpu and name in ("sdpa", "eager"):
+        raise ConfigError(f"--packing true with --attn_implementation {name} builds a dense mask over the whole "
+                          "packed row (micro-batch x length squared) and leaves the flash kernel: use "
+                          "--attn_implementation flash_attention_2 (pip install flash-attn) or flex_attention.")
+
+
 def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: bool) -> BatchPlan:
-    """Every check that needs no model and no data loaded. Raises ConfigError."""
+    """Every check that needs no model and no data loaded. `has_gpu`: CUDA is available. Raises ConfigError."""
+    check_device(recipe, has_gpu)
+    has_gpu = has_gpu and not recipe.use_cpu
+    check_attention(recipe, has_gpu)
     if not recipe.model_name_or_path:
         raise ConfigError("No model: set --model_name_or_path to a local model directory or a Hub model id.")
     if not recipe.dataset:
@@ -342,6 +385,12 @@ def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: boo
         raise ConfigError("--report_to wandb needs wandb, which is not installed: pip install wandb, or pass "
                           "--report_to none.")
     resume = recipe.resume_from_checkpoint
+    if recipe.save_only_model and resume == "auto":
+        raise ConfigError("--save_only_model true writes checkpoints without optimizer states, which cannot resume "
+                          "training: drop --resume_from_checkpoint auto or --save_only_model true.")
+    if recipe.save_only_model and recipe.use_peft:
+        raise ConfigError("--save_only_model true is for full fine-tuning; a LoRA checkpoint's optimizer states are "
+                          "small: drop --save_only_model true.")
     if resume and resume != "auto" and not os.path.isdir(resume):
         raise ConfigError(f"--resume_from_checkpoint {resume!r} is not a directory: give a checkpoint "
                           "(<output_dir>/checkpoint-<step>), or `auto` for the newest complete one in --output_dir.")

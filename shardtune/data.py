@@ -184,11 +184,42 @@ def tokenize(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, n
 # Batches.
 
 
-def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False):
+COUNTS = "counts"  # batch key of the collator's host-side counts; taken out before the batch reaches the model
+FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False, attn_implementation: str = "sdpa"
+                  ) -> CountingCollator:
     """Padded: each micro-batch padded to its longest row (padded labels IGNORE_INDEX). Packed (padding-free):
     the micro-batch's sequences concatenated into one row with position ids restarting at every sequence and
-    the first label of each sequence masked; transformers derives per-sequence attention from the position ids
-    (flash-attention's variable-length path on GPU, a block-diagonal mask with SDPA or eager)."""
+    the first label of each sequence masked. Flash attention gets the sequence boundaries from the collator
+    (`cu_seq_lens`, computed on the host: no device sync in every layer); flex attention, SDPA and eager derive
+    per-sequence attention from the position ids (SDPA and eager through a dense mask, see config.py)."""
     if packing:
-        return DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX)
-    return DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+        inner = DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX,
+                                           return_flash_attn_kwargs=attn_implementation in FLASH_ATTENTION)
+    else:
+        inner = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX,
+                                       return_tensors="pt")
+    return CountingCollator(inner)
+
+
+class CountingCollator:
+    """Adds, under COUNTS, what the trainer needs to know of a micro-batch as plain integers counted on the host
+    while the batch is built: the step never reads them back from the device.
+    targets: tokens that carry loss (labels shifted by one, as the causal LM loss compares them);
+    tokens: sequence tokens (not padding); processed: tokens the model runs on; sequences: rows before packing."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.inner(features)
+        lengths = [len(feature["input_ids"]) for feature in features]
+        batch[COUNTS] = {
+            "targets": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()),
+            "tokens": sum(lengths),
+            "processed": batch["input_ids"].numel(),
+            "sequences": len(features),
+        }
+        return batch

@@ -1,4 +1,5 @@
-"""The Accelerator for the launch environment, on GPUs or, for tests and the demo, on CPUs over gloo."""
+"""The Accelerator for the launch environment: on GPUs, or on CPUs over gloo when CPU mode is asked for
+(`--use_cpu true`, as the tests and the demo do). The CPU-only switches live here and nowhere else."""
 
 from __future__ import annotations
 
@@ -14,24 +15,31 @@ from accelerate.utils import (
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
 )
-from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from shardtune.config import BatchPlan, ConfigError, Recipe, launch_env
+
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> Accelerator:
     world_size, uses_deepspeed, uses_fsdp = launch_env()
-    on_cpu = not torch.cuda.is_available()
+    on_cpu = recipe.use_cpu
     if uses_deepspeed and recipe.offload_nvme_path:  # read by accelerate's DeepSpeed plugin; the launcher sets none
         for kind in ("OPTIMIZER", "PARAM"):
             os.environ[f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind}_NVME_PATH"] = recipe.offload_nvme_path
     accelerator = Accelerator(
-        # Without CUDA, accelerate would start N unconnected single processes for DDP/FSDP configs: ask for
+        # On CPU, accelerate would start N unconnected single processes for DDP/FSDP configs: ask for
         # MULTI_CPU over gloo. DeepSpeed ignores `cpu=True`; it gets gloo through the process-group kwargs.
         cpu=on_cpu and not uses_deepspeed,
         mixed_precision=recipe.mixed_precision,  # the recipe wins over the config file, DeepSpeed included
+        fsdp_plugin=fsdp_plugin(recipe.mixed_precision, on_cpu) if uses_fsdp else None,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=plan.accumulation, sync_with_dataloader=False  # the trainer ends every cycle itself
+            num_steps=plan.accumulation, sync_with_dataloader=False,  # the trainer ends every cycle itself
+            # FSDP2 under no_sync keeps every layer's unsharded gradient until the last micro-batch (2 bytes x P
+            # per GPU in bf16): reduce-scatter each micro-batch into the sharded fp32 gradient instead, as
+            # torchtitan does. DDP holds full gradients either way, so it keeps no_sync and its saved traffic.
+            sync_each_batch=uses_fsdp,
         ),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.seed),
         step_scheduler_with_optimizer=False,  # the scheduler counts optimizer steps, stepped by the trainer
@@ -50,20 +58,36 @@ def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> A
             f"{world_size}: the ranks would train independently. Check the accelerate config's distributed_type."
         )
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        # The recipe owns clipping; DeepSpeed applies it inside its step.
-        accelerator.state.deepspeed_plugin.deepspeed_config["gradient_clipping"] = recipe.max_grad_norm
+        configure_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, recipe)
     return accelerator
+
+
+def fsdp_plugin(mixed_precision: str, on_cpu: bool) -> FullyShardedDataParallelPlugin:
+    """The plugin from the FSDP_* variables `accelerate launch` set, with gradients reduced in fp32: bf16
+    compute, but the reduce-scatter sums N ranks' gradients into the fp32 master shard, and a bf16 sum loses
+    the low bits of every addend (torchtitan reduces in fp32 too)."""
+    plugin = FullyShardedDataParallelPlugin()
+    if on_cpu and isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)  # pinning host memory needs an accelerator
+    half = HALF_DTYPES.get(mixed_precision)
+    if half is not None:
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32,
+                                                             output_dtype=half)
+    return plugin
+
+
+def configure_deepspeed(config: dict, recipe: Recipe) -> None:
+    """The recipe owns clipping (DeepSpeed applies it inside its step), and gradients accumulate over
+    micro-batches in fp32 rather than in the bf16 model dtype."""
+    config["gradient_clipping"] = recipe.max_grad_norm
+    if recipe.mixed_precision in HALF_DTYPES:
+        config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
 
 
 def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
     """accelerate enables FSDP only on an accelerator, although FSDP2 runs on CPU over gloo. Switch the state
     to FSDP with the plugin from the launch environment, before `prepare`, so accelerate's own FSDP path runs."""
     state = accelerator.state
-    plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables set by `accelerate launch`
-    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
-        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)  # pinning host memory needs an accelerator
-    if state.mixed_precision != "no":
-        plugin.set_mixed_precision(state.mixed_precision)
-    state.fsdp_plugin = plugin
+    state.fsdp_plugin = fsdp_plugin(state.mixed_precision, on_cpu=True)
     # AcceleratorState copies PartialState's shared fields whenever it is instantiated again: set both.
     PartialState._shared_state["distributed_type"] = state.distributed_type = DistributedType.FSDP

@@ -63,7 +63,7 @@ class _Storages:
     def bytes(self, tensors) -> int:
         total = 0
         for tensor in tensors:
-            if tensor is None:
+            if tensor is None or tensor.device.type == "meta":  # no memory behind it
                 continue
             storage = local(tensor).untyped_storage()
             key = (str(tensor.device), storage.data_ptr())
@@ -72,6 +72,28 @@ class _Storages:
             self.seen.add(key)
             total += storage.nbytes()
         return total
+
+
+def local_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameter data this rank holds (a ZeRO-3 partition, nothing for a model on the meta device)."""
+    return _Storages().bytes(getattr(p, "ds_tensor", p) for p in model.parameters())
+
+
+def fsdp_unsharded_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The full-size gradients FSDP2 keeps between micro-batches when gradient sync is off (no_sync): the
+    unsharded parameter's gradient, or its copy upcast to the reduce dtype. Neither is a `.grad` of the model's
+    (sharded) parameters, so a probe reading `p.grad` alone misses them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    grads = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                grads += [fsdp_param.unsharded_accumulated_grad, unsharded.grad if unsharded is not None else None]
+    return grads
 
 
 def held_model_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -90,15 +112,17 @@ def held_model_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     buckets = reachable_tensors(getattr(zero_optimizer, "ipg_buckets", None)) if is_zero else []
     buffers = counted.bytes([p for p in params if hasattr(p, "ds_tensor")] + list(buckets))
     grads = [p.grad for p in params] + [p.grad for group in inner.param_groups for p in group["params"]]
+    grads += fsdp_unsharded_gradients(model)
     if is_zero:
         grads += list(reachable_tensors(zero_optimizer))
     return {"weights": weights, "gradients": counted.bytes(grads), "optimizer": optimizer_states, "buffers": buffers}
 
 
 class ModelStateProbe:
-    """Per component, the most this rank holds at two moments of the first optimizer step: after a backward
-    (gradients still full-size where a strategy keeps them so, e.g. ZeRO-1 between reductions) and right
-    after the inner optimizer's step (fp32 gradient partitions and freshly created optimizer states)."""
+    """Per component, the most this rank holds at two moments of the first optimizer step: after every
+    micro-batch's backward, the non-final ones included (gradients still full-size where a strategy keeps them
+    so between reductions: ZeRO-1, FSDP under no_sync) and right after the inner optimizer's step (fp32
+    gradient partitions and freshly created optimizer states)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
+from accelerate import init_empty_weights
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from shardtune.config import Recipe
@@ -17,23 +20,44 @@ def load_tokenizer(recipe: Recipe) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(recipe: Recipe) -> PreTrainedModel:
+def load_model(recipe: Recipe, main_process: bool = True) -> PreTrainedModel:
     """Full fine-tuning loads the weights in fp32: they are the master weights, and bf16 compute comes from
     autocast, FSDP's MixedPrecisionPolicy or DeepSpeed's bf16 mode. With --use_peft the frozen base loads in
     the compute dtype (bf16; 4-bit NF4 with --load_in_4bit) and only the LoRA adapters train, in fp32.
     Must run after the Accelerator exists, so that ZeRO-3 partitions weights while they load and FSDP loads
-    them on rank 0 only (RAM-efficient loading)."""
+    them on rank 0 only (RAM-efficient loading: `main_process` False builds the model without weights)."""
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.mixed_precision)
-    model = AutoModelForCausalLM.from_pretrained(
-        recipe.model_name_or_path, dtype=half if recipe.use_peft and half else torch.float32,
-        attn_implementation=recipe.attn_implementation, quantization_config=quantization(recipe, half),
-    )
+    dtype = half if recipe.use_peft and half else torch.float32
+    if not main_process and fsdp_loads_on_rank0() and not recipe.load_in_4bit:
+        model = empty_model(recipe, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            recipe.model_name_or_path, dtype=dtype, attn_implementation=recipe.attn_implementation,
+            quantization_config=quantization(recipe, half),
+        )
     model.config.use_cache = False  # no KV cache in training
     if recipe.gradient_checkpointing:
         enable_gradient_checkpointing(model, recipe.gradient_checkpointing_interval)
     if recipe.use_peft:
         model = get_peft_model(model, lora_config(recipe), autocast_adapter_dtype=True)  # adapters in fp32
     return model
+
+
+def fsdp_loads_on_rank0() -> bool:
+    """FSDP's RAM-efficient loading, as `accelerate launch` exports it from fsdp_cpu_ram_efficient_loading.
+    (QLoRA's 4-bit parameters cannot move to the meta device: accelerate loads those on every rank.)"""
+    return (os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+            and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true")
+
+
+def empty_model(recipe: Recipe, dtype: torch.dtype) -> PreTrainedModel:
+    """The model's structure with parameters on the meta device, for the ranks that do not read the weights:
+    accelerate's FSDP2 preparation shards the meta model and broadcasts rank 0's weights into the shards.
+    Buffers stay real (include_buffers=False): the rotary frequencies are computed, not loaded, and accelerate
+    re-registers each rank's own. transformers 5.24 would otherwise load the full model on every rank."""
+    config = AutoConfig.from_pretrained(recipe.model_name_or_path)
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=recipe.attn_implementation)
 
 
 def lora_config(recipe: Recipe) -> LoraConfig:

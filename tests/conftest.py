@@ -66,7 +66,7 @@ def recipe_command(
     """The command that runs the tiny recipe on the given model and data; with `config`, `accelerate launch`."""
     model_dir, data_file = assets
     recipe_args = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),
-                   "--report_to", "none", "--logging_steps", "1", "--eval_steps", "0", *args]
+                   "--report_to", "none", "--logging_steps", "1", "--eval_steps", "0", "--use_cpu", "true", *args]
     if config is None:
         command = [sys.executable, str(recipe), *recipe_args]
     else:

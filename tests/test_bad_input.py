@@ -35,6 +35,9 @@ EARLIER_RUN = {"out/metrics.jsonl": '{"step": 1, "loss": 2.5}\n', "out/checkpoin
 
 CASES = {
     # Recipe fields and command-line flags.
+    "no GPU and no CPU mode": Case(("--use_cpu", "false"), "No CUDA GPU is visible"),
+    "unknown attention": Case(("--attn_implementation", "flash"), "--attn_implementation 'flash' is unknown"),
+    "flex attention on CPU": Case(("--attn_implementation", "flex_attention"), "no backward pass on CPU"),
     "unknown flag": Case(("--learning_rat", "1e-4"), "Unknown argument(s): --learning_rat"),
     "batch does not divide": Case(("--global_batch_size", "33", "--per_device_train_batch_size", "4"),
                                   "--global_batch_size 33 is not divisible"),
@@ -125,7 +128,7 @@ def test_refused_before_loading(case, tiny_assets, tmp_path, capsys, monkeypatch
     output_dir = tmp_path / "out"
     model_dir, data_file = tiny_assets
     argv = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),
-            "--report_to", "none", *(arg.replace("{tmp}", str(tmp_path)) for arg in spec.args)]
+            "--report_to", "none", "--use_cpu", "true", *(arg.replace("{tmp}", str(tmp_path)) for arg in spec.args)]
     with pytest.raises(SystemExit) as exit_info:
         main(Recipe(name="tiny", max_seq_length=64, per_device_train_batch_size=16, global_batch_size=32), argv)
     assert exit_info.value.code == 2

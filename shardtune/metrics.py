@@ -1,0 +1,90 @@
+"""The training metrics: one all-reduce and one device-to-host sync per optimizer step, and a logging window.
+
+Every rank must learn at once whether any rank saw a non-finite loss or a stop signal, so one small reduce per
+step is needed anyway; it also carries the loss, the gradient norm and the host-side token counts, so that a
+logging step costs no extra collective and no extra sync.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+
+from shardtune.config import BatchPlan
+from shardtune.flops import ModelShape, flops_per_token, mfu
+from shardtune.step import COUNT_KEYS, StepOutput
+from shardtune.tracking import peak_memory_gb
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """What every rank knows after a step, the same on every rank."""
+
+    non_finite: bool
+    stop_requested: bool
+    loss: float
+    grad_norm: float
+
+
+def step_vector(out: StepOutput, stop_requested: bool, is_main_process: bool) -> torch.Tensor:
+    """[non-finite, stop, loss share, gradient norm, *counts] on the loss's device, to be summed over ranks. The
+    norm is global (the same on every rank): only the main process adds it, so the sum is exact."""
+    device = out.loss.device
+    norm = out.grad_norm if out.grad_norm is not None else torch.full((), float("nan"), device=device)
+    checked = norm if out.grad_norm is not None else torch.zeros((), device=device)
+    non_finite = ~(torch.isfinite(out.loss) & torch.isfinite(checked))
+    return torch.stack([
+        non_finite.to(torch.float64),
+        torch.full((), float(stop_requested), dtype=torch.float64, device=device),
+        out.loss.to(torch.float64),
+        norm.to(torch.float64) * float(is_main_process),
+        *(torch.full((), float(out.counts[key]), dtype=torch.float64, device=device) for key in COUNT_KEYS),
+    ])
+
+
+class TrainMetrics:
+    """Sums the steps of the current logging window on the host; `window` turns them into the logged row."""
+
+    def __init__(self, accelerator: Accelerator, plan: BatchPlan, steps_per_epoch: int, shape: ModelShape,
+                 peak_flops_per_gpu: float | None) -> None:
+        self.accelerator, self.plan, self.steps_per_epoch = accelerator, plan, steps_per_epoch
+        self.shape, self.peak_flops_per_gpu = shape, peak_flops_per_gpu
+        self._reset()
+
+    def _reset(self) -> None:
+        self.started, self.steps, self.loss = time.perf_counter(), 0, 0.0
+        self.counts = dict.fromkeys(COUNT_KEYS, 0.0)
+
+    def after_step(self, out: StepOutput, stop_requested: bool) -> StepSummary:
+        summed = self.accelerator.reduce(step_vector(out, stop_requested, self.accelerator.is_main_process), "sum")
+        non_finite, stop, loss, grad_norm, *counts = summed.tolist()  # the step's one device-to-host sync
+        self.steps += 1
+        self.loss += loss
+        for key, value in zip(COUNT_KEYS, counts, strict=True):
+            self.counts[key] += value
+        return StepSummary(non_finite > 0, stop > 0, loss, grad_norm)
+
+    def window(self, step: int, last: StepSummary, lr: float) -> dict[str, float]:
+        """The row logged at `step`, over the steps since the previous one; starts the next window."""
+        elapsed, tokens = time.perf_counter() - self.started, self.counts["tokens"]
+        world = self.plan.world_size
+        row = {
+            "loss": self.loss / self.steps,
+            "lr": lr,
+            "grad_norm": last.grad_norm,
+            "tokens_per_second": tokens / elapsed,
+            "tokens_per_second_per_device": tokens / elapsed / world,
+            "token_utilization": tokens / self.counts["processed"],  # padding wastes the rest
+            "step_time_s": elapsed / self.steps,
+            "epoch": step / self.steps_per_epoch,
+            **peak_memory_gb(self.accelerator.device),
+        }
+        if self.peak_flops_per_gpu:  # MFU as PaLM defines it; T is the mean sequence length of the window
+            per_token = flops_per_token(self.shape, seq_len=round(tokens / self.counts["sequences"]))
+            row["tflops_per_gpu"] = tokens / elapsed * per_token / world / 1e12
+            row["mfu"] = mfu(tokens / elapsed, per_token, world, self.peak_flops_per_gpu)
+        self._reset()
+        return row

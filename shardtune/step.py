@@ -1,0 +1,70 @@
+"""One optimizer step: this rank's micro-batches, the token-normalised loss, backward, clip, step.
+
+Nothing here reads a value back from the device: the step returns device tensors and the host-side counts the
+collator made, and the metrics window (shardtune.metrics) syncs once per step. Mixing devices is the usual way
+a loop that runs on CPU crashes on CUDA: every tensor made here is made on the model's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from torch.distributed.tensor import DTensor
+
+from shardtune.config import BatchPlan
+from shardtune.data import COUNTS
+
+COUNT_KEYS = ("targets", "tokens", "processed", "sequences")
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # this rank's share of the global batch's mean loss (the ranks' shares add up to it)
+    grad_norm: torch.Tensor | None  # the global gradient norm before clipping; None where the strategy has none
+    counts: dict[str, int]  # this rank's host-side counts over the step's micro-batches (see data.CountingCollator)
+
+
+def take_counts(micro_batches: list[dict]) -> dict[str, int]:
+    """Remove the collator's counts from the batches (the model must not see them) and add them up."""
+    counts = [batch.pop(COUNTS) for batch in micro_batches]
+    return {key: sum(count[key] for count in counts) for key in COUNT_KEYS}
+
+
+def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+               micro_batches: list[dict], plan: BatchPlan, max_grad_norm: float,
+               after_backward: Callable[[], None] | None = None) -> StepOutput:
+    """The loss of an update is (sum of all target-token losses of the global batch) / (their count), however
+    the batch is split over micro-batches and ranks: the count of the whole global batch comes first, from the
+    host-side counts of every rank (one all-reduce, no host sync)."""
+    device = accelerator.device
+    counts = take_counts(micro_batches)
+    targets = accelerator.reduce(torch.full((), counts["targets"], dtype=torch.long, device=device), "sum")
+    loss_sum = torch.zeros((), device=device)
+    for batch in micro_batches:
+        with accelerator.accumulate(model):
+            loss = model(**batch, num_items_in_batch=targets).loss  # this micro-batch's share of the mean
+            # accelerate divides by the accumulation steps and the ranks average gradients: undo both.
+            accelerator.backward(loss * plan.accumulation * plan.world_size)
+            if after_backward is not None:
+                after_backward()
+        loss_sum += loss.detach()
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)  # only on the update
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return StepOutput(loss=loss_sum, grad_norm=norm_on_device(grad_norm, device), counts=counts)
+
+
+def norm_on_device(norm: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | None:
+    """The gradient norm as a plain fp32 tensor on `device`: FSDP2 returns a DTensor, DeepSpeed a tensor or a
+    float (inf after an overflow), or None where it computes no norm."""
+    if norm is None:
+        return None
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if isinstance(norm, torch.Tensor):
+        return norm.detach().to(device=device, dtype=torch.float32)
+    return torch.full((), float(norm), device=device)

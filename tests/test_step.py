@@ -1,0 +1,175 @@
+"""The training step and eval on a device that is not the host's.
+
+On CPU every tensor lives in one place, so a loop that stacks a device tensor with a host tensor, or reads a
+value back in the middle of a step, passes every CPU run and crashes (or stalls) on CUDA. The `meta` device
+shows both here: mixing a host tensor into `stack` raises, and reading a value back (`.item()`, `.tolist()`)
+raises, just as they would cost a crash or a sync on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from shardtune.config import ConfigError, Recipe, check_attention
+from shardtune.data import COUNTS, IGNORE_INDEX, make_collator
+from shardtune.evaluation import row_statistics
+from shardtune.metrics import step_vector
+from shardtune.step import COUNT_KEYS, StepOutput, norm_on_device, take_counts
+
+META = torch.device("meta")
+
+
+def features(tokenizer, rows=(("rev abc=", "cba"), ("rev abcdefgh=", "hgfedcba"), ("rev ab=", "ba"))):
+    out = []
+    for prompt, completion in rows:
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        out.append({"input_ids": prompt_ids + completion_ids,
+                    "labels": [IGNORE_INDEX] * len(prompt_ids) + completion_ids})
+    return out
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """What accelerate's prepared loader does: tensors to the device, plain values (the counts) untouched."""
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_assets):
+    return AutoTokenizer.from_pretrained(tiny_assets[0])
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_collator_counts_on_the_host_what_the_batch_holds(tokenizer, packing):
+    rows = features(tokenizer)
+    batch = make_collator(tokenizer, packing=packing)(rows)
+    counts = batch[COUNTS]
+    assert all(isinstance(counts[key], int) for key in COUNT_KEYS)
+    assert counts["targets"] == sum(sum(label != IGNORE_INDEX for label in row["labels"][1:]) for row in rows)
+    assert counts["targets"] == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    assert counts["tokens"] == sum(len(row["input_ids"]) for row in rows)
+    assert counts["sequences"] == len(rows)
+    if packing:
+        assert counts["processed"] == counts["tokens"] == batch["input_ids"].shape[1]
+    else:
+        assert counts["tokens"] == int(batch["attention_mask"].sum()) < counts["processed"]
+
+
+def test_flash_attention_gets_sequence_boundaries_from_the_collator(tokenizer):
+    """flash_attention_2 with packing: cu_seq_lens computed on the host, so no layer reads them back."""
+    rows = features(tokenizer)
+    batch = make_collator(tokenizer, packing=True, attn_implementation="flash_attention_2")(rows)
+    lengths = [len(row["input_ids"]) for row in rows]
+    assert batch["cu_seq_lens_q"].tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert batch["max_length_q"] == max(lengths)
+    assert "cu_seq_lens_q" not in make_collator(tokenizer, packing=True)(rows)
+
+
+# transformers' SDPA mask for a padded batch asks the device whether every position is real (one sync per forward,
+# transformers' own): the forward is checked with eager attention there.
+@pytest.mark.parametrize(("attn", "packing"), [("eager", False), ("eager", True), ("sdpa", True)])
+def test_step_pieces_stay_on_the_device(tiny_assets, tokenizer, attn, packing):
+    """The model's forward with the global target count on the device, the step's counts, and the one vector the
+    ranks reduce, all on `meta`: no host tensor mixed in, nothing read back."""
+    with torch.device(META):  # the model's structure; its buffers (rotary frequencies) on meta as well
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_assets[0]), dtype=torch.float32,
+                                                 attn_implementation=attn)
+    micro_batches = [to_device(make_collator(tokenizer, packing=packing)(features(tokenizer)), META)
+                     for _ in range(2)]
+    counts = take_counts(micro_batches)
+    assert COUNTS not in micro_batches[0]  # the model must not receive it
+    targets = torch.full((), counts["targets"], dtype=torch.long, device=META)
+    loss = sum(model(**batch, num_items_in_batch=targets).loss for batch in micro_batches)
+    assert loss.device == META
+    for grad_norm in (torch.ones((), device=META), 1.5, float("inf"), None):
+        norm = norm_on_device(grad_norm, META)
+        out = StepOutput(loss=loss.detach(), grad_norm=norm, counts=counts)
+        for is_main in (True, False):
+            vector = step_vector(out, stop_requested=True, is_main_process=is_main)
+            assert vector.device == META and vector.shape == (4 + len(COUNT_KEYS),)
+
+
+def test_step_vector_sums_to_what_every_rank_must_know():
+    """Over two ranks: any rank's non-finite loss or stop flag, the global loss, one copy of the global norm."""
+    counts = {"targets": 10, "tokens": 30, "processed": 40, "sequences": 4}
+    ranks = [StepOutput(torch.tensor(1.25), torch.tensor(3.0), counts),
+             StepOutput(torch.tensor(float("nan")), torch.tensor(3.0), counts)]
+    summed = sum(step_vector(out, stop_requested=index == 0, is_main_process=index == 0)
+                 for index, out in enumerate(ranks))
+    non_finite, stop, _, grad_norm, *totals = summed.tolist()
+    assert (non_finite, stop, grad_norm, totals) == (1.0, 1.0, 3.0, [20.0, 60.0, 80.0, 8.0])
+    finite = step_vector(StepOutput(torch.tensor(2.0), None, counts), False, True).tolist()
+    assert finite[0] == 0.0 and finite[2] == 2.0  # no norm reported (DeepSpeed without one) is not an error
+
+
+class LargestFloat32(TorchDispatchMode):
+    """The largest fp32 tensor any operation creates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32:
+                self.numel = max(self.numel, tensor.numel())
+        return out
+
+
+def test_eval_statistics_equal_full_logits_without_an_fp32_copy_of_them():
+    torch.manual_seed(0)
+    rows, positions, vocab, chunk = 3, 37, 50, 8
+    logits = torch.randn(rows, positions, vocab).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (rows, positions))
+    labels[0, :10] = IGNORE_INDEX  # a prompt
+    labels[2, 30:] = IGNORE_INDEX  # padding
+    with LargestFloat32() as largest:
+        chunked = row_statistics(logits, labels, chunk=chunk)
+    assert largest.numel <= chunk * vocab  # never a full-vocabulary fp32 copy of more than one chunk
+    full = logits[:, :-1].float()
+    targets = labels[:, 1:]
+    mask = targets != IGNORE_INDEX
+    loss = torch.nn.functional.cross_entropy(full.transpose(1, 2), targets, ignore_index=IGNORE_INDEX,
+                                             reduction="none").sum(1)
+    correct = ((full.argmax(-1) == targets) & mask).sum(1)
+    torch.testing.assert_close(chunked, torch.stack([loss, mask.sum(1).float(), correct.float()], dim=1))
+    assert row_statistics(logits.to(META), labels.to(META), chunk=chunk).device == META
+
+
+@pytest.mark.parametrize(("attn", "packing", "on_gpu", "message"), [
+    ("flash_attn_2", False, True, "--attn_implementation 'flash_attn_2' is unknown"),
+    ("flash_attention_2", False, False, "runs on CUDA GPUs only"),
+    ("flash_attention_2", True, True, "needs the flash_attn package"),
+    ("flex_attention", False, False, "no backward pass on CPU"),
+    ("sdpa", True, True, "builds a dense mask over the whole packed row"),
+    ("eager", True, True, "builds a dense mask over the whole packed row"),
+])
+def test_attention_refused_before_loading(attn, packing, on_gpu, message):
+    with pytest.raises(ConfigError, match=message):
+        check_attention(Recipe(attn_implementation=attn, packing=packing), on_gpu=on_gpu)
+
+
+@pytest.mark.parametrize(("attn", "packing", "on_gpu"), [
+    ("sdpa", False, True), ("sdpa", True, False), ("flex_attention", True, True), ("eager", False, False),
+])
+def test_attention_accepted(attn, packing, on_gpu):
+    check_attention(Recipe(attn_implementation=attn, packing=packing), on_gpu=on_gpu)
+
+
+def test_flex_attention_forward_equals_padded_sdpa_on_packed_rows(tiny_assets, tokenizer):
+    """flex_attention isolates the packed sequences through a block mask, not a dense one; its backward only
+    runs on a GPU in this torch, its forward runs here: each token's loss equals the padded SDPA loss."""
+    rows = features(tokenizer)
+    padded = make_collator(tokenizer)(rows)
+    packed = make_collator(tokenizer, packing=True, attn_implementation="flex_attention")(rows)
+    losses = {}
+    for attn, batch in (("sdpa", padded), ("flex_attention", packed)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_assets[0], dtype=torch.float32, attn_implementation=attn)
+        model.config.use_cache = False  # as in training: a cache turns the packed-sequence masks off
+        batch = {key: value for key, value in batch.items() if key != COUNTS}
+        with torch.no_grad():
+            losses[attn] = model(**batch).loss
+    torch.testing.assert_close(losses["flex_attention"], losses["sdpa"], rtol=1e-5, atol=1e-6)
