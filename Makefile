@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint gpu-check clean
 
 $(VENV)/installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -31,6 +31,10 @@ $(VENV)/slurm: $(VENV)/installed
 
 demo: $(VENV)/installed
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --use_cpu true --overwrite_output_dir true
+
+# On one GPU, under 8 minutes, nothing downloaded: DDP, FSDP and ZeRO-3 on a 1.2B model, measured against the plan.
+gpu-check: $(VENV)/installed
+	$(PY) scripts/gpu_check.py
 
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .

@@ -384,14 +384,14 @@ class Plan:
 
 
 def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch: int = 1, seq: int = 4096,
-         checkpointing: bool = True, attn: str = "sdpa", host_ram: float | None = None, peft: Peft | None = None
-         ) -> Plan:
+         checkpointing: bool = True, attn: str = "sdpa", host_ram: float | None = None, peft: Peft | None = None,
+         padded: bool = True) -> Plan:
     """Per-GPU memory of one training step. Runs in microseconds: nothing is built or loaded. With `peft`,
     activations are the base model's (LoRA's rank-r intermediates and dropout copies are not counted)."""
     params, world = shape.params, hardware.world_size
     mode = activation_mode(strategy)
     states = peft_states(strategy, shape, world, peft) if peft else model_states(strategy, params, world)
-    acts = activation_bytes(shape, micro_batch, seq, mode, checkpointing, attn)
+    acts = activation_bytes(shape, micro_batch, seq, mode, checkpointing, attn, padded)
     buffer = buffers(strategy, shape, params, world, mode, peft.trainable_params(shape) if peft else None)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
                "activations": float(acts["total"]), "buffers": float(buffer)}

@@ -59,13 +59,14 @@ def reversal_examples(count: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_tiny_assets(root: str, num_examples: int = 4096, seed: int = 0, **config_overrides) -> None:
-    """Write `root/model` (config, random weights, tokenizer) and `root/data.jsonl`."""
+def write_tiny_assets(root: str, num_examples: int = 4096, seed: int = 0, save_dtype: torch.dtype = torch.float32,
+                      **config_overrides) -> None:
+    """Write `root/model` (config, random weights stored in `save_dtype`, tokenizer) and `root/data.jsonl`."""
     os.makedirs(os.path.join(root, "model"))
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), **config_overrides))
-    model.save_pretrained(os.path.join(root, "model"))
+    model.to(save_dtype).save_pretrained(os.path.join(root, "model"))
     tokenizer.save_pretrained(os.path.join(root, "model"))
     with open(os.path.join(root, "data.jsonl"), "w") as file:
         for row in reversal_examples(num_examples, seed):

@@ -67,7 +67,7 @@ class Run:
     steps_per_epoch: int
     max_steps: int
     shape: ModelShape  # for FLOPs per token
-    loaded: dict[str, int]  # what this rank held right after loading the weights
+    loaded: dict[str, int]  # parameter bytes right after loading; peak RSS while loading and sharding
 
 
 def build(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan) -> Run:
@@ -83,8 +83,9 @@ def build(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan) -> Run:
         )
     max_steps = recipe.max_steps if recipe.max_steps > 0 else steps_per_epoch * recipe.num_train_epochs
 
+    reset_peak_rss()  # so that the peak read after `prepare` is the loading's own
     model = load_model(recipe, main_process=accelerator.is_main_process)
-    loaded = {"parameter_bytes": local_parameter_bytes(model), "peak_rss_bytes": peak_rss_bytes()}
+    loaded = {"parameter_bytes": local_parameter_bytes(model)}
     shape = shape_from_config(model.config, recipe.name)
     if accelerator.distributed_type == DistributedType.FSDP:
         # Shard first (accelerate's own FSDP2 preparation; `prepare` below finds the model sharded) and build the
@@ -106,6 +107,7 @@ def build(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan) -> Run:
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
+    loaded["peak_rss_bytes"] = peak_rss_bytes()  # loading and sharding: FSDP reads rank 0's copy only now
     return Run(tokenizer, model, optimizer, scheduler, train_loader, eval_loader, steps_per_epoch, max_steps, shape,
                loaded)
 
@@ -211,9 +213,22 @@ def report_held(accelerator: Accelerator, output_dir: str, step: int, probe: Mod
     log_metrics(accelerator, output_dir, step, held)
 
 
+def reset_peak_rss() -> None:
+    """Start this process's peak resident set size (VmHWM) afresh from the current size (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+    except OSError:  # not Linux: the peak then counts from the start of the process
+        pass
+
+
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (VmHWM)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set size since the last `reset_peak_rss` (VmHWM)."""
+    try:
+        with open("/proc/self/status") as file:
+            return next(int(line.split()[1]) * 1024 for line in file if line.startswith("VmHWM:"))
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
