@@ -212,31 +212,32 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
     """Transient 16-bit copies and communication buffers alive during forward/backward (assumptions documented
     per case; DeepSpeed values are its defaults, see DS_REDUCE_BUCKET).
 
-    - DDP: gradient buckets: accelerate keeps DDP's gradient_as_bucket_view=False, so the buckets copy all
-      gradients (4P). Autocast caches one 16-bit copy of every matmul weight for the whole forward.
+    - DDP: the trainer sets gradient_as_bucket_view, so the gradients are the all-reduce buckets (counted as
+      gradients). Autocast caches one 16-bit copy of every matmul weight for the whole forward.
     - DeepSpeed ZeRO-1/2: one reduce bucket of DS_REDUCE_BUCKET gradient elements (overlap_comm is off below
       stage 3). ZeRO-3: the module being computed plus the one prefetched (2 x the largest module, which for
       Llama 3 is the embedding or lm_head), the prefetch bucket and the reduce bucket.
     - FSDP FULL_SHARD: the root unit (embedding, final norm, lm_head) stays gathered from forward to backward;
       one layer computing and one prefetched; the unsharded gradients of one layer and of the root before
-      reduce-scatter (accelerate sets reduce_dtype to the 16-bit dtype). SHARD_GRAD_OP keeps every unsharded
-      16-bit weight from forward to backward instead of re-gathering."""
+      reduce-scatter, in fp32 (the trainer's reduce_dtype). SHARD_GRAD_OP keeps every unsharded 16-bit weight
+      from forward to backward instead of re-gathering."""
     low = 2 if strategy.mixed_precision in ("bf16", "fp16") else 4
     layer = shape.layer_params
     root = shape.params - shape.layers * layer
     if strategy.kind == "ddp":  # with LoRA only the adapters have gradients, and a 16-bit base needs no cast
         trainable = params if trainable is None else trainable
         cached = shape.non_embedding_matmul_params if trainable == params else trainable
-        return (4 * trainable if world > 1 else 0) + (2 * cached if activation_mode == "autocast" else 0)
+        return 2 * cached if activation_mode == "autocast" else 0
     if strategy.kind == "deepspeed":
         bucket = DS_REDUCE_BUCKET * low  # allocated at full size, however small the model (measured)
         if strategy.shard < 3:
             return bucket
         largest = max(layer, shape.embedding_params)
         return 2 * largest * low + min(DS_PREFETCH_BUCKET, params) * low + bucket
+    reducing = (root + layer) * 4  # unsharded gradients waiting for their fp32 reduce-scatter
     if strategy.shard >= 3:
-        return (2 * root + 3 * layer) * low
-    return params * low + (root + layer) * low
+        return (root + 2 * layer) * low + reducing
+    return params * low + reducing
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def take_counts(micro_batches: list[dict]) -> dict[str, int]:
 
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                micro_batches: list[dict], plan: BatchPlan, max_grad_norm: float,
-               after_backward: Callable[[], None] | None = None) -> StepOutput:
+               after_backward: Callable[[int], None] | None = None) -> StepOutput:
     """The loss of an update is (sum of all target-token losses of the global batch) / (their count), however
     the batch is split over micro-batches and ranks: the count of the whole global batch comes first, from the
     host-side counts of every rank (one all-reduce, no host sync)."""
@@ -43,13 +43,13 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     counts = take_counts(micro_batches)
     targets = accelerator.reduce(torch.full((), counts["targets"], dtype=torch.long, device=device), "sum")
     loss_sum = torch.zeros((), device=device)
-    for batch in micro_batches:
+    for index, batch in enumerate(micro_batches):
         with accelerator.accumulate(model):
             loss = model(**batch, num_items_in_batch=targets).loss  # this micro-batch's share of the mean
             # accelerate divides by the accumulation steps and the ranks average gradients: undo both.
             accelerator.backward(loss * plan.accumulation * plan.world_size)
             if after_backward is not None:
-                after_backward()
+                after_backward(index)
         loss_sum += loss.detach()
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)  # only on the update
     optimizer.step()

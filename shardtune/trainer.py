@@ -34,7 +34,7 @@ from shardtune.hardware import peak_flops
 from shardtune.memory import COMPONENTS, ModelStateProbe, local_parameter_bytes
 from shardtune.metrics import TrainMetrics
 from shardtune.model import load_model, load_tokenizer
-from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, StopRequest
+from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.ranks import check_ranks_agree, launch_fingerprint, set_collective_timeout, watch_ranks
 from shardtune.step import train_step
 from shardtune.tracking import log_metrics, start_tracking, truncate_metrics
@@ -121,15 +121,20 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, resume
     on_gpu = accelerator.device.type == "cuda"
     peak = peak_flops(torch.cuda.get_device_name(accelerator.device)) if on_gpu else None
     metrics = TrainMetrics(accelerator, plan, run.steps_per_epoch, run.shape, peak)
-    probe = ModelStateProbe(model, optimizer)
+    probe, fault = ModelStateProbe(model, optimizer), Fault.from_env(accelerator.process_index)
     batches = global_batches(run.train_loader, plan, run.steps_per_epoch, start_step)
     first_loss = last_loss = None
     model.train()
     progress = tqdm(range(start_step + 1, run.max_steps + 1), initial=start_step, total=run.max_steps,
                     disable=not accelerator.is_main_process, desc="training")
     for step in progress:
+        def after_backward(micro_batch: int, step: int = step) -> None:
+            probe.after_backward()
+            if fault is not None:
+                fault.after_backward(step, micro_batch)
+
         out = train_step(accelerator, model, optimizer, scheduler, next(batches), plan, recipe.max_grad_norm,
-                         after_backward=probe.after_backward)
+                         after_backward)
         summary = metrics.after_step(out, stop.requested)  # any rank's verdict reaches every rank here
         if summary.non_finite:
             accelerator.print(f"shardtune: error: non-finite loss or gradient norm at step {step} "
