@@ -1,10 +1,10 @@
 r"""meta-llama/Llama-3.1-70B full fine-tune, BF16 with fp32 master weights and gradient checkpointing.
 
-Launch (one node, 8xH100-80GB, about 1.7 TB host RAM):
+Launch (one node, 8xH100-80GB, about 1.8 TB host RAM):
     accelerate launch --config_file accelerate_configs/ds_zero3_cpu_offload.yaml \
         recipes/llama70b.py --dataset data/train.jsonl
-Memory: 70.55e9 parameters x 20 bytes / 8 = 176 GB per GPU under ZeRO-3 alone: it does not fit 80 GB. Offloading
-    optimizer states, gradient partitions and weights to CPU RAM needs 24 bytes per parameter of host RAM (1.7 TB
+Memory: 70.55e9 parameters x 22 bytes / 8 = 194 GB per GPU under ZeRO-3 alone: it does not fit 80 GB. Offloading
+    optimizer states, gradient partitions and weights to CPU RAM needs 26 bytes per parameter of host RAM (1.8 TB
     per node, as DeepSpeed holds them; python -m shardtune.plan --model recipes/llama70b.py shows the split);
     otherwise use more nodes (fsdp_full_shard on 3+ nodes) or LoRA.
 Tested: the trainer, configs and launch path on CPU with the tiny model (make test); not yet run on this hardware.

@@ -168,10 +168,11 @@ def model_states(strategy: Strategy, params: int, world: int) -> States:
       16-bit but keeps the fp32 parameters, so their gradients are fp32 too.
     - DeepSpeed with bf16/fp16 converts the module to 16-bit; the ZeRO optimizer keeps fp32 master weights, m
       and v (12P/N). Gradients, as measured at the first step (tests/test_memory_measured.py): ZeRO-1 holds the
-      full 16-bit gradients until the reduction at the accumulation boundary (2P); ZeRO-2 and ZeRO-3 reduce
-      them into a 16-bit partition, and at the step (with gradient clipping on, as in every recipe) hold it next
-      to the fp32 partition the optimizer reads ((2 + 4)P/N). So ZeRO-1: 2 + 2 + 12/N, ZeRO-2: 2 + 18/N,
-      ZeRO-3: 20/N bytes per parameter: 25% above the textbook 16/N for ZeRO-3.
+      full 16-bit gradients until the reduction at the accumulation boundary (2P). With 16-bit weights the
+      trainer accumulates ZeRO-2/3 gradients in fp32 (shardtune.distributed.configure_deepspeed): ZeRO-2 reduces
+      them into the fp32 partition the optimizer reads (4P/N); ZeRO-3 into an fp32 partition beside the fp32
+      one the optimizer reads ((4 + 4)P/N). So ZeRO-1: 2 + 2 + 12/N, ZeRO-2: 2 + 16/N, ZeRO-3: 22/N bytes per
+      parameter, the ZeRO-3 figure where one optimizer sub-group covers a rank's whole partition.
     - DeepSpeed fp32 (mixed_precision no): the same with 4-byte weights and gradients; the fp32 "master" is still a
       separate clone (stage_1_and_2.py: `.clone().to(master dtype)`).
     - FSDP2 (FULL_SHARD and SHARD_GRAD_OP): the sharded parameters stay fp32 and serve as master weights
@@ -193,7 +194,12 @@ def model_states(strategy: Strategy, params: int, world: int) -> States:
         return states
     low = 2 if half else 4  # bytes of the module's weights and gradients
     weights = low * p / n if strategy.shard >= 3 else low * p
-    grads = (low + 4) * p / n if strategy.shard >= 2 else low * p
+    if strategy.shard >= 3:
+        grads = 8 * p / n  # the partition reduced into is fp32 (the trainer's fp32 accumulation) or fp32 already
+    elif strategy.shard == 2:
+        grads = 4 * p / n if half else 8 * p / n  # fp32 accumulation: the reduced partition is the optimizer's
+    else:
+        grads = low * p
     states = States(weights, grads, 12 * p / n)
     where = {"cpu": "host", "nvme": "nvme"}
     if strategy.offload_optimizer in where:

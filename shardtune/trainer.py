@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase, get_scheduler
 from shardtune.checkpoint import Checkpointer
 from shardtune.config import BatchPlan, ConfigError, Recipe
 from shardtune.data import load_splits, make_collator
-from shardtune.distributed import make_accelerator
+from shardtune.distributed import make_accelerator, reduction_dtypes
 from shardtune.evaluation import evaluate
 from shardtune.flops import ModelShape, shape_from_config
 from shardtune.hardware import peak_flops
@@ -192,7 +192,8 @@ def start(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, run: Run, r
     accelerator.print(
         f"shardtune: {recipe.name} | {accelerator.distributed_type.value} x {plan.world_size} | "
         f"global batch {plan.global_batch} = {plan.micro_batch} x {plan.accumulation} accumulation x "
-        f"{plan.world_size} ranks | {run.max_steps} steps | precision {recipe.mixed_precision}"
+        f"{plan.world_size} ranks | {run.max_steps} steps | precision {recipe.mixed_precision} "
+        f"{reduction_dtypes(run.model)}".rstrip()
     )
 
 

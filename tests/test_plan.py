@@ -86,8 +86,9 @@ def test_ddp_1b_fits_80gb():
 
 
 @pytest.mark.parametrize("name,per_param", [
-    # DeepSpeed ZeRO-2/3 hold a 16-bit and an fp32 gradient partition at the step (measured: test_memory_measured)
-    ("ds_zero1", 4 + 12 / 8), ("ds_zero2", 2 + 18 / 8), ("ds_zero3", 20 / 8), ("fsdp_full_shard", 16 / 8),
+    # bf16 ZeRO-2 accumulates into the fp32 partition the optimizer reads; ZeRO-3 into an fp32 partition beside
+    # the optimizer's (measured: test_reduce_precision in bf16, test_memory_measured in fp32)
+    ("ds_zero1", 4 + 12 / 8), ("ds_zero2", 2 + 16 / 8), ("ds_zero3", 22 / 8), ("fsdp_full_shard", 16 / 8),
     ("fsdp_shard_grad_op", 16 / 8),
 ])
 def test_model_states_follow_the_zero_table(name, per_param):
@@ -239,7 +240,8 @@ def test_activation_estimate_matches_measurement(overrides, batch, seq, mode, ch
     error = abs(estimate - measured) / measured
     print(f"{mode} ckpt={checkpointing} {attn} b={batch} s={seq}: measured {measured} estimate {estimate} "
           f"error {error:.2%}")
-    assert error < 0.02  # the formula is byte-exact up to the loss scalars; 10% is the requirement
+    # The README's figure: within 0.01%. The formula is byte-exact up to the loss scalars (4-12 bytes here).
+    assert error < 1e-4
     if mode == "autocast" and not checkpointing:  # every matmul weight cached in 16-bit: counted in buffers
         assert copies == 2 * shape_from_config(cfg).non_embedding_matmul_params
 
