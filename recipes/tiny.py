@@ -1,7 +1,7 @@
 """Tiny Llama (2 layers, 64 hidden) learning to reverse letter strings: the CPU demo and the tests' recipe.
 
 Launch (CPU, 2 processes, about a minute):
-    accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py
+    accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --use_cpu true
 Hardware: any machine; tested on 2 CPU cores. The model and data are made locally under assets/tiny.
 """
 
