@@ -3,8 +3,10 @@
     python scripts/export_hf.py outputs/llama8b/checkpoint-1000 exported/llama8b-step1000
 
 Works on any checkpoint the trainer writes: DDP / single process (model.safetensors), FSDP sharded state
-(torch.distributed.checkpoint), and DeepSpeed ZeRO partitions (DeepSpeed's zero_to_fp32, fp32 master weights).
-FSDP and ZeRO checkpoints are converted shard by shard: at most one output shard is held in memory.
+(torch.distributed.checkpoint), and DeepSpeed ZeRO partitions (DeepSpeed's zero_to_fp32, fp32 master weights),
+with or without --save_only_model. FSDP and ZeRO checkpoints are converted shard by shard: at most one output
+shard is held in memory. A checkpoint that does not match its marker (a file missing or cut short) is refused.
+The export is written under a temporary name, fsynced, then renamed: it appears whole or not at all.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
+
+from shardtune.checkpoint import MARKER, damage, durable, fsync_path
 
 MAX_SHARD_SIZE = "5GB"
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -71,17 +75,22 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path, help="a checkpoint-<step> directory")
     parser.add_argument("output", type=Path, help="new directory for the Hugging Face model")
     args = parser.parse_args()
-    if not (args.checkpoint / "checkpoint_complete.json").is_file():
-        sys.exit(f"export_hf: error: {args.checkpoint} is not a complete checkpoint (no checkpoint_complete.json).")
+    if not (args.checkpoint / MARKER).is_file():
+        sys.exit(f"export_hf: error: {args.checkpoint} is not a complete checkpoint (no {MARKER}).")
+    problem = damage(str(args.checkpoint))
+    if problem:
+        sys.exit(f"export_hf: error: {args.checkpoint} is damaged: {problem}. Export an earlier checkpoint.")
     if args.output.exists() and any(args.output.iterdir()):
         sys.exit(f"export_hf: error: {args.output} is not empty; give a new directory.")
     scratch = args.output.with_name(f".{args.output.name}.tmp")
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     export(args.checkpoint, scratch)
+    durable(str(scratch))  # every file on disk before the output takes its name: a crash leaves no half model
     if args.output.exists():
         args.output.rmdir()
     os.rename(scratch, args.output)  # the output appears only when complete
+    fsync_path(str(args.output.parent))  # and the rename survives a crash too
     print(f"export_hf: wrote {args.output}")
 
 
