@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -24,12 +25,33 @@ REPO = Path(__file__).resolve().parents[1]
 LOG_EVERY = 5  # the trainer's figures are per logging window; the warm-up should be a multiple of it
 
 
+def run_launcher(command: list[str], timeout_s: float, capture: bool = False) -> str:
+    """Run one `accelerate launch` to its end, or stop it and all its ranks after `timeout_s`: the ranks guard
+    themselves (collective timeouts, the dead-rank watchdog), this is the last line for anything else."""
+    process = subprocess.Popen(command, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, text=True,
+                               stdout=subprocess.PIPE if capture else None, start_new_session=True)
+    try:
+        stdout, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGTERM)  # the launcher forwards it to its ranks, which save nothing here
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        raise SystemExit(f"bench: error: {' '.join(command[:6])} ... still running after {timeout_s:.0f}s: "
+                         "stopped") from None
+    if process.returncode != 0:
+        raise SystemExit(f"bench: error: {' '.join(command[:6])} ... exited with {process.returncode}")
+    return stdout or ""
+
+
 def launch(args: argparse.Namespace, script: list[str], output_dir: Path) -> None:
     command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", args.config_file,
                "--num_processes", str(args.num_processes), *script, "--max_steps", str(args.steps),
                "--logging_steps", str(LOG_EVERY), "--eval_steps", "0", "--save_steps", "0", "--save_model", "false",
                "--report_to", "none", "--output_dir", str(output_dir), *args.recipe_args]
-    subprocess.run(command, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    run_launcher(command, args.timeout_s)
 
 
 def summarize(rows: list[dict], warmup: int) -> dict:
@@ -53,10 +75,8 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
     import torch
 
     from shardtune.config import launch_env, parse_recipe, validate
-    from shardtune.data import COUNTS, load_splits, make_collator
-    from shardtune.distributed import make_accelerator
-    from shardtune.model import load_model, load_tokenizer
-    from shardtune.trainer import global_batches
+    from shardtune.distributed import make_accelerator, shut_down
+    from shardtune.ranks import check_ranks_agree, launch_fingerprint, watch_ranks
 
     spec = importlib.util.spec_from_file_location("bench_recipe", recipe_path)
     module = importlib.util.module_from_spec(spec)
@@ -65,6 +85,22 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
     world_size, uses_deepspeed, _ = launch_env()
     plan = validate(recipe, world_size, uses_deepspeed, has_gpu=torch.cuda.is_available())
     accelerator = make_accelerator(recipe, plan, log_with=None)
+    # The trainer's guards: ranks launched alike, start-up then step collective timeouts, the dead-rank watchdog,
+    # and the teardown that cannot deadlock at exit.
+    machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, plan, 0))
+    with watch_ranks(accelerator, recipe, machines):
+        bare_steps(accelerator, recipe, plan, steps, warmup, world_size)
+    shut_down(accelerator)
+
+
+def bare_steps(accelerator, recipe, plan, steps: int, warmup: int, world_size: int) -> None:
+    import torch
+
+    from shardtune.data import COUNTS, load_splits, make_collator
+    from shardtune.model import load_model, load_tokenizer
+    from shardtune.ranks import set_collective_timeout
+    from shardtune.trainer import global_batches
+
     tokenizer = load_tokenizer(recipe)
     with accelerator.main_process_first():
         train_set, _ = load_splits(recipe, tokenizer)
@@ -73,6 +109,7 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
     loader = torch.utils.data.DataLoader(train_set, batch_size=plan.micro_batch, shuffle=True, drop_last=True,
                                          collate_fn=make_collator(tokenizer))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    set_collective_timeout(recipe.collective_timeout_minutes)  # start-up is over: a long wait now is a hang
     batches = global_batches(loader, plan, len(train_set) // plan.global_batch)
     times, tokens = [], []
     for step in range(1, steps + 1):
@@ -91,7 +128,6 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
     total_tokens = accelerator.reduce(torch.tensor(float(sum(tokens)), device=accelerator.device), "sum").item()
     if accelerator.is_main_process:
         print("BARE " + json.dumps({"tokens_per_second_per_device": total_tokens / sum(times) / world_size}))
-    accelerator.end_training()
 
 
 def main() -> None:
@@ -104,6 +140,8 @@ def main() -> None:
     parser.add_argument("--num_processes", type=int, default=8)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--timeout_s", type=float, default=3600,
+                        help="stop a launch (and its ranks) that runs longer than this")
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # the worker side of the bare loop
     args = parser.parse_args(argv)
     args.recipe_args = recipe_args
@@ -124,8 +162,7 @@ def main() -> None:
                      "--steps", str(args.steps), "--warmup", str(args.warmup), "--"]
         command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", args.config_file,
                    "--num_processes", str(args.num_processes), *bare_args, *recipe_args]
-        out = subprocess.run(command, check=True, capture_output=True, text=True,
-                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}).stdout
+        out = run_launcher(command, args.timeout_s, capture=True)
         bare = json.loads(next(line for line in out.splitlines() if line.startswith("BARE "))[5:])
         ratio = summary["tokens_per_second_per_device"] / bare["tokens_per_second_per_device"]
         print(f"{'bare accelerate loop tokens/s':>30}: {bare['tokens_per_second_per_device']:,.4f}")

@@ -74,7 +74,8 @@ def run_case(config: str, accumulation: int, packing: bool, assets: tuple[str, s
         "--global_batch_size", str(MICRO * accumulation), "--max_steps", str(STEPS), "--logging_steps",
         str(LOG_EVERY), "--learning_rate", "1e-5", "--mixed_precision", "bf16", "--gradient_checkpointing", "true",
         "--packing", str(packing).lower(), "--attn_implementation", "flex_attention" if packing else "sdpa",
-        "--eval_fraction", "0.02", "--per_device_eval_batch_size", "1", "--save_steps", "0", "--save_model", "false", "--report_to", "none",
+        "--eval_fraction", "0.02", "--per_device_eval_batch_size", "1", "--save_steps", "0", "--save_model", "false",
+        "--report_to", "none",
     ]
     started = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, timeout=300,

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -119,3 +121,21 @@ def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
     # AcceleratorState copies PartialState's shared fields whenever it is instantiated again: set both.
     PartialState._shared_state["distributed_type"] = state.distributed_type = DistributedType.FSDP
 
+
+def shut_down(accelerator: Accelerator) -> None:
+    """End a run's distributed state in an order that cannot deadlock at exit: trackers closed, the wrapped
+    model, optimizer and loaders released, then the process groups destroyed.
+
+    The DDP Reducer (and FSDP's and DeepSpeed's state) hold references to the process group. When one of them
+    drops the last one, at interpreter exit after the group was destroyed, ProcessGroupGloo's destructor joins
+    gloo's worker threads on the main thread, which holds the GIL, while a worker may be waiting for the GIL to
+    release a tensor of the work it just finished: both wait forever. Here every rank first finishes its
+    collectives (a barrier), the wrappers go while the group is still registered (they drop a reference, never
+    the last), a short wait without the GIL lets the workers finish their own clean-up, and only then are the
+    groups destroyed, with no work left in flight."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        accelerator.wait_for_everyone()
+    accelerator.free_memory()  # DeepSpeed's engine destroyed, accelerate's references to the wrappers dropped
+    gc.collect()
+    time.sleep(0.05)  # releases the GIL: a gloo worker finishing a work item can take it
+    accelerator.end_training()

@@ -24,10 +24,10 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, get_scheduler
 
-from shardtune.checkpoint import Checkpointer
+from shardtune.checkpoint import Checkpointer, durable
 from shardtune.config import BatchPlan, ConfigError, Recipe
 from shardtune.data import load_splits, make_collator
-from shardtune.distributed import make_accelerator, reduction_dtypes
+from shardtune.distributed import make_accelerator, reduction_dtypes, shut_down
 from shardtune.evaluation import evaluate
 from shardtune.flops import ModelShape, shape_from_config
 from shardtune.hardware import peak_flops
@@ -49,7 +49,7 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
     machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, plan, start_step))
     with watch_ranks(accelerator, recipe, machines):
         exit_code = train_loop(accelerator, recipe, plan, resume_path, start_step, stop)
-    accelerator.end_training()  # closes the trackers and the process group, once no rank watches the others
+    shut_down(accelerator)  # the wrappers, then the trackers and the process groups, once no rank watches
     if exit_code:
         sys.exit(exit_code)
 
@@ -122,17 +122,18 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, resume
     peak = peak_flops(torch.cuda.get_device_name(accelerator.device)) if on_gpu else None
     metrics = TrainMetrics(accelerator, plan, run.steps_per_epoch, run.shape, peak)
     probe, fault = ModelStateProbe(model, optimizer), Fault.from_env(accelerator.process_index)
+
+    def after_backward(micro_batch: int) -> None:  # the first step's memory probe; a fault a test injects
+        probe.after_backward()
+        if fault is not None:
+            fault.after_backward(step, micro_batch)
+
     batches = global_batches(run.train_loader, plan, run.steps_per_epoch, start_step)
     first_loss = last_loss = None
     model.train()
     progress = tqdm(range(start_step + 1, run.max_steps + 1), initial=start_step, total=run.max_steps,
                     disable=not accelerator.is_main_process, desc="training")
     for step in progress:
-        def after_backward(micro_batch: int, step: int = step) -> None:
-            probe.after_backward()
-            if fault is not None:
-                fault.after_backward(step, micro_batch)
-
         out = train_step(accelerator, model, optimizer, scheduler, next(batches), plan, recipe.max_grad_norm,
                          after_backward)
         summary = metrics.after_step(out, stop.requested)  # any rank's verdict reaches every rank here
@@ -281,4 +282,5 @@ def save_hf_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer, o
         shards = {} if isinstance(unwrapped, PeftModel) else {"max_shard_size": "5GB"}
         unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True, **shards)
         tokenizer.save_pretrained(output_dir)
+        durable(output_dir, recursive=False)  # the export's files, then output_dir itself, survive a crash
     accelerator.wait_for_everyone()

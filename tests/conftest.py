@@ -1,30 +1,291 @@
-"""Helpers that run the tiny recipe for real: one process, or `accelerate launch` with real ranks on CPU."""
+"""Helpers that run the tiny recipe for real: one process, or `accelerate launch` with real ranks on CPU.
+
+Every launch gets a scrubbed environment (nothing of the shell's launcher, W&B or GPU settings), a rendezvous
+port outside the kernel's ephemeral range, DeepSpeed's compiled ops from the virtualenv and a datasets cache of
+this session's own. Every process a test starts ends with the test: this process is the subreaper of all of
+them, so a rank whose launcher died is still found, and whatever a test leaves is stopped for good (SIGCONT,
+then SIGKILL). A passing test that left a process running fails at teardown; so does the session if one
+survives it."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import itertools
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import pytest
+# Before anything imports `datasets`, which reads its cache location once: this session's own, removed at its end.
+SESSION_DIR = Path(tempfile.mkdtemp(prefix="shardtune-tests-"))
+os.environ["HF_DATASETS_CACHE"] = str(SESSION_DIR / "datasets")
 
-from shardtune.tiny import ensure_tiny_assets
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+from shardtune.tiny import ensure_tiny_assets  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
 TINY_RECIPE = REPO / "recipes" / "tiny.py"
-# Two ranks share the two cores: one thread each, and no W&B unless a test asks for it.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline"}
+# DeepSpeed JIT-compiles its CPU ops into TORCH_EXTENSIONS_DIR: the virtualenv's (built by `make test`), not the
+# user's ~/.cache, so that the Makefile's stamp and the ops live and go together.
+TORCH_EXTENSIONS_DIR = Path(sys.prefix) / "torch_extensions"
+os.environ["TORCH_EXTENSIONS_DIR"] = str(TORCH_EXTENSIONS_DIR)
+
+# What a launch must not inherit from the shell that runs the tests: another launcher's rank and rendezvous,
+# accelerate's and FSDP's settings (they would override the config file), GPU selection, a W&B login or project.
+SCRUBBED_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+                  "SHARDTUNE_FAULT", "SHARDTUNE_MAIN_PROCESS_PORT", "SHARDTUNE_PROCS_PER_NODE"}
+SCRUBBED_PREFIXES = ("ACCELERATE_", "FSDP_", "WANDB_", "TORCHELASTIC_", "PET_", "DEEPSPEED_")
+
+
+def scrubbed(environ: dict[str, str]) -> dict[str, str]:
+    return {name: value for name, value in environ.items()
+            if name not in SCRUBBED_NAMES and not name.startswith(SCRUBBED_PREFIXES)}
+
+
+# Two ranks share the two cores: one thread each, and no W&B unless a test asks for it (offline even then).
+ENV = {**scrubbed(dict(os.environ)), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+       "WANDB_MODE": "offline", "HF_DATASETS_CACHE": str(SESSION_DIR / "datasets"),
+       "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS_DIR)}
 
 
 # The reference run of each strategy, shared by the equivalence and the resume tests: fp32, 8 steps of
-# 32 sequences (2 ranks x 8 x 2 accumulation steps, or 1 x 8 x 4 alone), a checkpoint every 2 steps.
+# 32 sequences (2 ranks x 8 x 2 accumulation steps, or 1 x 8 x 4 alone), a checkpoint every 2 steps. Weight decay
+# is on (so the decay / no-decay split of the parameters is exercised) and there is no warm-up (step 1 updates).
 REFERENCE_ARGS = ("--max_steps", "8", "--save_steps", "2", "--save_total_limit", "0", "--mixed_precision", "no",
-                  "--per_device_train_batch_size", "8", "--global_batch_size", "32")
+                  "--per_device_train_batch_size", "8", "--global_batch_size", "32",
+                  "--weight_decay", "0.1", "--warmup_ratio", "0")
+
+# `make test` (and CI, which runs it) sets SHARDTUNE_REQUIRE=nvme,slurm: there, a test that cannot run for want of
+# libaio or SLURM fails instead of skipping.
+REQUIRED = {name.strip() for name in os.environ.get("SHARDTUNE_REQUIRE", "").split(",") if name.strip()}
+
+
+def skip_unless_required(feature: str, reason: str) -> None:
+    """Skip for want of `feature`, or fail where the run requires it (SHARDTUNE_REQUIRE)."""
+    if feature in REQUIRED:
+        pytest.fail(f"{reason} (SHARDTUNE_REQUIRE={','.join(sorted(REQUIRED))} makes this a failure)", pytrace=False)
+    pytest.skip(reason)
+
+
+# --- processes -----------------------------------------------------------------------------------------------
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Orphans of this process's descendants are re-parented to it rather than to init (Linux): a rank whose
+    launcher died stays a descendant, found by the teardown below."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def identity(process: psutil.Process) -> tuple[int, float] | None:
+    try:
+        return process.pid, process.create_time()
+    except psutil.Error:
+        return None
+
+
+def descendants(pid: int | None = None) -> list[psutil.Process]:
+    """Every living descendant of `pid` (default: this process), zombies left out."""
+    try:
+        children = psutil.Process(pid or os.getpid()).children(recursive=True)
+    except psutil.Error:
+        return []
+    living = []
+    for child in children:
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                living.append(child)
+        except psutil.Error:
+            pass
+    return living
+
+
+def describe(processes: list[psutil.Process]) -> str:
+    lines = []
+    for process in processes:
+        try:
+            lines.append(f"pid {process.pid} ({process.status()}): {' '.join(process.cmdline())[:200]}")
+        except psutil.Error:
+            pass
+    return "\n".join(lines)
+
+
+def stop_for_good(processes: list[psutil.Process]) -> None:
+    """SIGCONT (a stopped process cannot die of SIGTERM handlers, and a frozen rank must not hold its launcher)
+    then SIGKILL to each, then reap what became this process's children."""
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(sig)
+    psutil.wait_procs(processes, timeout=10)
+    reap_orphans()
+
+
+def reap_orphans() -> None:
+    """Collect the exit status of re-parented orphans (never of a child a Popen object still waits for)."""
+    own = {process.pid for process in LAUNCHED if process.returncode is None}
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error, ChildProcessError):
+            if child.pid not in own and child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+
+
+def kill_tree(process: subprocess.Popen, ranks: list[psutil.Process] = ()) -> None:
+    """Kill a launcher and every process under it: its descendants (and `ranks`, collected earlier) are killed
+    first, while the launcher is alive (torch elastic starts each rank in its own session, out of reach of the
+    launcher's process group, and a launcher that dies first leaves them orphaned), then the launcher."""
+    tree = [*ranks, *descendants(process.pid)]
+    stop_for_good(tree)
+    with contextlib.suppress(ProcessLookupError):
+        process.kill()
+    process.wait()
+    stop_for_good(descendants(process.pid))
+
+
+def wait_for_ranks(launcher: subprocess.Popen, count: int, timeout: float = 120) -> list[psutil.Process]:
+    """The launcher's `count` rank processes (those running a recipe), once they have all started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ranks = []
+        for process in descendants(launcher.pid):
+            with contextlib.suppress(psutil.Error):
+                if any("/recipes/" in part and part.endswith(".py") for part in process.cmdline()):
+                    ranks.append(process)
+        if len(ranks) >= count:
+            return ranks
+        assert launcher.poll() is None, f"launcher exited ({launcher.returncode}) before {count} ranks started"
+        time.sleep(0.1)
+    raise AssertionError(f"{count} ranks not started within {timeout}s")
+
+
+LAUNCHED: list[subprocess.Popen] = []  # every process the helpers below started, for the teardown
+
+
+def popen(command: list[str], **options) -> subprocess.Popen:
+    process = subprocess.Popen(command, **options)
+    LAUNCHED.append(process)
+    return process
+
+
+def pytest_configure(config) -> None:
+    become_subreaper()
+
+
+def pytest_sessionstart(session) -> None:
+    """Fail fast where the launches would fail late: DeepSpeed's compiled ops and a free port range."""
+    missing = [name for name in deepspeed_op_names() if not (TORCH_EXTENSIONS_DIR / name / f"{name}.so").is_file()]
+    if missing:
+        pytest.exit(f"DeepSpeed ops {', '.join(missing)} are not built in {TORCH_EXTENSIONS_DIR}: run "
+                    "`make .venv/deepspeed-ops` (or TORCH_EXTENSIONS_DIR=... python scripts/build_deepspeed_ops.py)",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
+    low, high = ephemeral_ports()
+    if not (PORTS.stop <= low or PORTS.start > high):
+        pytest.exit(f"test ports {PORTS.start}-{PORTS.stop - 1} overlap the ephemeral range {low}-{high}",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def deepspeed_op_names() -> list[str]:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    names = ["cpu_adam", "deepspeed_shm_comm"]
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        names.append("async_io")
+    return names
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The session fails if any process it started outlived it (the per-test teardown should have ended it)."""
+    left = descendants()
+    if left:
+        report = describe(left)
+        stop_for_good(left)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\nprocesses left running at the end of the session (killed now):\n{report}", file=sys.stderr)
+    shutil.rmtree(SESSION_DIR, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_PASSED] = report.passed
+    return report
+
+
+CALL_PASSED = pytest.StashKey[bool]()
+
+
+@pytest.fixture(autouse=True)
+def no_process_left(request):
+    """Whatever the test started and left is stopped for good at teardown. A passing test must leave nothing:
+    a process still running 10 s after it (its launcher had that long to end its ranks) fails it."""
+    before = {identity(process) for process in descendants()}
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        left = [process for process in descendants() if identity(process) not in before]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    report = describe(left)
+    stop_for_good(left)
+    for process in LAUNCHED:
+        if process.returncode is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=10)
+    if left and request.node.stash.get(CALL_PASSED, False):
+        pytest.fail(f"the test left processes running (killed now):\n{report}", pytrace=False)
+
+
+# --- ports ---------------------------------------------------------------------------------------------------
+
+# Rendezvous ports for launches: below the kernel's ephemeral range (32768-60999 by default), where no outgoing
+# connection takes one between the check here and the launcher's bind, and above scripts/slurm/train.sbatch's
+# 10000-29999. Handed out once each per session, from a start that differs between concurrent sessions.
+PORTS = range(30000, 32768)
+_next_ports = itertools.cycle(list(PORTS[os.getpid() % len(PORTS):]) + list(PORTS[:os.getpid() % len(PORTS)]))
+_given: set[int] = set()
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port() -> int:
+    """A port nothing listens on, outside the ephemeral range, not handed out before in this session."""
+    for _ in range(len(PORTS)):
+        port = next(_next_ports)
+        if port in _given:
+            continue
+        try:
+            for host in ("127.0.0.1", "0.0.0.0"):
+                with socket.socket() as sock:
+                    sock.bind((host, port))
+        except OSError:
+            continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
+
+
+# --- runs ----------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -54,8 +315,9 @@ def nvme_args(config: str | None, root: Path) -> tuple[str, ...]:
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if not AsyncIOBuilder().is_compatible(verbose=False):
-        pytest.skip("NVMe offload needs libaio for DeepSpeed's async_io op: apt-get install libaio-dev")
-    (root / "nvme").mkdir()
+        skip_unless_required("nvme", "NVMe offload needs libaio for DeepSpeed's async_io op: apt-get install "
+                                     "libaio-dev")
+    (root / "nvme").mkdir(exist_ok=True)
     return ("--offload_nvme_path", str(root / "nvme"))
 
 
@@ -77,10 +339,21 @@ def recipe_command(
     return command
 
 
-def run_recipe(output_dir: Path, assets: tuple[str, str], *args: str, check: bool = True, **options
-               ) -> subprocess.CompletedProcess:
+def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**ENV, **(extra or {})}
+
+
+def run_recipe(output_dir: Path, assets: tuple[str, str], *args: str, check: bool = True,
+               env: dict[str, str] | None = None, timeout: float = 900, **options) -> subprocess.CompletedProcess:
     command = recipe_command(output_dir, assets, *args, **options)
-    result = subprocess.run(command, cwd=output_dir.parent, env=ENV, capture_output=True, text=True, timeout=900)
+    process = popen(command, cwd=output_dir.parent, env=launch_env(env), stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(process)
+        raise AssertionError(f"{' '.join(command)}\nstill running after {timeout}s: a hang") from None
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)}\nexit {result.returncode}\n{result.stderr[-6000:]}")
     return result
@@ -94,19 +367,26 @@ def train_losses(output_dir: Path) -> list[float]:
     return [row["loss"] for row in read_metrics(output_dir) if "loss" in row]
 
 
-def start_recipe(output_dir: Path, assets: tuple[str, str], *args: str, log_name: str | None = None, **options
-                 ) -> subprocess.Popen:
-    """Start a run in its own process group, so that a test can signal or kill all of its processes."""
+def grad_norms(output_dir: Path) -> list[float]:
+    """The gradient norm of each step before clipping: where a lost or doubled gradient factor shows, although
+    clipping and Adam hide it from the losses and the weights."""
+    return [row["grad_norm"] for row in read_metrics(output_dir) if "loss" in row]
+
+
+def start_recipe(output_dir: Path, assets: tuple[str, str], *args: str, log_name: str | None = None,
+                 env: dict[str, str] | None = None, **options) -> subprocess.Popen:
+    """Start a run in its own session; `kill_tree` ends it with all its ranks, the teardown whatever is left."""
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     log = open(output_dir.parent / f"{log_name or output_dir.name}.log", "w")  # noqa: SIM115 (closed with the process)
-    return subprocess.Popen(recipe_command(output_dir, assets, *args, **options), cwd=output_dir.parent, env=ENV,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return popen(recipe_command(output_dir, assets, *args, **options), cwd=output_dir.parent, env=launch_env(env),
+                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def start_machines(output_dir: Path, assets: tuple[str, str], *args: str, configs: list[str],
-                   machine_args: list[tuple[str, ...]] | None = None) -> list[subprocess.Popen]:
+                   machine_args: list[tuple[str, ...]] | None = None,
+                   machine_env: list[dict[str, str]] | None = None) -> list[subprocess.Popen]:
     """One `accelerate launch` per machine, all on loopback, one process each: machine i runs configs[i] with
-    `args` and machine_args[i]. Logs go to <output_dir>-machine<i>.log."""
+    `args`, machine_args[i] and the variables machine_env[i]. Logs go to <output_dir>-machine<i>.log."""
     port, machines = free_port(), len(configs)
     processes = []
     for rank, config in enumerate(configs):
@@ -114,7 +394,8 @@ def start_machines(output_dir: Path, assets: tuple[str, str], *args: str, config
                        "--main_process_ip", "127.0.0.1")
         extra = machine_args[rank] if machine_args else ()
         processes.append(start_recipe(output_dir, assets, *args, *extra, config=config, processes=machines,
-                                      launch_args=launch_args, port=port, log_name=f"{output_dir.name}-machine{rank}"))
+                                      launch_args=launch_args, port=port, log_name=f"{output_dir.name}-machine{rank}",
+                                      env=machine_env[rank] if machine_env else None))
     return processes
 
 
@@ -133,8 +414,8 @@ def wait_for_step(process: subprocess.Popen, output_dir: Path, step: int, timeou
 
 
 def wait_all(processes: list[subprocess.Popen], timeout: float, started: float | None = None) -> list[float]:
-    """Seconds from `started` (default: now) until each launcher exited; kills them all and fails if any
-    outlives `timeout`."""
+    """Seconds from `started` (default: now) until each launcher exited; kills them all, ranks included, and
+    fails if any outlives `timeout`."""
     started, ended = started or time.monotonic(), {}
     while len(ended) < len(processes):
         for index, process in enumerate(processes):
@@ -142,7 +423,7 @@ def wait_all(processes: list[subprocess.Popen], timeout: float, started: float |
                 ended[index] = time.monotonic() - started
         if time.monotonic() - started > timeout:
             for process in processes:
-                os.killpg(process.pid, signal.SIGKILL)
+                kill_tree(process)
             raise AssertionError(f"launchers still running after {timeout}s: a hang")
         time.sleep(0.1)
     return [ended[index] for index in range(len(processes))]
@@ -150,11 +431,3 @@ def wait_all(processes: list[subprocess.Popen], timeout: float, started: float |
 
 def machine_log(output_dir: Path, machine: int) -> str:
     return (output_dir.parent / f"{output_dir.name}-machine{machine}.log").read_text()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,5 +145,6 @@ def test_batch_must_divide_over_ranks(tiny_assets, tmp_path):
     result = run_recipe(output_dir, tiny_assets, "--global_batch_size", "48", "--per_device_train_batch_size", "16",
                         config="ddp", processes=2, check=False)
     assert result.returncode != 0
+    assert re.search(r"exitcode\s*:\s*2\b", result.stderr), result.stderr[-3000:]  # each rank's own code
     assert "= 16 x 2 = 32. Pick a global batch that is a multiple of 32" in result.stderr
     assert not output_dir.exists()

@@ -1,29 +1,32 @@
-"""Checkpoints survive anything: kill -9 at a random step and resume gives the uninterrupted run's losses
-bit for bit (DDP, FSDP, ZeRO-3); a crash during a save leaves the previous checkpoint in use; SIGTERM saves
-and exits with the documented code; a non-finite loss stops without saving; exports equal the trained model."""
+"""Checkpoints survive anything: a rank killed or frozen at a fixed step (one inside an accumulation cycle) and
+a resume give the uninterrupted run's losses, gradient norms and final weights bit for bit (DDP, FSDP, ZeRO-3);
+a crash during a save leaves the previous checkpoint in use; SIGTERM saves and exits with the documented code;
+a non-finite loss stops without saving; exports equal the trained model."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
-import psutil
 import pytest
 import torch
 from accelerate.utils.other import TORCH_SAFE_GLOBALS
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE
+from shardtune.preemption import FAULT_ENV, NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE
+from shardtune.ranks import PEER_LOST_EXIT_CODE
 from tests.conftest import (
     ENV,
     REFERENCE_ARGS,
     REPO,
+    grad_norms,
+    kill_tree,
     machine_log,
     read_metrics,
     run_recipe,
@@ -31,10 +34,10 @@ from tests.conftest import (
     start_recipe,
     train_losses,
     wait_all,
+    wait_for_ranks,
     wait_for_step,
 )
 
-# The reference runs accumulate 2 micro-batches per step on 2 ranks: a kill can land inside a cycle.
 ARGS = REFERENCE_ARGS
 
 
@@ -57,53 +60,90 @@ def export(checkpoint, output) -> None:
                    check=True, env=ENV, capture_output=True)
 
 
-# DDP runs as one launcher of two processes and dies whole. FSDP and ZeRO-3 run as two machines of one process
-# each (two launchers on loopback): their losses, equal to the one-machine reference, show that multi-machine
-# training is the same computation. Under ZeRO-3 rank 1 dies (SIGKILL): the survivor's collective fails at once.
-# Under FSDP rank 1 freezes (SIGSTOP, like a machine that hangs): nothing fails, only the watchdog can stop the
-# survivor. Either way machine 0 must name rank 1 and stop within the rank timeout. Each run resumes as launched.
-KILLS = [("ddp", 1), ("fsdp_full_shard", 2), ("ds_zero3", 2)]
+# Faults land where the test says, through the trainer's fault hook (shardtune.preemption.Fault): rank 1 signals
+# itself right after the backward of a chosen micro-batch of a chosen step, the same place on every run. The
+# reference runs accumulate 2 micro-batches per step: micro-batch 0 is inside an accumulation cycle, 1 ends it.
+# DDP runs as one launcher of two processes: rank 1 dies mid-cycle, then the test kills every rank and the
+# launcher, as a crashed machine ends them all. FSDP and ZeRO-3 run as two machines of one process each (two
+# launchers on loopback): their losses, equal to the one-machine reference, show that multi-machine training is
+# the same computation. Under ZeRO-3 rank 1 dies mid-cycle (SIGKILL): the survivor's next collective fails at
+# once. Under FSDP rank 1 freezes (SIGSTOP, like a machine that hangs) at the end of a cycle: nothing fails, only
+# the watchdog can stop the survivor. Either way machine 0 must name rank 1 and exit with code 4 within the rank
+# timeout. Saves are synchronous every 2 steps, so the newest complete checkpoint is the last even step before
+# the fault, and each run resumes from exactly there.
+KILLS = {  # config: (machines, fault step, micro-batch, signal)
+    "ddp": (1, 5, 0, "SIGKILL"),
+    "fsdp_full_shard": (2, 3, 1, "SIGSTOP"),
+    "ds_zero3": (2, 6, 0, "SIGKILL"),
+}
 RANK_TIMEOUT_S = 10
 
 
-def launch(output_dir, tiny_assets, *args, config: str, machines: int) -> list[subprocess.Popen]:
+def launch(output_dir, tiny_assets, *args, config: str, machines: int, fault: str | None = None
+           ) -> list[subprocess.Popen]:
     args = (*args, "--rank_timeout_s", str(RANK_TIMEOUT_S))
+    env = {FAULT_ENV: fault} if fault else None
     if machines == 1:
-        return [start_recipe(output_dir, tiny_assets, *args, config=config, processes=2)]
-    return start_machines(output_dir, tiny_assets, *args, configs=[config] * machines)
+        return [start_recipe(output_dir, tiny_assets, *args, config=config, processes=2, env=env)]
+    return start_machines(output_dir, tiny_assets, *args, configs=[config] * machines,
+                          machine_env=[env] * machines if env else None)
 
 
-@pytest.mark.parametrize(("config", "machines"), KILLS, ids=[f"{config}-{n}machines" for config, n in KILLS])
-def test_kill_and_resume_equals_uninterrupted_run(config, machines, reference_run, tiny_assets, tmp_path):
+def wait_for_text(path, text: str, launchers: list[subprocess.Popen], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        if all(launcher.poll() is not None for launcher in launchers):
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in {path.name}:\n{path.read_text(errors='replace')[-4000:]}")
+
+
+@pytest.mark.parametrize("config", KILLS, ids=[f"{config}-{KILLS[config][0]}machines" for config in KILLS])
+def test_kill_and_resume_equals_uninterrupted_run(config, reference_run, tiny_assets, tmp_path):
+    machines, fault_step, micro_batch, sig = KILLS[config]
+    resume_step = fault_step - 1 - (fault_step - 1) % 2  # the newest checkpoint before the fault (save_steps 2)
     reference = reference_run(config)
 
-    kill_step = random.randint(3, 6)
     killed = tmp_path / "killed"
-    launchers = launch(killed, tiny_assets, *ARGS, config=config, machines=machines)
-    wait_for_step(launchers[0], killed, kill_step)
+    fault = f"rank=1,step={fault_step},micro_batch={micro_batch},signal={sig}"
+    launchers = launch(killed, tiny_assets, *ARGS, config=config, machines=machines, fault=fault)
+    ranks = wait_for_ranks(launchers[0], 2) if machines == 1 else []  # collected before the launcher dies
+    rank_1_log = tmp_path / ("killed.log" if machines == 1 else "killed-machine1.log")
+    wait_for_text(rank_1_log, f"rank 1 sends itself {sig} at step {fault_step}, micro-batch {micro_batch}",
+                  launchers)
     if machines == 1:
-        os.killpg(launchers[0].pid, signal.SIGKILL)
-        launchers[0].wait()
+        kill_tree(launchers[0], ranks)  # every rank, then the launcher
     else:
-        (rank_1,) = [child for child in psutil.Process(launchers[1].pid).children(recursive=True)
-                     if "tiny.py" in " ".join(child.cmdline())]
-        rank_1.send_signal(signal.SIGSTOP if config == "fsdp_full_shard" else signal.SIGKILL)
         (survivor_exit,) = wait_all(launchers[:1], timeout=120)
         survivor_log = machine_log(killed, 0)
         assert "rank 1 on machine 1 (" in survivor_log and "has not answered" in survivor_log, survivor_log[-4000:]
-        print(f"{config}: rank 1 stopped at step {kill_step}; machine 0 exited {survivor_exit:.1f} s later "
+        assert f"exitcode: {PEER_LOST_EXIT_CODE}" in survivor_log, survivor_log[-4000:]
+        print(f"{config}: rank 1 got {sig} at step {fault_step}; machine 0 exited {survivor_exit:.1f} s later "
               f"(rank timeout {RANK_TIMEOUT_S} s)")
         assert survivor_exit < RANK_TIMEOUT_S + 20
-        os.killpg(launchers[1].pid, signal.SIGKILL)  # a frozen machine is the scheduler's to end
-        launchers[1].wait()
+        kill_tree(launchers[1])  # a frozen machine is the scheduler's to end
+    # The run stopped where the fault put it: nothing of the faulted step or after it was logged or saved.
+    assert max(row["step"] for row in read_metrics(killed) if "loss" in row) == fault_step - 1
+    assert not (killed / "model.safetensors").exists()
+    assert not list(killed.glob(f"checkpoint-{fault_step + fault_step % 2}*"))
+
     resumed = launch(killed, tiny_assets, *ARGS, "--resume_from_checkpoint", "auto", config=config,
                      machines=machines)
     wait_all(resumed, timeout=600)
     log = machine_log(killed, 0) if machines > 1 else (tmp_path / "killed.log").read_text()
     assert [launcher.returncode for launcher in resumed] == [0] * machines, log[-4000:]
+    assert f"resumed from {killed}/checkpoint-{resume_step} at step {resume_step}" in log, log[-4000:]
+    assert resume_step < 8
 
     assert [row["step"] for row in read_metrics(killed) if "loss" in row] == list(range(1, 9))
-    assert train_losses(killed) == train_losses(reference), f"killed at step {kill_step}"  # bitwise
+    assert train_losses(killed) == train_losses(reference), f"fault {fault}"  # bitwise
+    assert grad_norms(killed) == grad_norms(reference), f"fault {fault}"
+    ours, theirs = load_file(killed / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key, tensor in theirs.items():
+        assert torch.equal(ours[key], tensor), f"{config}: {key} differs after the resume"
 
     # The export of the last checkpoint is the model the run saved, and loads with plain transformers.
     export(killed / "checkpoint-8", tmp_path / "exported")
@@ -142,6 +182,7 @@ def test_crash_during_save_resumes_from_previous_checkpoint(reference_run, tiny_
     result = run_recipe(crashed, tiny_assets, *ARGS, "--resume_from_checkpoint", "auto")
     assert "resumed from" in result.stdout and "checkpoint-4 at step 4" in result.stdout
     assert train_losses(crashed) == train_losses(reference)
+    assert grad_norms(crashed) == grad_norms(reference)
     assert (crashed / "checkpoint-8" / "checkpoint_complete.json").is_file()
     assert not (crashed / ".checkpoint-8.tmp").exists()
 
@@ -163,8 +204,7 @@ def test_sigterm_to_every_rank_under_accelerate_launch(tiny_assets, tmp_path):
     process = start_recipe(output_dir, tiny_assets, "--max_steps", "500", "--save_steps", "0",
                            config="ds_zero3", processes=2)
     wait_for_step(process, output_dir, 2)
-    ranks = [child for child in psutil.Process(process.pid).children(recursive=True)
-             if "tiny.py" in " ".join(child.cmdline())]
+    ranks = wait_for_ranks(process, 2)
     assert len(ranks) == 2
     for rank in ranks:  # as SLURM signals every task of a job step
         rank.send_signal(signal.SIGTERM)

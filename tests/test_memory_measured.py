@@ -11,12 +11,17 @@ from shardtune.plan import buffers, model_states, read_accelerate_config
 from tests.conftest import CONFIGS, read_metrics
 from tests.test_strategies import CONFIG_NAMES
 
-# Weights and optimizer states: exact up to Adam's step counters (4 bytes per tensor) and, under ZeRO, how each
-# parameter group's flat buffer splits over the ranks (0.3% off the even share here).
-EXACT_RTOL = 1e-2
-# ZeRO-1/2 keep one full-size gradient (the embedding's, measured: +2.9% on this 98k-parameter model) beside the
-# partitions until the step; at real sizes it is a fraction of a percent.
-GRADIENT_RTOL = 0.05
+# The README's figures. Weights and optimizer states: exact up to Adam's step counters (4 bytes per tensor) and,
+# under ZeRO, how each parameter group's flat buffer splits over the ranks (-0.33% off the even share here).
+EXACT_RTOL = 4e-3
+# Gradients: exact but for a few alignment elements of ZeRO's partitions (+0.03% here).
+GRADIENT_RTOL = 1e-3
+# Offload configs hold everything in host RAM, which on a CPU machine is the "device" too: totals are compared.
+OFFLOAD_RTOL = 0.05
+# DeepSpeed's buffers (reduce bucket allocated whole, ZeRO-3 layers still gathered): ZeRO-1 exact, ZeRO-3 +-0.04%.
+# Under ZeRO-2 the probe finds no bucket at the first step (0 bytes): there the buffer is planned, not measured.
+BUFFER_RTOL = 1e-3
+BUFFERS_NOT_MEASURED = {"ds_zero2"}
 
 
 def held(output_dir) -> dict[str, int]:
@@ -39,11 +44,14 @@ def test_model_states_equal_the_bytes_each_rank_holds(config, reference_run, tin
     elif "nvme" not in config:  # on a CPU machine the host and the "GPU" are the same memory: compare totals
         total = measured["weights"] + measured["gradients"] + measured["optimizer"]
         assert total == pytest.approx(planned.weights + planned.gradients + planned.optimizer + offloaded,
-                                      rel=GRADIENT_RTOL)
+                                      rel=OFFLOAD_RTOL)
     else:  # NVMe: Adam's states and the fp32 master live in swap files; the gradient partitions in host RAM
         assert measured["gradients"] == pytest.approx(planned.host, rel=GRADIENT_RTOL)
         # DeepSpeed swapped under --offload_nvme_path (it deletes the files at exit, the folders stay).
         swap_root = reference_run(config).parent / "nvme" / "zero_stage_3"
         assert {path.name for path in swap_root.iterdir()} == {"optimizer", "float32params"}
     if strategy.kind == "deepspeed":  # reduce buckets (allocated whole) and ZeRO-3 layers still gathered
-        assert measured["buffers"] <= buffers(strategy, shape, params, 2, "fp32")
+        if config in BUFFERS_NOT_MEASURED:
+            assert measured["buffers"] == 0, f"{config} now measures its buffers: compare them, update the README"
+        else:
+            assert measured["buffers"] == pytest.approx(buffers(strategy, shape, params, 2, "fp32"), rel=BUFFER_RTOL)
