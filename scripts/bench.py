@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--num_processes", type=int, default=8)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=1, help="alternate trainer and bare-loop runs N times")
     parser.add_argument("--timeout_s", type=float, default=3600,
                         help="stop a launch (and its ranks) that runs longer than this")
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # the worker side of the bare loop
@@ -150,24 +151,40 @@ def main() -> None:
 
     import torch
 
-    with tempfile.TemporaryDirectory() as scratch:
-        output_dir = Path(scratch) / "bench"
-        launch(args, [args.recipe], output_dir)
-        rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = summarize(rows, args.warmup)
+    # Launch-to-launch spread on a shared machine is larger than the difference measured: with --repeats, the
+    # trainer and the bare loop run alternately and the medians are compared.
+    trainer_runs, bare_runs = [], []
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory() as scratch:
+            output_dir = Path(scratch) / "bench"
+            launch(args, [args.recipe], output_dir)
+            rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+        trainer_runs.append(summarize(rows, args.warmup))
+        if not torch.cuda.is_available():
+            bare_runs.append(run_bare(args, recipe_args))
+    summary = {key: statistics.median(run[key] for run in trainer_runs) for key in trainer_runs[0]}
     for key, value in summary.items():
         print(f"{key:>30}: {value:,.4f}")
-    if not torch.cuda.is_available():
-        bare_args = [__file__, "--bare", "--config_file", args.config_file, "--recipe", args.recipe,
-                     "--steps", str(args.steps), "--warmup", str(args.warmup), "--"]
-        command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", args.config_file,
-                   "--num_processes", str(args.num_processes), *bare_args, *recipe_args]
-        out = run_launcher(command, args.timeout_s, capture=True)
-        bare = json.loads(next(line for line in out.splitlines() if line.startswith("BARE "))[5:])
-        ratio = summary["tokens_per_second_per_device"] / bare["tokens_per_second_per_device"]
-        print(f"{'bare accelerate loop tokens/s':>30}: {bare['tokens_per_second_per_device']:,.4f}")
-        print(f"{'trainer / bare loop':>30}: {ratio:.3f}")
+    if bare_runs:
+        bare = statistics.median(bare_runs)
+        ratio = summary["tokens_per_second_per_device"] / bare
+        print(f"{'bare accelerate loop tokens/s':>30}: {bare:,.4f}")
+        print(f"{'trainer / bare loop':>30}: {ratio:.3f}"
+              + (f" (medians of {args.repeats}; per run: "
+                 + ", ".join(f"{run['tokens_per_second_per_device'] / b:.3f}"
+                             for run, b in zip(trainer_runs, bare_runs, strict=True)) + ")"
+                 if args.repeats > 1 else ""))
 
+
+def run_bare(args: argparse.Namespace, recipe_args: list[str]) -> float:
+    """Tokens/s per device of the bare loop over the same recipe, model, data and batches."""
+    bare_args = [__file__, "--bare", "--config_file", args.config_file, "--recipe", args.recipe,
+                 "--steps", str(args.steps), "--warmup", str(args.warmup), "--"]
+    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", args.config_file,
+               "--num_processes", str(args.num_processes), *bare_args, *recipe_args]
+    out = run_launcher(command, args.timeout_s, capture=True)
+    return json.loads(next(line for line in out.splitlines() if line.startswith("BARE "))[5:])[
+        "tokens_per_second_per_device"]
 
 if __name__ == "__main__":
     main()

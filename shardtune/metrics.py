@@ -1,8 +1,9 @@
 """The training metrics: one all-reduce and one device-to-host sync per optimizer step, and a logging window.
 
 Every rank must learn at once whether any rank saw a non-finite loss or a stop signal, so one small reduce per
-step is needed anyway; it also carries the loss, the gradient norm and the host-side token counts, so that a
-logging step costs no extra collective and no extra sync.
+step is needed anyway; it also carries the loss, the gradient norm, the host-side token counts and the next
+step's target count (the global loss divisor), so that neither the loss nor a logging step costs an extra
+collective or an extra sync.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ class StepSummary:
     grad_norm: float
 
 
-def step_vector(out: StepOutput, stop_requested: bool, is_main_process: bool) -> torch.Tensor:
-    """[non-finite, stop, loss share, gradient norm, *counts] on the loss's device, to be summed over ranks. The
-    norm is global (the same on every rank): only the main process adds it, so the sum is exact."""
+def step_vector(out: StepOutput, stop_requested: bool, is_main_process: bool, next_targets: int = 0
+                ) -> torch.Tensor:
+    """[non-finite, stop, loss share, gradient norm, *counts, next step's targets] on the loss's device, to be
+    summed over ranks. The norm is global (the same on every rank): only the main process adds it, so the sum is
+    exact; so are the counts (integers far below 2**53)."""
     device = out.loss.device
     norm = out.grad_norm if out.grad_norm is not None else torch.full((), float("nan"), device=device)
     checked = norm if out.grad_norm is not None else torch.zeros((), device=device)
@@ -42,6 +45,7 @@ def step_vector(out: StepOutput, stop_requested: bool, is_main_process: bool) ->
         out.loss.to(torch.float64),
         norm.to(torch.float64) * float(is_main_process),
         *(torch.full((), float(out.counts[key]), dtype=torch.float64, device=device) for key in COUNT_KEYS),
+        torch.full((), float(next_targets), dtype=torch.float64, device=device),
     ])
 
 
@@ -52,15 +56,26 @@ class TrainMetrics:
                  peak_flops_per_gpu: float | None) -> None:
         self.accelerator, self.plan, self.steps_per_epoch = accelerator, plan, steps_per_epoch
         self.shape, self.peak_flops_per_gpu = shape, peak_flops_per_gpu
+        self._next_targets: torch.Tensor | None = None
         self._reset()
+
+    def global_targets(self, counts: dict[str, int]) -> torch.Tensor:
+        """The step's target count over all ranks, on the device: summed with the previous step's vector, or
+        (the first step) by an all-reduce of its own."""
+        if self._next_targets is not None:
+            return self._next_targets
+        local = torch.full((), counts["targets"], dtype=torch.long, device=self.accelerator.device)
+        return self.accelerator.reduce(local, "sum")
 
     def _reset(self) -> None:
         self.started, self.steps, self.loss = time.perf_counter(), 0, 0.0
         self.counts = dict.fromkeys(COUNT_KEYS, 0.0)
 
-    def after_step(self, out: StepOutput, stop_requested: bool) -> StepSummary:
-        summed = self.accelerator.reduce(step_vector(out, stop_requested, self.accelerator.is_main_process), "sum")
-        non_finite, stop, loss, grad_norm, *counts = summed.tolist()  # the step's one device-to-host sync
+    def after_step(self, out: StepOutput, stop_requested: bool, next_counts: dict[str, int]) -> StepSummary:
+        vector = step_vector(out, stop_requested, self.accelerator.is_main_process, next_counts["targets"])
+        summed = self.accelerator.reduce(vector, "sum")  # the step's one collective
+        self._next_targets = summed[-1].to(torch.long)  # stays on the device: the next step's loss divisor
+        non_finite, stop, loss, grad_norm, *counts, _ = summed.tolist()  # the step's one device-to-host sync
         self.steps += 1
         self.loss += loss
         for key, value in zip(COUNT_KEYS, counts, strict=True):

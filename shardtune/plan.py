@@ -356,6 +356,24 @@ def usable_capacity(hardware: Hardware) -> int:
     return int(hardware.gpu_memory - RESERVE_FRACTION * hardware.gpu_memory - RESERVE_FIXED)
 
 
+def staging_host_bytes(strategy: Strategy, params: int, world: int, gpus_per_node: int,
+                       model_only: bool = False) -> float:
+    """Host RAM of --async_save's staging copy on the first node (shardtune.checkpoint), kept from the first
+    asynchronous save on: each rank's share of the checkpoint. With Adam, full state: FSDP and ZeRO-3 12P/N per
+    rank (fp32 weights or master 4, m and v 8); ZeRO-1/2 the same plus 4P on rank 0 while it saves the 16-bit
+    module; DDP 12P on rank 0 alone. Model only: FSDP 4P/N per rank; DDP and DeepSpeed the weights on rank 0
+    (twice under ZeRO-3, which gathers them first)."""
+    p, n, local = float(params), world, min(gpus_per_node, world)
+    low = 2 if strategy.mixed_precision in ("bf16", "fp16") else 4
+    if model_only:
+        if strategy.kind == "fsdp":
+            return 4 * p / n * local
+        return (4 if strategy.kind == "ddp" else low) * p * (2 if strategy.shard >= 3 else 1)
+    if strategy.kind == "ddp":
+        return 12 * p
+    return 12 * p / n * local + (4 * p if strategy.kind == "deepspeed" and strategy.shard < 3 else 0)
+
+
 def loading_host_bytes(strategy: Strategy, params: int, gpus_per_node: int) -> float:
     """from_pretrained reads an fp32 copy in every local process, unless RAM-efficient loading is on
     (FSDP: rank 0 reads, the others start on the meta device; DeepSpeed zero.Init streams checkpoint shards and
@@ -392,7 +410,7 @@ class Plan:
 
 def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch: int = 1, seq: int = 4096,
          checkpointing: bool = True, attn: str = "sdpa", host_ram: float | None = None, peft: Peft | None = None,
-         padded: bool = True) -> Plan:
+         padded: bool = True, async_save: bool = False, save_only_model: bool = False) -> Plan:
     """Per-GPU memory of one training step. Runs in microseconds: nothing is built or loaded. With `peft`,
     activations are the base model's (LoRA's rank-r intermediates and dropout copies are not counted)."""
     params, world = shape.params, hardware.world_size
@@ -405,7 +423,10 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     per_gpu["total"] = sum(per_gpu.values())
     offloaded = states.host * hardware.gpus_per_node
     loading = loading_host_bytes(strategy, params, hardware.gpus_per_node)
-    host = {"offloaded_states": offloaded, "model_loading": loading}
+    staging = (staging_host_bytes(strategy, params, world, hardware.gpus_per_node, save_only_model)
+               if async_save else 0.0)
+    host = {"offloaded_states": offloaded, "model_loading": loading, "checkpoint_staging": staging}
+    training_host = offloaded + staging  # both held while training; loading comes before
     capacity = usable_capacity(hardware)
     notes = []
     if strategy.kind == "ddp" and mode == "autocast":
@@ -415,9 +436,10 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         trainable_params=peft.trainable_params(shape) if peft else params, world_size=world,
         micro_batch=micro_batch, max_seq_length=seq, gradient_checkpointing=checkpointing,
         mixed_precision=strategy.mixed_precision, activation_mode=mode, per_gpu=per_gpu,
-        host_ram_per_node=max(offloaded, loading), host_ram=host, nvme_per_node=states.nvme * hardware.gpus_per_node,
+        host_ram_per_node=max(training_host, loading), host_ram=host,
+        nvme_per_node=states.nvme * hardware.gpus_per_node,
         capacity=capacity, fits=per_gpu["total"] <= capacity,
-        host_ram_fits=None if host_ram is None else max(offloaded, loading) <= host_ram, notes=notes,
+        host_ram_fits=None if host_ram is None else max(training_host, loading) <= host_ram, notes=notes,
     )
 
 
@@ -520,7 +542,9 @@ def format_plan(p: Plan) -> str:
     rows += [f"  {name:<12}{_gb(p.per_gpu[name]):>12}" for name in (*COMPONENTS, "total")]
     rows.append(f"  {'usable':<12}{_gb(p.capacity):>12}   -> {'fits' if p.fits else 'DOES NOT FIT'}")
     rows.append(f"  host RAM per node: {_gb(p.host_ram_per_node)} (offloaded states "
-                f"{_gb(p.host_ram['offloaded_states'])}, model loading {_gb(p.host_ram['model_loading'])})")
+                f"{_gb(p.host_ram['offloaded_states'])}, model loading {_gb(p.host_ram['model_loading'])}"
+                + (f", checkpoint staging {_gb(p.host_ram['checkpoint_staging'])}"
+                   if p.host_ram["checkpoint_staging"] else "") + ")")
     if p.nvme_per_node:
         rows.append(f"  NVMe per node: {_gb(p.nvme_per_node)}")
     return "\n".join(rows + [f"  note: {note}" for note in p.notes])
@@ -608,7 +632,8 @@ def plan_launch(shape: ModelShape, hardware: Hardware, recipe) -> tuple[Plan, st
     strategy = strategy_from_launch_env(recipe.mixed_precision)
     peft = Peft(recipe.lora_r, recipe.lora_target_modules, recipe.load_in_4bit) if recipe.use_peft else None
     chosen = plan(shape, hardware, strategy, recipe.per_device_train_batch_size, recipe.max_seq_length,
-                  recipe.gradient_checkpointing, recipe.attn_implementation, peft=peft)
+                  recipe.gradient_checkpointing, recipe.attn_implementation, peft=peft,
+                  async_save=recipe.async_save, save_only_model=recipe.save_only_model)
     if chosen.fits:
         return chosen, None
     found = recommend(shape, hardware, recipe.global_batch_size, recipe.max_seq_length, recipe.mixed_precision,

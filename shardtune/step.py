@@ -7,7 +7,7 @@ a loop that runs on CPU crashes on CUDA: every tensor made here is made on the m
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,15 +33,26 @@ def take_counts(micro_batches: list[dict]) -> dict[str, int]:
     return {key: sum(count[key] for count in counts) for key in COUNT_KEYS}
 
 
+def with_counts(batches: Iterator[list[dict]]) -> Iterator[tuple[list[dict], dict[str, int], dict[str, int]]]:
+    """Each step's micro-batches with their host-side counts, and the next step's counts: the next step's
+    target count can then travel in this step's one all-reduce (shardtune.metrics), so that the global count
+    every loss is divided by costs no collective of its own."""
+    current = next(batches)
+    counts = take_counts(current)
+    for upcoming in batches:
+        upcoming_counts = take_counts(upcoming)
+        yield current, counts, upcoming_counts
+        current, counts = upcoming, upcoming_counts
+
+
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-               micro_batches: list[dict], plan: BatchPlan, max_grad_norm: float,
-               after_backward: Callable[[int], None] | None = None) -> StepOutput:
+               micro_batches: list[dict], counts: dict[str, int], targets: torch.Tensor, plan: BatchPlan,
+               max_grad_norm: float, after_backward: Callable[[int], None] | None = None) -> StepOutput:
     """The loss of an update is (sum of all target-token losses of the global batch) / (their count), however
-    the batch is split over micro-batches and ranks: the count of the whole global batch comes first, from the
-    host-side counts of every rank (one all-reduce, no host sync)."""
+    the batch is split over micro-batches and ranks: `targets` is that count over every rank, on the device,
+    and `counts` this rank's host-side counts (see `with_counts`). `after_backward(i)` runs after the
+    backward of micro-batch i (the memory probe, fault injection)."""
     device = accelerator.device
-    counts = take_counts(micro_batches)
-    targets = accelerator.reduce(torch.full((), counts["targets"], dtype=torch.long, device=device), "sum")
     loss_sum = torch.zeros((), device=device)
     for index, batch in enumerate(micro_batches):
         with accelerator.accumulate(model):

@@ -36,7 +36,7 @@ from shardtune.metrics import TrainMetrics
 from shardtune.model import load_model, load_tokenizer
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.ranks import check_ranks_agree, launch_fingerprint, set_collective_timeout, watch_ranks
-from shardtune.step import train_step
+from shardtune.step import train_step, with_counts
 from shardtune.tracking import log_metrics, start_tracking, truncate_metrics
 
 
@@ -128,15 +128,15 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, resume
         if fault is not None:
             fault.after_backward(step, micro_batch)
 
-    batches = global_batches(run.train_loader, plan, run.steps_per_epoch, start_step)
+    steps = with_counts(global_batches(run.train_loader, plan, run.steps_per_epoch, start_step))
     first_loss = last_loss = None
     model.train()
     progress = tqdm(range(start_step + 1, run.max_steps + 1), initial=start_step, total=run.max_steps,
                     disable=not accelerator.is_main_process, desc="training")
-    for step in progress:
-        out = train_step(accelerator, model, optimizer, scheduler, next(batches), plan, recipe.max_grad_norm,
-                         after_backward)
-        summary = metrics.after_step(out, stop.requested)  # any rank's verdict reaches every rank here
+    for step, (micro_batches, counts, next_counts) in zip(progress, steps, strict=False):  # batches never end
+        out = train_step(accelerator, model, optimizer, scheduler, micro_batches, counts,
+                         metrics.global_targets(counts), plan, recipe.max_grad_norm, after_backward)
+        summary = metrics.after_step(out, stop.requested, next_counts)  # every rank's verdict reaches every rank
         if summary.non_finite:
             accelerator.print(f"shardtune: error: non-finite loss or gradient norm at step {step} "
                               f"(loss {summary.loss}, grad norm {summary.grad_norm}); nothing saved from this "

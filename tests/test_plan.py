@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 from shardtune.flops import BUILTIN_MODELS, builtin_configs, resolve_model, shape_from_config
-from shardtune.hardware import HardwareError, parse_hardware
+from shardtune.hardware import Hardware, HardwareError, parse_hardware
 from shardtune.plan import (
     CONFIGS_DIR,
     Peft,
@@ -284,3 +284,28 @@ def test_70b_lora_fits_one_h100_node_and_qlora_one_gpu():
     qlora = plan(shape, one_gpu, config("ddp"), 1, 4096, True, peft=Peft(16, load_in_4bit=True))
     adapters = Peft(16).trainable_params(shape)  # fp32
     assert qlora.fits and qlora.per_gpu["weights"] == pytest.approx(0.516 * shape.params + 4 * adapters, rel=1e-3)
+
+
+@pytest.mark.parametrize("config", ["fsdp_full_shard", "ds_zero3", "ddp"])
+def test_async_save_staging_is_the_checkpoint_each_rank_writes(config, reference_run, tiny_assets):
+    """--async_save copies each rank's share of the checkpoint to host memory: the planner's staging bytes per node
+    (2 ranks here) equal the model and optimizer files of a real checkpoint of the same run, to within its
+    metadata and Adam's step counters."""
+    checkpoint = reference_run(config) / "checkpoint-2"
+    if config.startswith("fsdp"):  # torch.distributed.checkpoint: the tensors' bytes from its metadata
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        entries = [entry for name in ("pytorch_model_fsdp_0", "optimizer_0")
+                   for entry in FileSystemReader(str(checkpoint / name)).read_metadata().state_dict_metadata.values()]
+        written = sum(entry.size.numel() * entry.properties.dtype.itemsize for entry in entries
+                      if isinstance(entry, TensorStorageMetadata))
+    else:  # DeepSpeed's partition files, DDP's model.safetensors and optimizer.bin
+        files = [*(checkpoint / "pytorch_model").glob("*"), checkpoint / "model.safetensors",
+                 checkpoint / "optimizer.bin"]
+        written = sum(path.stat().st_size for path in files if path.is_file())
+    strategy = read_accelerate_config(os.path.join(CONFIGS_DIR, f"{config}.yaml"), mixed_precision="no")
+    hardware = Hardware(1, 2, 80 * 10**9, name="2 ranks")
+    planned = plan(resolve_model(tiny_assets[0]), hardware, strategy, 1, 64, False, async_save=True)
+    print(config, "planned", planned.host_ram["checkpoint_staging"], "written", written)
+    assert planned.host_ram["checkpoint_staging"] == pytest.approx(written, rel=0.05)

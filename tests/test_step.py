@@ -16,7 +16,7 @@ from shardtune.config import ConfigError, Recipe, check_attention
 from shardtune.data import COUNTS, IGNORE_INDEX, make_collator
 from shardtune.evaluation import row_statistics
 from shardtune.metrics import step_vector
-from shardtune.step import COUNT_KEYS, StepOutput, norm_on_device, take_counts
+from shardtune.step import COUNT_KEYS, StepOutput, norm_on_device, take_counts, with_counts
 
 META = torch.device("meta")
 
@@ -87,19 +87,20 @@ def test_step_pieces_stay_on_the_device(tiny_assets, tokenizer, attn, packing):
         norm = norm_on_device(grad_norm, META)
         out = StepOutput(loss=loss.detach(), grad_norm=norm, counts=counts)
         for is_main in (True, False):
-            vector = step_vector(out, stop_requested=True, is_main_process=is_main)
-            assert vector.device == META and vector.shape == (4 + len(COUNT_KEYS),)
+            vector = step_vector(out, stop_requested=True, is_main_process=is_main, next_targets=7)
+            assert vector.device == META and vector.shape == (5 + len(COUNT_KEYS),)
 
 
 def test_step_vector_sums_to_what_every_rank_must_know():
-    """Over two ranks: any rank's non-finite loss or stop flag, the global loss, one copy of the global norm."""
+    """Over two ranks: any rank's non-finite loss or stop flag, the global loss, one copy of the global norm, and
+    the next step's global target count."""
     counts = {"targets": 10, "tokens": 30, "processed": 40, "sequences": 4}
     ranks = [StepOutput(torch.tensor(1.25), torch.tensor(3.0), counts),
              StepOutput(torch.tensor(float("nan")), torch.tensor(3.0), counts)]
-    summed = sum(step_vector(out, stop_requested=index == 0, is_main_process=index == 0)
+    summed = sum(step_vector(out, stop_requested=index == 0, is_main_process=index == 0, next_targets=11 + index)
                  for index, out in enumerate(ranks))
-    non_finite, stop, _, grad_norm, *totals = summed.tolist()
-    assert (non_finite, stop, grad_norm, totals) == (1.0, 1.0, 3.0, [20.0, 60.0, 80.0, 8.0])
+    non_finite, stop, _, grad_norm, *totals, next_targets = summed.tolist()
+    assert (non_finite, stop, grad_norm, totals, next_targets) == (1.0, 1.0, 3.0, [20.0, 60.0, 80.0, 8.0], 23.0)
     finite = step_vector(StepOutput(torch.tensor(2.0), None, counts), False, True).tolist()
     assert finite[0] == 0.0 and finite[2] == 2.0  # no norm reported (DeepSpeed without one) is not an error
 
@@ -173,3 +174,14 @@ def test_flex_attention_forward_equals_padded_sdpa_on_packed_rows(tiny_assets, t
         with torch.no_grad():
             losses[attn] = model(**batch).loss
     torch.testing.assert_close(losses["flex_attention"], losses["sdpa"], rtol=1e-5, atol=1e-6)
+
+
+def test_each_step_sees_its_own_counts_and_the_next_steps():
+    """The next step's target count rides in this step's all-reduce: `with_counts` hands both over, in order,
+    and takes the counts out of the batches the model will see."""
+    steps = [[{"input_ids": step, COUNTS: {key: step * 10 + micro for key in COUNT_KEYS}} for micro in (1, 2)]
+             for step in range(1, 5)]
+    seen = list(with_counts(iter(steps)))
+    assert [counts["targets"] for _, counts, _ in seen] == [23, 43, 63]  # (s*10+1) + (s*10+2)
+    assert [upcoming["targets"] for _, _, upcoming in seen] == [43, 63, 83]
+    assert all(COUNTS not in batch for micro_batches, _, _ in seen for batch in micro_batches)
