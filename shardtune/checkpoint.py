@@ -526,7 +526,7 @@ class Checkpointer:
         import torch
         import torch.distributed as dist
 
-        if self.poll_group is not None:
+        if self.poll_group is not None:  # a gloo group of its own: host tensors, no device sync in the step
             flags = torch.tensor(local)
             dist.all_reduce(flags, group=self.poll_group)
             return flags.tolist()

@@ -28,6 +28,7 @@ HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> Accelerator:
     world_size, uses_deepspeed, uses_fsdp = launch_env()
     on_cpu = recipe.use_cpu
+    plugin = fsdp_plugin(recipe.mixed_precision, on_cpu) if uses_fsdp else None
     if uses_deepspeed and recipe.offload_nvme_path:  # read by accelerate's DeepSpeed plugin; the launcher sets none
         for kind in ("OPTIMIZER", "PARAM"):
             os.environ[f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind}_NVME_PATH"] = recipe.offload_nvme_path
@@ -36,7 +37,7 @@ def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> A
         # MULTI_CPU over gloo. DeepSpeed ignores `cpu=True`; it gets gloo through the process-group kwargs.
         cpu=on_cpu and not uses_deepspeed,
         mixed_precision=recipe.mixed_precision,  # the recipe wins over the config file, DeepSpeed included
-        fsdp_plugin=fsdp_plugin(recipe.mixed_precision, on_cpu) if uses_fsdp else None,
+        fsdp_plugin=plugin,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=plan.accumulation, sync_with_dataloader=False,  # the trainer ends every cycle itself
             # FSDP2 under no_sync keeps every layer's unsharded gradient until the last micro-batch (2 bytes x P
@@ -58,7 +59,7 @@ def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> A
         ],
     )
     if on_cpu and uses_fsdp:
-        enable_fsdp_on_cpu(accelerator)
+        enable_fsdp_on_cpu(accelerator, plugin)
     if accelerator.num_processes != world_size:
         raise ConfigError(
             f"accelerate started {accelerator.num_processes} process(es) in the process group but WORLD_SIZE is "
@@ -113,11 +114,11 @@ def reduction_dtypes(model: torch.nn.Module) -> str:
     return f"DeepSpeed gradient accumulation {str(zero).removeprefix('torch.')}" if zero is not None else ""
 
 
-def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
+def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
     """accelerate enables FSDP only on an accelerator, although FSDP2 runs on CPU over gloo. Switch the state
     to FSDP with the plugin from the launch environment, before `prepare`, so accelerate's own FSDP path runs."""
     state = accelerator.state
-    state.fsdp_plugin = fsdp_plugin(state.mixed_precision, on_cpu=True)
+    state.fsdp_plugin = plugin
     # AcceleratorState copies PartialState's shared fields whenever it is instantiated again: set both.
     PartialState._shared_state["distributed_type"] = state.distributed_type = DistributedType.FSDP
 
