@@ -7,11 +7,16 @@ Works on any checkpoint the trainer writes: DDP / single process (model.safetens
 with or without --save_only_model. FSDP and ZeRO checkpoints are converted shard by shard: at most one output
 shard is held in memory. A checkpoint that does not match its marker (a file missing or cut short) is refused.
 The export is written under a temporary name, fsynced, then renamed: it appears whole or not at all.
+
+The weights are written in the dtype the checkpoint's config.json states (the trainer writes there the run's
+--save_dtype: by default the model's own, bf16 for the Llama recipes), cast shard by shard; `--dtype fp32` (or
+bf16, fp16) asks for another. The config.json written states the dtype of the weights written.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -19,26 +24,38 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from shardtune.checkpoint import MARKER, damage, durable, fsync_path
+from shardtune.trainer import SAVE_DTYPES, cast_floating
 
 MAX_SHARD_SIZE = "5GB"
+DCP_PREFIX = "model."  # accelerate's save_fsdp_model nests the model state under "model"
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja")
 
 
-def export(checkpoint: Path, output: Path) -> None:
+def stated_dtype(checkpoint: Path) -> torch.dtype | None:
+    """The dtype the checkpoint's config.json states; None where it states none (the weights stay as stored)."""
+    config = checkpoint / "config.json"
+    name = json.loads(config.read_text()).get("dtype") if config.is_file() else None
+    return getattr(torch, name) if isinstance(name, str) and name else None
+
+
+def export(checkpoint: Path, output: Path, dtype: torch.dtype | None = None) -> None:
+    """Write `checkpoint`'s model as a Hugging Face model directory in `dtype` (None: as stored)."""
     fsdp_state = checkpoint / "pytorch_model_fsdp_0"
     if (checkpoint / "model.safetensors").is_file():
-        shutil.copy2(checkpoint / "model.safetensors", output / "model.safetensors")
+        export_single(checkpoint / "model.safetensors", output / "model.safetensors", dtype)
     elif fsdp_state.is_dir():
-        export_fsdp(fsdp_state, output)
+        export_fsdp(fsdp_state, output, dtype)
     elif (checkpoint / "pytorch_model").is_dir():
-        from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+        from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
 
-        convert_zero_checkpoint_to_fp32_state_dict(
-            str(checkpoint), str(output), tag="pytorch_model", safe_serialization=True, max_shard_size=MAX_SHARD_SIZE
+        # The fp32 master weights, assembled from the ZeRO partitions and cast shard by shard.
+        convert_zero_checkpoint_to_state_dict(
+            str(checkpoint), str(output), dtype=dtype or torch.float32, tag="pytorch_model",
+            safe_serialization=True, max_shard_size=MAX_SHARD_SIZE,
         )
     else:
         raise SystemExit(f"export_hf: error: {checkpoint} holds no model state this script knows "
@@ -46,35 +63,81 @@ def export(checkpoint: Path, output: Path) -> None:
     for name in MODEL_FILES:
         if (checkpoint / name).is_file():
             shutil.copy2(checkpoint / name, output / name)
+    write_config_dtype(output, written_dtype(output))
 
 
-def export_fsdp(state_dir: Path, output: Path) -> None:
-    """Read a torch.distributed.checkpoint model state one output shard at a time."""
+def export_single(source: Path, target: Path, dtype: torch.dtype | None) -> None:
+    """A DDP / single-process checkpoint's one safetensors file, cast (or copied as it is)."""
+    if dtype is None:
+        shutil.copy2(source, target)
+    else:
+        save_file(cast_floating(load_file(str(source)), dtype), str(target), metadata={"format": "pt"})
+
+
+def written_dtype(output: Path) -> torch.dtype | None:
+    """The floating-point dtype of the weights in the export (read from the safetensors headers)."""
+    from safetensors import safe_open
+
+    for path in sorted(output.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as file:
+            for key in file.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                sliced = file.get_slice(key)
+                dtype = getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32",
+                                        "F64": "float64"}.get(sliced.get_dtype(), ""), None)
+                if dtype is not None:
+                    return dtype
+    return None
+
+
+def write_config_dtype(output: Path, dtype: torch.dtype | None) -> None:
+    """config.json states the dtype of the weights beside it."""
+    config = output / "config.json"
+    if dtype is None or not config.is_file():
+        return
+    values = json.loads(config.read_text())
+    values["dtype"] = str(dtype).removeprefix("torch.")
+    config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+
+def export_fsdp(state_dir: Path, output: Path, dtype: torch.dtype | None = None) -> None:
+    """Read a torch.distributed.checkpoint model state one output shard at a time, cast to `dtype`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = dcp.FileSystemReader(str(state_dir)).read_metadata()
     shapes = {key: meta for key, meta in metadata.state_dict_metadata.items()
               if isinstance(meta, TensorStorageMetadata)}
-    empty = {key: torch.empty(meta.size, dtype=meta.properties.dtype, device="meta") for key, meta in shapes.items()}
+    empty = {key: torch.empty(meta.size, dtype=out_dtype(meta.properties.dtype, dtype), device="meta")
+             for key, meta in shapes.items()}  # shards sized as written
     split = split_torch_state_dict_into_shards(empty, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=MAX_SHARD_SIZE)
     for filename, keys in split.filename_to_tensors.items():
         shard = {key: torch.empty(shapes[key].size, dtype=shapes[key].properties.dtype) for key in keys}
         dcp.load(shard, storage_reader=dcp.FileSystemReader(str(state_dir)), no_dist=True)
-        save_file(shard, str(output / filename), metadata={"format": "pt"})
+        save_file(hf_names(cast_floating(shard, dtype)), str(output / filename), metadata={"format": "pt"})
     if split.is_sharded:
-        import json
-
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        index = {"metadata": split.metadata, "weight_map": hf_names(split.tensor_to_filename)}
         (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def main() -> None:
+def hf_names(values: dict) -> dict:
+    """The model's own parameter names: accelerate saves the FSDP state as {"model": state_dict}, so every
+    key in the checkpoint starts with "model."."""
+    return {key.removeprefix(DCP_PREFIX): value for key, value in values.items()}
+
+
+def out_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and stored.is_floating_point else stored
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint-<step> directory")
     parser.add_argument("output", type=Path, help="new directory for the Hugging Face model")
-    args = parser.parse_args()
+    parser.add_argument("--dtype", choices=["auto", *SAVE_DTYPES], default="auto",
+                        help="dtype of the weights written; auto: the one the checkpoint's config.json states (the "
+                             "run's --save_dtype, by default the model's own)")
+    args = parser.parse_args(argv)
     if not (args.checkpoint / MARKER).is_file():
         sys.exit(f"export_hf: error: {args.checkpoint} is not a complete checkpoint (no {MARKER}).")
     problem = damage(str(args.checkpoint))
@@ -85,7 +148,7 @@ def main() -> None:
     scratch = args.output.with_name(f".{args.output.name}.tmp")
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
-    export(args.checkpoint, scratch)
+    export(args.checkpoint, scratch, stated_dtype(args.checkpoint) if args.dtype == "auto" else SAVE_DTYPES[args.dtype])
     durable(str(scratch))  # every file on disk before the output takes its name: a crash leaves no half model
     if args.output.exists():
         args.output.rmdir()

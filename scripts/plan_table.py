@@ -1,26 +1,30 @@
-"""Print the README's plan table: for each model x hardware, the fastest accelerate config, checkpointing and
-micro-batch that fit, with the planned peak per GPU and host RAM per node (python -m shardtune.plan logic).
+"""The planner's figures wherever the repository states them: the README's plan table, and each recipe header's
+plan for the hardware it names. Written from shardtune.plan, checked by tests/test_plan_launch.py.
 
-    python scripts/plan_table.py --write    # replaces the table between the markers in README.md
+    python scripts/plan_table.py            # print the README table and every recipe's plan
+    python scripts/plan_table.py --write    # rewrite them in README.md and recipes/*.py
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
-from shardtune.flops import resolve_model
+from shardtune.flops import recipe_fields, resolve_model
 from shardtune.hardware import parse_hardware
-from shardtune.plan import recommend
+from shardtune.plan import CONFIGS_DIR, Peft, Recommendation, fewest_nodes, recommend
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
 MODELS = {  # built-in name -> the global batch of its recipe
     "llama-3.2-1b": 64, "llama-3.2-3b": 64, "llama-3.1-8b": 64, "mistral-7b": 64, "qwen2.5-7b": 64,
     "llama-3.1-70b": 64, "llama-3.1-405b": 128,
 }
 HARDWARE = ("1xh100-80gb", "8xa100-40gb", "8xa100-80gb", "8xh100-80gb", "8xh200-141gb", "2x8xh100-80gb")
 SEQ = 4096
-HOST_RAM = 2e12  # a common 8xH100 node; offload plans needing more do not count as fitting
+RECIPE_NODE = "8xh100-80gb"  # every model recipe is written for nodes of 8 H100-80GB
+PLAN_BLOCK = re.compile(r"Plan on .*?(?=\nTested:)", re.DOTALL)  # the generated block of a recipe header
 
 
 def table() -> str:
@@ -30,7 +34,7 @@ def table() -> str:
     for model, global_batch in MODELS.items():
         shape = resolve_model(model)
         for name in HARDWARE:
-            found = recommend(shape, parse_hardware(name), global_batch, SEQ, host_ram=HOST_RAM)
+            found = recommend(shape, parse_hardware(name), global_batch, SEQ)
             if found.plan is None:
                 rows.append(f"| {model} | {name} | nothing fits | | | | |")
                 continue
@@ -47,8 +51,52 @@ def readme_with_table(readme: str) -> str:
     return head + start + table() + "\n" + end + rest.split(end)[1]
 
 
+def recipe_plan(path: Path) -> tuple[int, Recommendation]:
+    """The fastest plan for a recipe's own fields on the fewest RECIPE_NODE nodes that hold it: (nodes, plan)."""
+    fields = recipe_fields(str(path))
+    peft = None
+    if fields.get("use_peft"):
+        peft = Peft(fields.get("lora_r", 16), fields.get("lora_target_modules", "all-linear"),
+                    fields.get("load_in_4bit", False))
+    attn = "eager" if fields.get("attn_implementation") == "eager" else "sdpa"  # flex and flash save as SDPA does
+    found = fewest_nodes(resolve_model(str(path)), parse_hardware(RECIPE_NODE), fields.get("global_batch_size"),
+                         fields.get("max_seq_length", 2048), fields.get("mixed_precision", "bf16"), CONFIGS_DIR, attn,
+                         peft)
+    if found is None:
+        raise SystemExit(f"{path.name}: nothing fits on up to 64 nodes of {RECIPE_NODE}")
+    return found
+
+
+def plan_block(path: Path) -> str:
+    nodes, found = recipe_plan(path)
+    chosen = found.plan
+    return (f"Plan on {chosen.hardware}, from python -m shardtune.plan --model recipes/{path.name} --hardware "
+            f"{chosen.hardware}\n    (scripts/plan_table.py --write keeps this current): {chosen.config}, micro-batch "
+            f"{chosen.micro_batch} x accumulation {found.accumulation},\n    gradient checkpointing "
+            f"{'on' if chosen.gradient_checkpointing else 'off'}: {chosen.per_gpu['total'] / 1e9:.1f} GB of "
+            f"{chosen.capacity / 1e9:.1f} GB usable per GPU, {chosen.host_ram_per_node / 1e9:,.0f} GB of "
+            f"{chosen.host_ram_capacity / 1e9:,.0f} GB usable host RAM per node.")
+
+
+def model_recipes() -> list[Path]:
+    return sorted(path for path in (REPO / "recipes").glob("*.py") if path.name != "tiny.py")
+
+
+def recipe_with_plan(path: Path) -> str:
+    text = path.read_text()
+    if not PLAN_BLOCK.search(text):
+        raise SystemExit(f"{path.name}: no 'Plan on ...' block before 'Tested:' in its header")
+    return PLAN_BLOCK.sub(lambda _: plan_block(path), text, count=1)
+
+
 if __name__ == "__main__":
-    if "--write" in sys.argv:
+    write = "--write" in sys.argv
+    if write:
         README.write_text(readme_with_table(README.read_text()))
     else:
         print(table())
+    for recipe in model_recipes():
+        if write:
+            recipe.write_text(recipe_with_plan(recipe))
+        else:
+            print(f"\n{recipe.name}: {plan_block(recipe)}")

@@ -2,28 +2,44 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
+import re
 import sys
+import time
 import warnings
+from typing import TYPE_CHECKING
 
 from shardtune.checkpoint import resolve_resume
-from shardtune.config import ConfigError, Recipe, launch_env, parse_recipe, validate
+from shardtune.config import (
+    RECIPE_CHECKS,
+    BatchPlan,
+    ConfigError,
+    Problems,
+    Recipe,
+    check_attention,
+    check_checkpoints,
+    check_inputs_named,
+    check_output_dir,
+    check_quantization,
+    check_recipe,
+    launch_env,
+    looks_like_path,
+    parse_flags,
+    plan_batches,
+)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def main(recipe: Recipe, argv: list[str] | None = None) -> None:
-    """Parse overrides, check everything that needs no model, train. Bad input: one line on stderr, exit 2."""
+    """Parse overrides, check everything that needs no weights, train. Bad input: one line per problem on stderr
+    (and in the launcher's error file), exit code 2."""
     try:
-        recipe = parse_recipe(recipe, argv)
-        if os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true":  # use_cpu: true in the accelerate config
-            recipe = dataclasses.replace(recipe, use_cpu=True)
-        world_size, uses_deepspeed, _ = launch_env()
-        import torch  # after the flag checks: --help and typos answer at once
-
-        if recipe.dry_run:
-            sys.exit(print_memory_plan(recipe, required=True))
-        plan = validate(recipe, world_size, uses_deepspeed, has_gpu=torch.cuda.is_available())
-        print_memory_plan(recipe, required=bool(recipe.hardware))
+        recipe, world_size, plan = checked_launch(recipe, argv)
         resume_path, start_step = resolve_resume(recipe.resume_from_checkpoint, recipe.resolved_output_dir, world_size)
         # DeepSpeed still calls these collectives by their old names, once per layer and step.
         warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
@@ -31,13 +47,116 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
 
         train(recipe, plan, resume_path, start_step)
     except ConfigError as error:
-        if reports_errors():
-            print(f"shardtune: error: {error}", file=sys.stderr)
+        refuse(error.messages)
         import torch.distributed
 
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(2)
+
+
+def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int, BatchPlan]:
+    """(the recipe as the command line sets it, world size, batch plan) once every check that needs no weights
+    passed: flags, launch environment, recipe values, the model's config, the memory plan. Raises one ConfigError
+    listing every failure. --dry_run stops here, after the flag and launch checks, with the memory plan."""
+    problems = Problems()
+    recipe, flag_problems = parse_flags(recipe, argv)
+    problems.messages.extend(flag_problems)
+    if os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true":  # use_cpu: true in the accelerate config
+        recipe = dataclasses.replace(recipe, use_cpu=True)
+    launch = problems.check(launch_env)
+    import torch  # after the flag checks: --help and typos answer at once
+
+    if recipe.dry_run:
+        problems.raise_any()
+        sys.exit(dry_run(recipe, problems))
+    plan = check_recipe(recipe, problems, torch.cuda.is_available(), None if launch is None else launch[:2])
+    if recipe.model_name_or_path:
+        problems.check(check_model, recipe)
+        if launch is not None:  # the plan of the launched config, a refusal among the others if it does not fit
+            problems.check(print_memory_plan, recipe, bool(recipe.hardware))
+    problems.raise_any()
+    assert launch is not None and plan is not None  # no problems: both checks returned
+    return recipe, launch[0], plan
+
+
+# --- --dry_run ---------------------------------------------------------------------------------------------------
+
+# What a dry run leaves out: it plans for --hardware, not for this machine, and reads no data, model or output dir.
+NOT_IN_DRY_RUN = (check_inputs_named, check_checkpoints, check_output_dir)
+
+
+def dry_run(recipe: Recipe, problems: Problems) -> int:
+    """--dry_run: every check that concerns the plan (values, choices, the batch over the planned GPUs, the
+    attention and precision as on GPUs), all reported together, then the plan. Outside `accelerate launch` it
+    plans --config_file or the config the recipe's launch line names; under it, the launched config."""
+    if not recipe.model_name_or_path:
+        problems.messages.append("No model: set --model_name_or_path to a local model directory or a Hub model id.")
+    for check in RECIPE_CHECKS:
+        if check not in NOT_IN_DRY_RUN:
+            problems.check(check, recipe)
+    problems.check(check_attention, recipe, True)
+    problems.check(check_quantization, recipe, True)
+    hardware = problems.check(planned_hardware, recipe.hardware) if recipe.hardware else None
+    if hardware is None and not recipe.hardware:
+        problems.messages.append("--dry_run needs --hardware (e.g. 8xh100-80gb): the hardware to plan for.")
+    if hardware is not None:
+        problems.check(plan_batches, recipe, hardware.world_size)
+    config_file = None
+    if not launched():
+        config_file = recipe.config_file or recipe_config_file()
+        if not config_file:
+            problems.messages.append("--dry_run outside accelerate launch plans the accelerate config that "
+                                     "--config_file names: give one (e.g. accelerate_configs/fsdp_full_shard.yaml).")
+        elif not os.path.isfile(config_file):
+            problems.messages.append(f"--config_file {config_file!r} does not exist: give an accelerate config YAML.")
+    problems.raise_any()
+    return print_memory_plan(recipe, required=True, config_file=config_file)
+
+
+def planned_hardware(spec: str):
+    from shardtune.hardware import HardwareError, parse_hardware
+
+    try:
+        return parse_hardware(spec)
+    except HardwareError as error:
+        raise ConfigError(str(error)) from None
+
+
+def launched() -> bool:
+    """Started by `accelerate launch` (or torchrun), which exports the config as ACCELERATE_* variables."""
+    return "WORLD_SIZE" in os.environ or any(name.startswith("ACCELERATE_") for name in os.environ)
+
+
+def recipe_config_file() -> str | None:
+    """The accelerate config in the launch line of the running recipe's header, found from the working directory
+    or from the repository the recipe lives in."""
+    recipe = sys.modules.get("__main__")
+    match = re.search(r"--config_file\s+(\S+\.ya?ml)", getattr(recipe, "__doc__", None) or "")
+    if not match:
+        return None
+    path = match.group(1)
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(getattr(recipe, "__file__", "."))))
+    return path if os.path.isfile(path) or os.path.isabs(path) else os.path.join(repository, path)
+
+
+def refuse(messages: list[str]) -> None:
+    """Print the refusal, and leave it where torchelastic's launcher (`accelerate launch` with several processes)
+    looks for the cause of a failure: each rank's TORCHELASTIC_ERROR_FILE, in the JSON that torch's own
+    ErrorHandler.record_exception writes (torch/distributed/elastic/multiprocessing/errors). The launcher's closing
+    report then shows these lines under "Root Cause" instead of "To enable traceback see ...". Every rank writes
+    its file, including those that do not print: the root cause is the failure with the earliest timestamp, and a
+    rank without a file is stamped when the launcher notices it, which can be first."""
+    lines = [f"shardtune: error: {' '.join(message.splitlines())}" for message in messages]  # one line each
+    if reports_errors():
+        print("\n".join(lines), file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        text = "\n".join(lines)
+        record = {"message": {"message": text, "extraInfo": {"py_callstack": text,
+                                                             "timestamp": str(int(time.time()))}}}
+        with contextlib.suppress(OSError), open(error_file, "w") as file:  # the lines above were printed anyway
+            json.dump(record, file)
 
 
 def reports_errors() -> bool:
@@ -50,12 +169,115 @@ def reports_errors() -> bool:
         return True
 
 
-def print_memory_plan(recipe: Recipe, required: bool) -> int:
-    """Plan this launch's memory per GPU before any weight loads; raise ConfigError if it does not fit.
-    Without --hardware and without GPUs there is nothing to plan against (returns 0)."""
+# --- the model, from its config.json alone --------------------------------------------------------------------
+
+
+def check_model(recipe: Recipe) -> None:
+    """What the model's config.json (no weights) can tell: it exists and can be read, it has room for
+    --max_seq_length, and --lora_target_modules name some of its layers."""
+    config = read_model_config(recipe.model_name_or_path)
+    problems = Problems()
+    problems.check(check_context_length, recipe, config)
+    problems.check(check_lora_targets, recipe, config)
+    problems.raise_any()
+
+
+def read_model_config(name: str) -> PretrainedConfig:
+    """AutoConfig of a local model directory, or of a Hub id (from the cache, or downloaded: config.json only).
+    A name that can only be a path and exists nowhere is "not found", never tried on the Hub."""
+    from transformers import AutoConfig
+
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ConfigError(f"--model_name_or_path {name!r} is a directory without config.json: give a model "
+                              "directory written by save_pretrained, or a Hub model id.")
+    elif os.path.exists(name):
+        raise ConfigError(f"--model_name_or_path {name!r} is a file: give the model's directory, or a Hub model id.")
+    elif looks_like_path(name):
+        raise ConfigError(f"Model directory not found: {name!r}. Check the path given to --model_name_or_path.")
+    try:
+        return AutoConfig.from_pretrained(name)
+    except OSError as error:
+        if os.path.isdir(name):
+            raise ConfigError(f"Cannot read {os.path.join(name, 'config.json')}: {first_line(error)}") from None
+        raise ConfigError(hub_problem(name, error)) from None
+    except ValueError as error:  # an unknown model_type, a config transformers cannot build
+        raise ConfigError(f"--model_name_or_path {name!r}: {first_line(error)}") from None
+
+
+def hub_problem(name: str, error: OSError) -> str:
+    """Why a name that is no local directory could not be had from the Hub, and what to do, from the
+    huggingface_hub error that transformers wraps in OSError."""
+    from huggingface_hub import errors
+    from huggingface_hub.constants import is_offline_mode
+
+    cause = error.__cause__
+    if isinstance(cause, errors.GatedRepoError):
+        return (f"{name!r} is a gated Hub model: accept its license at https://huggingface.co/{name}, then run "
+                "`hf auth login` (or set HF_TOKEN), or give a local model directory.")
+    if isinstance(cause, errors.RepositoryNotFoundError):
+        return (f"{name!r} is neither a local directory nor a Hub model id (if it is private, run "
+                "`hf auth login`): check --model_name_or_path.")
+    if is_offline_mode():
+        return (f"{name!r} is not a local directory and not in the Hugging Face cache, and HF_HUB_OFFLINE=1 keeps "
+                "the Hub out of reach: set HF_HUB_OFFLINE=0 where there is network (`hf auth login` for a "
+                "gated model), or give a local model directory.")
+    return (f"Cannot reach the Hugging Face Hub for {name!r} (no local directory of that name, not in the cache): "
+            "check the network or proxy, run `hf auth login` for a gated model, or give a local model "
+            f"directory. ({first_line(error)})")
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def check_context_length(recipe: Recipe, config: PretrainedConfig) -> None:
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and recipe.max_seq_length > limit:
+        raise ConfigError(f"--max_seq_length {recipe.max_seq_length} is above the model's max_position_embeddings "
+                          f"{limit}: give --max_seq_length {limit} or less.")
+
+
+def check_lora_targets(recipe: Recipe, config: PretrainedConfig) -> None:
+    """Each --lora_target_modules name must match a linear or embedding layer as peft matches it (the full name or
+    its dotted suffix): peft refuses only when no name matches, and quietly drops a misspelt one otherwise."""
+    if not recipe.use_peft or recipe.lora_target_modules.strip() == "all-linear":
+        return
+    import torch
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    layers = model_layers(config)
+    unknown = []
+    for target in recipe.lora_target_modules.split(","):
+        wanted = LoraConfig(target_modules=[target.strip()])
+        if not any(isinstance(module, torch.nn.Linear | torch.nn.Embedding)
+                   and check_target_module_exists(wanted, name) for name, module in layers.items()):
+            unknown.append(target.strip())
+    if unknown:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in layers.items()
+                         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")})
+        raise ConfigError(f"--lora_target_modules {', '.join(map(repr, unknown))} names no layer of the model: its "
+                          f"linear modules are {', '.join(linear)} (or give all-linear).")
+
+
+def model_layers(config: PretrainedConfig) -> dict:
+    """The model's modules by name, built on the meta device from its config: structure only, no memory."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    return dict(model.named_modules())
+
+
+def print_memory_plan(recipe: Recipe, required: bool, config_file: str | None = None) -> int:
+    """Plan this launch's memory per GPU (under `config_file` instead of the launched config, for a dry run)
+    before any weight loads; raise ConfigError if it does not fit. Without --hardware and without GPUs there is
+    nothing to plan against (returns 0)."""
     from shardtune.flops import ModelError, resolve_model
     from shardtune.hardware import HardwareError
-    from shardtune.plan import format_plan, launch_hardware, plan_launch
+    from shardtune.plan import PlanError, format_plan, launch_hardware, plan_launch
 
     try:
         hardware = launch_hardware(recipe.hardware)
@@ -69,13 +291,13 @@ def print_memory_plan(recipe: Recipe, required: bool) -> int:
             raise ConfigError(str(error)) from error
         print(f"shardtune: no memory plan: {error}", file=sys.stderr)
         return 0
-    chosen, alternative = plan_launch(shape, hardware, recipe)
+    try:
+        chosen, alternative = plan_launch(shape, hardware, recipe, config_file)
+    except PlanError as error:  # a config file or LoRA target the planner cannot use
+        raise ConfigError(str(error)) from None
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_plan(chosen))
     if alternative:
-        raise ConfigError(
-            f"{shape.name} does not fit {hardware.name} with this accelerate config: "
-            f"{chosen.per_gpu['total'] / 1e9:,.1f} GB planned per GPU, {chosen.capacity / 1e9:,.1f} GB usable. "
-            f"Nearest plan that fits: {alternative}"
-        )
+        raise ConfigError(f"{shape.name} does not fit {hardware.name} with {chosen.config}: its limit is "
+                          f"{chosen.binding_limit()}. {alternative}")
     return 0

@@ -1,21 +1,87 @@
 """Fine-tuning data through `datasets`: local json/jsonl/parquet/csv files, `save_to_disk` directories or Hub
-datasets; `text`, `prompt`/`completion` or chat `messages` rows; tokenized once (cached by `datasets`), with the
-loss on completion / assistant tokens only; padded or packed (padding-free) micro-batches."""
+datasets, one source or a weighted mixture; `text`, `prompt`/`completion`, chat `messages`, Alpaca or ShareGPT
+rows, or rows tokenized before (scripts/prepare_data.py); tokenized once per node (cached by `datasets`), with
+the loss on completion / assistant tokens only; padded or packed (padding-free) micro-batches."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 
-from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+import pyarrow.compute as pc
+from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
 
-from shardtune.config import DATA_FILE_TYPES, ConfigError, Recipe
+from shardtune.config import (
+    DATA_FILE_TYPES,
+    ConfigError,
+    Recipe,
+    bundled_chat_templates,
+    chat_template_path,
+    dataset_sources,
+    dataset_weights,
+)
 
 IGNORE_INDEX = -100  # label of tokens that carry no loss (prompt, padding)
 logger = logging.getLogger(__name__)
-FORMATS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+# The columns that identify each format, in the order auto-detection tries them. Alpaca's `input` is optional.
+FORMATS = {"tokenized": ("input_ids", "labels"), "messages": ("messages",), "sharegpt": ("conversations",),
+           "alpaca": ("instruction", "output"), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+CHAT_FORMATS = ("messages", "sharegpt")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+# Stanford Alpaca's prompts (tatsu-lab/stanford_alpaca, train.py PROMPT_DICT), for tokenizers without a chat template.
+ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
+                 "Write a response that appropriately completes the request.\n\n"
+                 "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:")
+ALPACA_PROMPT_NO_INPUT = ("Below is an instruction that describes a task. "
+                          "Write a response that appropriately completes the request.\n\n"
+                          "### Instruction:\n{instruction}\n\n### Response:")
+PREPARED_SPLITS = ("train", "eval")  # what scripts/prepare_data.py writes
+PREPARED_INFO = "shardtune_data.json"  # beside them: the recipe values the rows were tokenized with
+# Below this many rows per process, forking workers and writing and joining their cache shards costs more than
+# the second process saves (2,000 instruction rows: 7.8 s in one process, 11.0 s in two; 10,000: even).
+MIN_ROWS_PER_PROCESS = 20_000
+MAX_PROCESSES = 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chat templates.
+
+
+def apply_chat_template_flag(tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> None:
+    """Put --chat_template (a Jinja file or a bundled name) on the tokenizer. The trainer saves this tokenizer
+    beside every checkpoint and the final model, so the template the model learnt travels with it."""
+    if not recipe.chat_template:
+        return
+    with open(chat_template_path(recipe.chat_template), encoding="utf-8") as file:
+        template = file.read()
+    if not template.strip():
+        raise ConfigError(f"--chat_template {recipe.chat_template!r} is an empty file: give a Jinja chat template.")
+    tokenizer.chat_template = template
+    try:  # a Jinja error now, not in the middle of tokenization
+        tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                                      tokenize=False)
+    except Exception as error:  # jinja2 raises many types
+        raise ConfigError(f"--chat_template {recipe.chat_template!r} does not render a conversation: "
+                          f"{error}") from error
+    warn_split_markers(tokenizer, template, recipe.chat_template)
+
+
+def warn_split_markers(tokenizer: PreTrainedTokenizerBase, template: str, name: str) -> None:
+    """A template's control markers (`<|im_start|>`) that the tokenizer splits into pieces still train, but the
+    model has to learn them as several tokens: worth a warning, not a refusal."""
+    split = sorted({marker for marker in re.findall(r"<\|[^|<>]+\|>", template)
+                    if tokenizer.convert_tokens_to_ids(marker) in (None, tokenizer.unk_token_id)})
+    if split:
+        logger.warning("--chat_template %s: %s are not tokens of this tokenizer and are split into pieces; add them "
+                       "as special tokens (and resize the embeddings) or pick a template made for this model",
+                       name, ", ".join(split))
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(tokenizer.chat_template)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -61,23 +127,63 @@ def first_bad_line(path: str) -> str | None:
     return None
 
 
-def load_raw_splits(recipe: Recipe) -> tuple[Dataset, Dataset | None]:
-    """(train rows, eval rows): eval from --eval_split (a split name or a file) when given."""
-    train = load_source(recipe.dataset, recipe.dataset_split)
-    if not recipe.eval_split:
-        return train, None
-    eval_source = recipe.eval_split if os.path.exists(recipe.eval_split) else recipe.dataset
-    if os.path.isfile(eval_source) and eval_source == recipe.dataset:
-        raise ConfigError(f"--eval_split {recipe.eval_split!r}: a data file has one split. Give an eval file, or "
-                          "leave --eval_split empty to hold out --eval_fraction of the rows.")
-    return train, load_source(eval_source, recipe.eval_split)
+def prepared_eval(source: str) -> Dataset | None:
+    """The eval split that scripts/prepare_data.py held out of a source it tokenized, if the source is one."""
+    if not os.path.isfile(os.path.join(source, "dataset_dict.json")):
+        return None
+    loaded = load_from_disk(source)
+    split = loaded.get(PREPARED_SPLITS[1])
+    return split if split is not None and set(FORMATS["tokenized"]) <= set(split.column_names) else None
+
+
+def warn_if_prepared_differently(source: str, recipe: Recipe) -> None:
+    """Tokens are only right for the tokenizer and template they were made with: say so when the recipe differs."""
+    path = os.path.join(source, PREPARED_INFO)
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as file:
+        info = json.load(file)
+    for key in ("model_name_or_path", "chat_template"):
+        if info.get(key, "") != getattr(recipe, key):
+            logger.warning("%s was tokenized with --%s %r and this run has %r: the tokens (and the template saved "
+                           "with the model) may not match; prepare the data again with this recipe",
+                           source, key, info.get(key, ""), getattr(recipe, key))
+
+
+def load_eval_sources(recipe: Recipe, sources: list[str]) -> list[tuple[str, Dataset]] | None:
+    """Eval rows from --eval_split (a file, or a split of every source), or the eval split of data that
+    prepare_data.py tokenized; None: hold --eval_fraction out of the training mixture."""
+    name = recipe.eval_split
+    if name and os.path.exists(name):
+        return [(name, load_source(name, name))]
+    if name:
+        files = [source for source in sources if os.path.isfile(source)]
+        if files:
+            raise ConfigError(f"--eval_split {name!r}: a data file has one split ({files[0]!r}). Give an eval file, "
+                              "or leave --eval_split empty to hold out --eval_fraction of the rows.")
+        return [(source, load_source(source, name)) for source in sources]
+    prepared = [prepared_eval(source) for source in sources]
+    if all(split is not None for split in prepared):
+        return list(zip(sources, prepared, strict=True))
+    return None
+
+
+def draw(raw: Dataset, weight: float, seed: int) -> Dataset:
+    """`weight` of the rows, drawn at random with `seed` (all of them, in order, for 1.0)."""
+    if weight >= 1.0:
+        return raw
+    return raw.shuffle(seed=seed).select(range(max(1, round(weight * len(raw)))))
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Formats and tokenization.
+# Formats.
 
 
 def detect_format(columns: list[str], requested: str = "auto") -> str:
+    """The format of a source: rows tokenized before are used as they are; otherwise --dataset_format, or the
+    first format whose columns the source has."""
+    if all(column in columns for column in FORMATS["tokenized"]):
+        return "tokenized"
     if requested != "auto":
         missing = [column for column in FORMATS[requested] if column not in columns]
         if missing:
@@ -88,96 +194,300 @@ def detect_format(columns: list[str], requested: str = "auto") -> str:
         if all(column in columns for column in needed):
             return name
     raise ConfigError(
-        f"Dataset columns {sorted(columns)} match no known format: give `messages` (chat), `prompt` and "
-        "`completion`, or `text`."
+        f"Dataset columns {sorted(columns)} match no known format: give `messages` (chat), `conversations` "
+        "(ShareGPT), `instruction` and `output` (Alpaca), `prompt` and `completion`, or `text`."
     )
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> list[int]:
-    return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
-                                         return_dict=True)["input_ids"]
+def sharegpt_messages(conversation: list[dict]) -> list[dict]:
+    """ShareGPT's `conversations` ({from, value}) as chat `messages` ({role, content})."""
+    if not isinstance(conversation, list) or not all(isinstance(turn, dict) and {"from", "value"} <= turn.keys()
+                                                     for turn in conversation):
+        raise ValueError("`conversations` must be a list of {from, value} objects")
+    messages = []
+    for turn in conversation:
+        role = SHAREGPT_ROLES.get(turn["from"])
+        if role is None:
+            raise ValueError(f"unknown ShareGPT role {turn['from']!r} in `from`; known roles: "
+                             f"{', '.join(SHAREGPT_ROLES)}")
+        messages.append({"role": role, "content": turn["value"]})
+    return messages
 
 
-def tokenize_chat(messages: list[dict], tokenizer: PreTrainedTokenizerBase, completion_only: bool
-                  ) -> tuple[list[int], list[int]]:
-    """The conversation through the tokenizer's chat template; labels keep each assistant turn: the tokens
-    between the prompt rendered up to that turn (with the generation prompt) and the prompt including it."""
+def alpaca_fields(row: dict) -> tuple[str, str, str]:
+    """(instruction, input, output); `input` may be missing, null or empty."""
+    instruction, extra, output = row["instruction"], row.get("input") or "", row["output"]
+    if not all(isinstance(value, str) for value in (instruction, extra, output)):
+        raise ValueError("Alpaca's `instruction`, `input` and `output` must be text")
+    return instruction, extra.strip(), output
+
+
+def alpaca_messages(row: dict) -> list[dict]:
+    """An Alpaca row as one chat exchange: the instruction, then a blank line and the input when there is one."""
+    instruction, extra, output = alpaca_fields(row)
+    user = f"{instruction}\n\n{extra}" if extra else instruction
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+def row_messages(row: dict, data_format: str) -> list[dict]:
+    if data_format == "sharegpt":
+        return sharegpt_messages(row["conversations"])
+    if data_format == "alpaca":
+        return alpaca_messages(row)
+    return row["messages"]
+
+
+def prompt_and_target(row: dict, data_format: str) -> tuple[str, str]:
+    """The text that carries no loss and the text that does (an empty prompt for plain text)."""
+    if data_format == "alpaca":
+        instruction, extra, output = alpaca_fields(row)
+        template = ALPACA_PROMPT if extra else ALPACA_PROMPT_NO_INPUT
+        return template.format(instruction=instruction, input=extra), output
+    prompt, target = ("", row["text"]) if data_format == "text" else (row["prompt"], row["completion"])
+    if not isinstance(prompt, str) or not isinstance(target, str):
+        raise ValueError(f"{'`text`' if data_format == 'text' else '`prompt` and `completion`'} must be text")
+    return prompt, target
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenization.
+
+
+def check_chat(messages: list[dict]) -> None:
     if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
                                                  for m in messages):
         raise ValueError("`messages` must be a list of {role, content} objects")
     if not any(message["role"] == "assistant" for message in messages):
         raise ValueError("the chat has no assistant turn, so nothing to learn")
-    input_ids = chat_ids(tokenizer, messages)
-    if not completion_only:
-        return input_ids, list(input_ids)
-    labels = [IGNORE_INDEX] * len(input_ids)
-    for index, message in enumerate(messages):
-        if message["role"] == "assistant":
-            start = len(chat_ids(tokenizer, messages[:index], generation_prompt=True))
-            end = len(chat_ids(tokenizer, messages[: index + 1]))
+    if messages[0]["role"] == "assistant":
+        raise ValueError("the chat opens with an assistant turn: nothing comes before it to answer")
+
+
+def chat_ids(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]], generation_prompt: bool = False
+             ) -> list[list[int]]:
+    if not conversations:
+        return []
+    return tokenizer.apply_chat_template(conversations, tokenize=True, add_generation_prompt=generation_prompt,
+                                         return_dict=True)["input_ids"]
+
+
+def tokenize_chats(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase, completion_only: bool
+                   ) -> list[tuple[list[int], list[int]]]:
+    """Each conversation through the tokenizer's chat template; labels keep each assistant turn: the tokens
+    between the prompt rendered up to that turn (with the generation prompt) and the prompt including it. The
+    whole batch and all its prefixes go through two calls of the template (checked with `check_chat` before)."""
+    turns = [[index for index, message in enumerate(messages) if message["role"] == "assistant"]
+             for messages in conversations] if completion_only else [[] for _ in conversations]
+    ends = chat_ids(tokenizer, list(conversations) +
+                    [messages[: index + 1] for messages, indices in zip(conversations, turns, strict=True)
+                     for index in indices])
+    starts = iter(chat_ids(tokenizer, [messages[:index] for messages, indices in zip(conversations, turns, strict=True)
+                                       for index in indices], generation_prompt=True))
+    full, prefix_ends = ends[: len(conversations)], iter(ends[len(conversations):])
+    encoded = []
+    for input_ids, indices in zip(full, turns, strict=True):
+        if not completion_only:
+            encoded.append((input_ids, list(input_ids)))
+            continue
+        labels = [IGNORE_INDEX] * len(input_ids)
+        for _ in indices:
+            start, end = len(next(starts)), len(next(prefix_ends))
             labels[start:end] = input_ids[start:end]
-    return input_ids, labels
+        encoded.append((input_ids, labels))
+    return encoded
 
 
-def tokenize_example(example: dict, index: int, *, tokenizer: PreTrainedTokenizerBase, data_format: str,
-                     max_len: int, completion_only: bool = True) -> dict:
-    """input_ids and labels (IGNORE_INDEX where no loss), cut to max_len; `length` before the cut."""
+def tokenize_chat(messages: list[dict], tokenizer: PreTrainedTokenizerBase, completion_only: bool
+                  ) -> tuple[list[int], list[int]]:
+    """One conversation: (input_ids, labels)."""
+    check_chat(messages)
+    return tokenize_chats([messages], tokenizer, completion_only)[0]
+
+
+def row_error(index: int, source: str, error: Exception) -> ConfigError:
+    return ConfigError(f"Dataset row {index}: {error} (in {source!r}).")
+
+
+def tokenize_plain(rows: list[dict], indices: list[int], tokenizer: PreTrainedTokenizerBase, data_format: str,
+                   completion_only: bool, source: str) -> tuple[list[list[int]], list[int]]:
+    """Prompt + target + EOS, the whole batch in two calls of the (Rust) tokenizer. Returns the token ids and,
+    for each row, where its target starts (0 when every token carries loss)."""
+    pairs = []
+    for index, row in zip(indices, rows, strict=True):
+        try:
+            pairs.append(prompt_and_target(row, data_format))
+        except (KeyError, TypeError, ValueError) as error:
+            raise row_error(index, source, error) from error
+    targets = [target for _, target in pairs]
+    if data_format == "text":  # continued pretraining: BOS + text, every token learnt
+        prompt_ids, target_ids = [[]] * len(pairs), tokenizer(targets, add_special_tokens=True)["input_ids"]
+    else:
+        prompt_ids = tokenizer([prompt for prompt, _ in pairs], add_special_tokens=True)["input_ids"]
+        target_ids = tokenizer(targets, add_special_tokens=False)["input_ids"]
+    eos = [tokenizer.eos_token_id]
+    return ([prompt + target + eos for prompt, target in zip(prompt_ids, target_ids, strict=True)],
+            [len(prompt) if completion_only else 0 for prompt in prompt_ids])
+
+
+def tokenize_batch(batch: dict[str, list], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,
+                   data_format: str, chat: bool, max_len: int, completion_only: bool, source: str) -> dict:
+    """input_ids and labels (IGNORE_INDEX where no loss), cut to max_len; `length` before the cut and `targets`,
+    the tokens that carry loss after it (the first token never does: nothing predicts it)."""
+    rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+    if not chat:  # labels are the ids from the target's start on: counted, not compared token by token
+        ids, starts = tokenize_plain(rows, indices, tokenizer, data_format, completion_only, source)
+        return {"input_ids": [row[:max_len] for row in ids],
+                "labels": [[IGNORE_INDEX] * min(start, max_len) + row[start:max_len] for row, start in
+                           zip(ids, starts, strict=True)],
+                "length": [len(row) for row in ids],
+                "targets": [max(0, min(len(row), max_len) - max(1, start)) for row, start in
+                            zip(ids, starts, strict=True)]}
+    conversations = []
+    for index, row in zip(indices, rows, strict=True):
+        try:
+            conversations.append(row_messages(row, data_format))
+            check_chat(conversations[-1])
+        except (TypeError, ValueError) as error:
+            raise row_error(index, source, error) from error
     try:
-        if data_format == "messages":
-            input_ids, labels = tokenize_chat(example["messages"], tokenizer, completion_only)
-        else:
-            if data_format == "prompt_completion":
-                prompt = tokenizer(example["prompt"], add_special_tokens=True)["input_ids"]
-                target = tokenizer(example["completion"], add_special_tokens=False)["input_ids"]
-            else:
-                prompt, target = [], tokenizer(example["text"], add_special_tokens=True)["input_ids"]
-            input_ids = prompt + target + [tokenizer.eos_token_id]
-            labels = input_ids if not completion_only else [IGNORE_INDEX] * len(prompt) + input_ids[len(prompt):]
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"Dataset row {index}: {error}.") from error
-    return {"input_ids": input_ids[:max_len], "labels": labels[:max_len], "length": len(input_ids)}
+        encoded = tokenize_chats(conversations, tokenizer, completion_only)
+    except Exception:  # the template's own refusal (jinja2's TemplateError, e.g. roles that must alternate)
+        for index, messages in zip(indices, conversations, strict=True):
+            try:
+                tokenize_chats([messages], tokenizer, completion_only)
+            except Exception as error:
+                raise row_error(index, source, error) from error
+        raise
+    labels = [row_labels[:max_len] for _, row_labels in encoded]
+    return {"input_ids": [input_ids[:max_len] for input_ids, _ in encoded], "labels": labels,
+            "length": [len(input_ids) for input_ids, _ in encoded],
+            "targets": [sum(label != IGNORE_INDEX for label in row_labels[1:]) for row_labels in labels]}
+
+
+def keep_rows(lengths: list[int], targets: list[int], *, max_len: int, drop_long: bool) -> list[bool]:
+    return [count > 0 and not (drop_long and length > max_len) for length, count in zip(lengths, targets, strict=True)]
+
+
+def tokenize_processes(recipe: Recipe, rows: int) -> int | None:
+    """Processes for `Dataset.map` (None: this one). The other ranks of the node wait while one tokenizes, so its
+    cores are free; every rank computes the same number (os.cpu_count, not its own CPU affinity), which names the
+    cache files they share. Small data stays in one process: forking and merging would cost more."""
+    if recipe.dataset_num_proc is not None:
+        return recipe.dataset_num_proc if recipe.dataset_num_proc > 1 else None
+    count = min(MAX_PROCESSES, os.cpu_count() or 1, rows // MIN_ROWS_PER_PROCESS)
+    return count if count > 1 else None
+
+
+def tokenize(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, name: str,
+             source: str | None = None) -> Dataset:
+    """One source's rows as input_ids and labels, in its own format."""
+    source = source or recipe.dataset
+    if len(raw) == 0:
+        raise ConfigError(f"The {name} data of {source!r} is empty.")
+    data_format = detect_format(raw.column_names, recipe.dataset_format)
+    if data_format == "tokenized":
+        return use_tokenized(raw, recipe, name, source)
+    if data_format in CHAT_FORMATS and not has_chat_template(tokenizer):
+        raise ConfigError(f"{recipe.model_name_or_path!r} has no chat template for the `{data_format}` rows of "
+                          f"{source!r}: pass --chat_template (a Jinja file or one of "
+                          f"{', '.join(bundled_chat_templates())}), or use a chat (instruct) tokenizer.")
+    chat = data_format in CHAT_FORMATS or (data_format == "alpaca" and has_chat_template(tokenizer))
+    processes = tokenize_processes(recipe, len(raw))
+    tokenized = raw.map(
+        tokenize_batch, batched=True, with_indices=True, num_proc=processes,
+        fn_kwargs={"tokenizer": tokenizer, "data_format": data_format, "chat": chat, "max_len": recipe.max_seq_length,
+                   "completion_only": recipe.completion_only_loss, "source": source},
+        remove_columns=raw.column_names, desc=f"tokenizing {name} ({source})",
+    )
+    return drop_unusable(tokenized, recipe, name, source, f"{data_format}{' via the chat template' * chat}",
+                         processes)
+
+
+def drop_unusable(tokenized: Dataset, recipe: Recipe, name: str, source: str, described: str,
+                  processes: int | None) -> Dataset:
+    """Rows over --max_seq_length (with --truncation drop) and rows without a target token, counted in Arrow."""
+    lengths, targets = tokenized.data.column("length"), tokenized.data.column("targets")
+    too_long_mask = pc.greater(lengths, recipe.max_seq_length)
+    too_long = pc.sum(too_long_mask).as_py() or 0
+    drop_long = recipe.truncation == "drop"
+    no_target_mask = pc.equal(targets, 0)
+    if drop_long:
+        no_target_mask = pc.and_(no_target_mask, pc.invert(too_long_mask))
+    no_target = pc.sum(no_target_mask).as_py() or 0
+    if no_target or (drop_long and too_long):
+        tokenized = tokenized.filter(keep_rows, input_columns=["length", "targets"], batched=True,
+                                     num_proc=processes, desc="dropping unusable rows",
+                                     fn_kwargs={"max_len": recipe.max_seq_length, "drop_long": drop_long})
+    action = "dropped" if drop_long else "truncated"
+    logger.warning("%s data of %s: %d rows, %s; %d longer than %d tokens (%s), %d without a target token "
+                   "(dropped)", name, source, len(tokenized), described, too_long, recipe.max_seq_length, action,
+                   no_target)
+    if len(tokenized) == 0:
+        raise ConfigError(f"No {name} row of {source!r} is left with a target token after tokenization.")
+    return tokenized.remove_columns(["length", "targets"])
+
+
+def use_tokenized(raw: Dataset, recipe: Recipe, name: str, source: str) -> Dataset:
+    """Rows tokenized before (scripts/prepare_data.py): as they are, if they fit --max_seq_length."""
+    longest = pc.max(pc.list_value_length(raw.data.column("input_ids"))).as_py() or 0
+    if longest > recipe.max_seq_length:
+        raise ConfigError(f"{source!r} holds tokenized rows of up to {longest} tokens, more than --max_seq_length "
+                          f"{recipe.max_seq_length}: tokenize it again with this --max_seq_length "
+                          "(scripts/prepare_data.py), or raise --max_seq_length.")
+    extra = [column for column in raw.column_names if column not in FORMATS["tokenized"]]
+    logger.warning("%s data of %s: %d rows, tokenized before (used as they are)", name, source, len(raw))
+    return raw.remove_columns(extra) if extra else raw
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Splits and mixtures.
+
+
+def mix(parts: list[Dataset], seed: int, shuffle: bool) -> Dataset:
+    """The parts concatenated (in one schema: the first part's) and, for a mixture, shuffled with the seed."""
+    if len(parts) == 1 and not shuffle:
+        return parts[0]
+    parts = [part if part.features == parts[0].features else part.cast(parts[0].features) for part in parts]
+    mixed = concatenate_datasets(parts)
+    return mixed.shuffle(seed=seed) if shuffle else mixed
+
+
+def load_train(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, raw_parts: list[tuple[str, Dataset]],
+               weights: list[float]) -> Dataset:
+    """Each source's --dataset_weights share, tokenized in its own format; a mixture is shuffled with the seed."""
+    parts, summary = [], []
+    for position, ((source, raw), weight) in enumerate(zip(raw_parts, weights, strict=True)):
+        if os.path.isdir(source):
+            warn_if_prepared_differently(source, recipe)
+        taken = draw(raw, weight, recipe.seed + position)
+        parts.append(tokenize(taken, recipe, tokenizer, "train", source))
+        summary.append(f"{source}: {len(taken)} of {len(raw)} rows "
+                       f"({detect_format(raw.column_names, recipe.dataset_format)})")
+    mixture = len(parts) > 1 or weights[0] < 1.0
+    if mixture:
+        logger.warning("train mixture of %d source(s), shuffled with seed %d: %s", len(parts), recipe.seed,
+                       "; ".join(summary))
+    return mix(parts, recipe.seed, shuffle=mixture)
 
 
 def load_splits(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[Dataset, Dataset]:
-    """Tokenized (train, eval) datasets. Call under `accelerator.main_process_first()`: the main process
-    tokenizes and `datasets` caches the result, which the other ranks (and later runs) reuse."""
-    raw_train, raw_eval = load_raw_splits(recipe)
-    train = tokenize(raw_train, recipe, tokenizer, "train")
-    if raw_eval is not None:
-        return train, tokenize(raw_eval, recipe, tokenizer, "eval")
+    """Tokenized (train, eval) datasets. Puts --chat_template on the tokenizer first. Call under
+    `accelerator.local_main_process_first()`: one process per node tokenizes and `datasets` caches the result,
+    which the node's other ranks (and later runs) reuse."""
+    weights = dataset_weights(recipe)  # a bad --dataset_weights before anything loads
+    apply_chat_template_flag(tokenizer, recipe)
+    sources = dataset_sources(recipe.dataset)
+    raw_parts = [(source, load_source(source, recipe.dataset_split)) for source in sources]
+    eval_parts = load_eval_sources(recipe, sources)
+    train = load_train(recipe, tokenizer, raw_parts, weights)
+    if eval_parts is not None:
+        return train, mix([tokenize(raw, recipe, tokenizer, "eval", source) for source, raw in eval_parts],
+                          recipe.seed, shuffle=False)
     if len(train) < 2:
         raise ConfigError(f"Dataset {recipe.dataset!r} has {len(train)} usable row(s); it needs at least 2 "
                           "(train and eval).")
     splits = train.train_test_split(test_size=recipe.eval_fraction, seed=recipe.seed)
     return splits["train"], splits["test"]
-
-
-def tokenize(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, name: str) -> Dataset:
-    if len(raw) == 0:
-        raise ConfigError(f"The {name} data of {recipe.dataset!r} is empty.")
-    data_format = detect_format(raw.column_names, recipe.dataset_format)
-    if data_format == "messages" and tokenizer.chat_template is None:
-        raise ConfigError(f"{recipe.model_name_or_path!r} has no chat template for `messages` rows: use a chat "
-                          "(instruct) model or tokenizer, or rows with `prompt` and `completion`.")
-    tokenized = raw.map(
-        tokenize_example, with_indices=True,
-        fn_kwargs={"tokenizer": tokenizer, "data_format": data_format, "max_len": recipe.max_seq_length,
-                   "completion_only": recipe.completion_only_loss},
-        remove_columns=raw.column_names, desc=f"tokenizing {name}",
-    )
-    too_long = sum(length > recipe.max_seq_length for length in tokenized["length"])
-    if recipe.truncation == "drop":
-        tokenized = tokenized.filter(lambda length: length <= recipe.max_seq_length, input_columns="length")
-    no_target = len(tokenized)
-    tokenized = tokenized.filter(lambda labels: any(label != IGNORE_INDEX for label in labels[1:]),
-                                 input_columns="labels", desc="dropping rows with no target token")
-    no_target -= len(tokenized)
-    action = "dropped" if recipe.truncation == "drop" else "truncated"
-    logger.warning("%s data: %d rows, %s format; %d longer than %d tokens (%s), %d without a target token "
-                   "(dropped)", name, len(tokenized), data_format, too_long, recipe.max_seq_length, action, no_target)
-    if len(tokenized) == 0:
-        raise ConfigError(f"No {name} row of {recipe.dataset!r} is left with a target token after tokenization.")
-    return tokenized.remove_columns("length")
 
 
 # ---------------------------------------------------------------------------------------------------------------

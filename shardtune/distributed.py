@@ -21,6 +21,7 @@ from accelerate.utils import (
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from shardtune.config import BatchPlan, ConfigError, Recipe, launch_env
+from shardtune.plan import resolve_deepspeed_json
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,9 +30,8 @@ def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> A
     world_size, uses_deepspeed, uses_fsdp = launch_env()
     on_cpu = recipe.use_cpu
     plugin = fsdp_plugin(recipe.mixed_precision, on_cpu) if uses_fsdp else None
-    if uses_deepspeed and recipe.offload_nvme_path:  # read by accelerate's DeepSpeed plugin; the launcher sets none
-        for kind in ("OPTIMIZER", "PARAM"):
-            os.environ[f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind}_NVME_PATH"] = recipe.offload_nvme_path
+    if uses_deepspeed:
+        deepspeed_launch_env(recipe)
     accelerator = Accelerator(
         # On CPU, accelerate would start N unconnected single processes for DDP/FSDP configs: ask for
         # MULTI_CPU over gloo. DeepSpeed ignores `cpu=True`; it gets gloo through the process-group kwargs.
@@ -84,13 +84,29 @@ def fsdp_plugin(mixed_precision: str, on_cpu: bool) -> FullyShardedDataParallelP
     return plugin
 
 
+def deepspeed_launch_env(recipe: Recipe) -> None:
+    """What accelerate's DeepSpeed plugin reads from the environment, set before it is built. The JSON file as
+    the planner and the checks found it: accelerate opens the YAML's relative deepspeed_config_file from the
+    working directory, so a launch from outside the repository would not find accelerate_configs/deepspeed/.
+    The NVMe swap directory: the plugin fills a JSON nvme_path of "auto" (and a YAML-only config's) from these
+    variables, which `accelerate launch` never sets from a config file."""
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path:
+        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = resolve_deepspeed_json(path)
+    if recipe.offload_nvme_path:
+        for kind in ("OPTIMIZER", "PARAM"):
+            os.environ[f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind}_NVME_PATH"] = recipe.offload_nvme_path
+
+
 def configure_deepspeed(config: dict, recipe: Recipe) -> None:
     """The recipe owns clipping (DeepSpeed applies it inside its step). Under ZeRO-2 and ZeRO-3 gradients
     accumulate over micro-batches in fp32 rather than in the 16-bit model dtype: the partition DeepSpeed reduces
     into becomes fp32 (measured per rank, P parameters over N ranks: ZeRO-2 4P/N instead of (2 + 4)P/N, since the
-    fp32 partition is then the one the optimizer reads; ZeRO-3 (4 + 4)P/N instead of (2 + 4)P/N). ZeRO-1 stays
-    16-bit: there DeepSpeed switches to its BF16_Optimizer, which keeps a full, unpartitioned fp32 gradient
-    (measured 6P instead of 2P + 4P/N: +32 GB per GPU for an 8B model)."""
+    fp32 partition is then the one the optimizer reads; ZeRO-3 4P/N instead of 2P/N, beside the one sub-group's
+    fp32 gradient its step builds either way). ZeRO-1 stays 16-bit: there DeepSpeed switches to its
+    BF16_Optimizer, which keeps a full, unpartitioned fp32 gradient (measured 6P instead of 2P + 4P/N: +32 GB per
+    GPU for an 8B model). The shipped JSON files leave data_types out, so this holds for them as for a
+    YAML-only config."""
     config["gradient_clipping"] = recipe.max_grad_norm
     stage = int(config.get("zero_optimization", {}).get("stage", 0))
     if recipe.mixed_precision in HALF_DTYPES and stage >= 2:

@@ -9,6 +9,7 @@ import argparse
 import ast
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -62,8 +63,9 @@ def builtin_configs() -> dict[str, PretrainedConfig]:
 
     return {name: CONFIG_MAPPING[values["model_type"]](**{k: v for k, v in values.items() if k != "model_type"})
             for name, values in BUILTIN_CONFIG_VALUES.items()}
-# Hub ids whose last path component, lower-cased, does not already equal a built-in name.
-_ALIASES = {"mistral-7b-v0.1": "mistral-7b", "mistral-7b-v0.3": "mistral-7b"}
+# Hub ids whose last path component, lower-cased, does not already equal a built-in name: Mistral's releases
+# share one shape; Llama 3.3 70B is Llama 3.1 70B's architecture.
+_ALIASES = {"mistral-7b-v0.1": "mistral-7b", "mistral-7b-v0.3": "mistral-7b", "llama-3.3-70b": "llama-3.1-70b"}
 
 
 @dataclass(frozen=True)
@@ -169,14 +171,41 @@ def resolve_config(model: str) -> tuple[str, PretrainedConfig]:
     if key:
         return key, SimpleNamespace(**BUILTIN_CONFIG_VALUES[key])
     path = os.path.dirname(model) if model.endswith(".json") else model
-    if os.path.isfile(os.path.join(path, "config.json")):
-        from transformers import AutoConfig
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        if not looks_like_hub_id(model):
+            raise ModelError(f"Unknown model {model!r}: not built in ({', '.join(BUILTIN_MODELS)}), not a local "
+                             "model directory or config.json, not a recipe file.")
+        path = os.path.dirname(hub_config(model))
+    from transformers import AutoConfig
 
-        return os.path.basename(os.path.abspath(path)), AutoConfig.from_pretrained(path)
-    raise ModelError(
-        f"Unknown model {model!r}: not built in ({', '.join(BUILTIN_MODELS)}), not a local model directory or "
-        "config.json, not a recipe file. The planner never downloads anything."
-    )
+    name = model.split("/")[-1].lower() if looks_like_hub_id(model) else os.path.basename(os.path.abspath(path))
+    return name, AutoConfig.from_pretrained(path)
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """`name` or `org/name`, as the Hub spells repository ids; not a path that exists or starts like one."""
+    return (re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model) is not None and not os.path.exists(model)
+            and not model.startswith(".") and not model.endswith((".py", ".json")))
+
+
+def hub_config(model_id: str) -> str:
+    """The local path of `model_id`'s config.json, fetched from the Hub (or its local cache) alone: no weights."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    builtins = f"The built-in shapes need no network: {', '.join(BUILTIN_MODELS)}."
+    try:
+        return hf_hub_download(model_id, "config.json")
+    except GatedRepoError:
+        raise ModelError(f"{model_id!r} is gated on the Hub: accept its licence on huggingface.co and log in "
+                         f"(huggingface-cli login), or give a local model directory. {builtins}") from None
+    except RepositoryNotFoundError:
+        raise ModelError(f"{model_id!r} is not a model on the Hub (or is private: huggingface-cli login). "
+                         f"{builtins}") from None
+    except (LocalEntryNotFoundError, OSError) as error:  # offline mode, no network, a timeout
+        raise ModelError(f"Cannot fetch the config.json of {model_id!r} from the Hub ({type(error).__name__}: offline "
+                         "mode (HF_HUB_OFFLINE=1) or no network): give a local model directory or its config.json. "
+                         f"{builtins}") from None
 
 
 def resolve_model(model: str) -> ModelShape:
@@ -227,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_seq_length", type=int, default=DEFAULT_SEQ_LEN, help="T in the attention term.")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    problems = [f"--{name} must be > 0, got {value}." for name, value in (
+        ("tokens_per_second", args.tokens_per_second), ("gpus", args.gpus), ("max_seq_length", args.max_seq_length))
+        if not value > 0]
+    for problem in problems:
+        print(f"shardtune.flops: error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
     try:
         result = report(args.model, args.tokens_per_second, args.gpus, args.gpu, args.max_seq_length)
     except ValueError as error:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peaks from the vendor data sheets. H100 means the SXM part; the PCIe card
 # has fewer SMs and lower clocks. H200 is the same GH100 die as the H100 SXM, with more and faster memory.
@@ -49,19 +49,34 @@ def peak_flops(gpu: str | None) -> float | None:
     return PEAK_BF16_FLOPS[key] if key else None
 
 
+# Host RAM per GPU when a hardware name does not say: DGX A100-80GB, H100 and H200 nodes carry 2 TB for 8 GPUs.
+# Every plan prints the figure it assumed; --host_ram_gb replaces it (on a launch, the node's own RAM does).
+HOST_RAM_PER_GPU = 250e9
+
+
 @dataclass(frozen=True)
 class Hardware:
-    """`nodes` x `gpus_per_node` GPUs of `gpu_memory` bytes each."""
+    """`nodes` x `gpus_per_node` GPUs of `gpu_memory` bytes each, and `host_ram` bytes of CPU RAM per node."""
 
     nodes: int
     gpus_per_node: int
     gpu_memory: int
     gpu: str | None = None
     name: str = ""
+    host_ram: float = 0.0  # 0: HOST_RAM_PER_GPU x gpus_per_node
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def host_ram_per_node(self) -> float:
+        return self.host_ram or HOST_RAM_PER_GPU * self.gpus_per_node
+
+    def with_nodes(self, nodes: int) -> Hardware:
+        """The same node, `nodes` times."""
+        spec = re.sub(r"^\d+x(?=\d+x)", "", self.name)  # '2x8xh100-80gb' -> '8xh100-80gb'
+        return replace(self, nodes=nodes, name=spec if nodes == 1 else f"{nodes}x{spec}")
 
 
 NAMED_HARDWARE = ("8xh100-80gb", "8xa100-80gb", "8xa100-40gb", "8xh200-141gb", "1xh100-80gb", "2x8xh100-80gb")
@@ -73,9 +88,10 @@ class HardwareError(ValueError):
     """A `--hardware` value the planner cannot read."""
 
 
-def parse_hardware(spec: str) -> Hardware:
+def parse_hardware(spec: str, host_ram_gb: float | None = None) -> Hardware:
     """'8xh100-80gb' -> 1 node x 8 GPUs x 80 GB; '2x8xh100-80gb' -> 2 nodes. GB is 1e9 bytes: a card sold as
-    80 GB reports about 85e9 bytes, so reading the label as 1e9 errs on the safe side."""
+    80 GB reports about 85e9 bytes (80 GiB less what the driver keeps), so reading the label as 1e9 errs on the
+    safe side; a launch reads its GPUs by the same rule (`nominal_gpu_memory`)."""
     match = _HARDWARE_RE.match(spec.strip().lower())
     if not match:
         raise HardwareError(
@@ -84,4 +100,14 @@ def parse_hardware(spec: str) -> Hardware:
     nodes, gpus, gpu, memory = match.groups()
     if int(gpus) < 1 or (nodes is not None and int(nodes) < 1) or float(memory) <= 0:
         raise HardwareError(f"Hardware {spec!r} needs at least one node, one GPU and some memory.")
-    return Hardware(int(nodes or 1), int(gpus), int(float(memory) * 1e9), gpu, spec)
+    if host_ram_gb is not None and not host_ram_gb > 0:
+        raise HardwareError(f"--host_ram_gb must be > 0 (host RAM per node in GB), got {host_ram_gb}.")
+    return Hardware(int(nodes or 1), int(gpus), int(float(memory) * 1e9), gpu, spec.strip().lower(),
+                    (host_ram_gb or 0) * 1e9)
+
+
+def nominal_gpu_memory(total_memory: int) -> int:
+    """The label of a GPU that reports `total_memory` bytes, in the planner's 1e9-byte GB: an H100 80GB reports
+    85.5e9 bytes (79.6 GiB) and plans as 80e9, exactly as `--hardware 8xh100-80gb` does. One capacity rule for
+    the planner CLI and a launch."""
+    return int(round(total_memory / 2**30) * 1e9)

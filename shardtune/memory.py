@@ -16,7 +16,9 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-COMPONENTS = ("weights", "gradients", "optimizer", "buffers")
+# "host": the part of the other components that the offload settings placed in host memory, read from the
+# strategy's own bookkeeping (on a CPU machine every tensor's device is the host, so devices tell nothing).
+COMPONENTS = ("weights", "gradients", "optimizer", "buffers", "host")
 # Counted apart: the model and the torch optimizer, and the gradient reduce buckets (communication buffers).
 SKIPPED_ZERO_ATTRIBUTES = ("module", "parameter_offload", "optimizer", "ipg_buckets")
 
@@ -96,41 +98,83 @@ def fsdp_unsharded_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     return grads
 
 
+def zero_master_partitions(zero_optimizer: object) -> list[torch.Tensor]:
+    """The fp32 master partitions of every parameter group (ZeRO-1/2) or sub-group (ZeRO-3). While DeepSpeed steps
+    one of them, the torch optimizer's param_groups hold that one alone (stage_1_and_2.py `_optimizer_step`
+    swaps in a single group, stage3.py puts one sub-group's partition in its group and empties it after), so
+    reading param_groups misses the others. NVMe offload keeps empty placeholders here (no storage, not counted)."""
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        partitions = getattr(zero_optimizer, name, None)
+        if partitions:
+            return [tensor for tensor in partitions if isinstance(tensor, torch.Tensor)]
+    return []
+
+
 def held_model_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of weights, gradients and optimizer states on this rank (host and device together)."""
     inner = innermost_optimizer(optimizer)
     params = list(model.parameters())
     counted = _Storages()
     weights = counted.bytes(getattr(p, "ds_tensor", p) for p in params)
-    optimizer_states = counted.bytes(
-        [value for state in inner.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
-        + [p for group in inner.param_groups for p in group["params"]]  # DeepSpeed's fp32 master partitions
-    )
-    # Buffers: ZeRO-3 parameters still gathered (their full data beside the shard) and the reduce buckets.
     zero_optimizer = getattr(optimizer, "optimizer", None)
     is_zero = zero_optimizer is not None and zero_optimizer is not inner
+    optimizer_states = counted.bytes(
+        [value for state in inner.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+        + [p for group in inner.param_groups for p in group["params"]]
+        + (zero_master_partitions(zero_optimizer) if is_zero else [])
+    )
+    # Buffers: ZeRO-3 parameters still gathered (their full data beside the shard) and the reduce buckets.
     buckets = reachable_tensors(getattr(zero_optimizer, "ipg_buckets", None)) if is_zero else []
     buffers = counted.bytes([p for p in params if hasattr(p, "ds_tensor")] + list(buckets))
     grads = [p.grad for p in params] + [p.grad for group in inner.param_groups for p in group["params"]]
     grads += fsdp_unsharded_gradients(model)
     if is_zero:
         grads += list(reachable_tensors(zero_optimizer))
-    return {"weights": weights, "gradients": counted.bytes(grads), "optimizer": optimizer_states, "buffers": buffers}
+    host = _Storages().bytes(deepspeed_host_tensors(model, zero_optimizer)) if is_zero else 0
+    return {"weights": weights, "gradients": counted.bytes(grads), "optimizer": optimizer_states, "buffers": buffers,
+            "host": host}
+
+
+def deepspeed_host_tensors(model: torch.nn.Module, zero_optimizer: object) -> list[torch.Tensor]:
+    """What DeepSpeed's offload put in host memory, by its own attributes: with offload_optimizer (ZeRO-3
+    `offload_optimizer`, ZeRO-1/2 `cpu_offload`) the fp32 master partitions of the sub-groups it assigned to the
+    CPU (`subgroup_to_device`), their gradients and Adam states, and the gradient partition reduced into
+    (`grad_partitions_flat_buffer`, allocated on the optimizer's device, the host); with offload_param the
+    partitions of the parameters that are not persistent (persistent ones stay on the accelerator)."""
+    if zero_optimizer is None:
+        return []
+    inner = innermost_optimizer(zero_optimizer)
+    tensors: list[torch.Tensor] = []
+    if getattr(zero_optimizer, "offload_optimizer", False) or getattr(zero_optimizer, "cpu_offload", False):
+        devices = getattr(zero_optimizer, "subgroup_to_device", None) or {}
+        for index, master in enumerate(zero_master_partitions(zero_optimizer)):
+            if devices.get(index, "cpu") == "cpu":
+                state = inner.state.get(master, {})
+                tensors += [master, master.grad, *(v for v in state.values() if isinstance(v, torch.Tensor))]
+        tensors.append(getattr(zero_optimizer, "grad_partitions_flat_buffer", None))
+    if getattr(zero_optimizer, "offload_param", False):
+        tensors += [p.ds_tensor for p in model.parameters()
+                    if getattr(p, "ds_tensor", None) is not None and not getattr(p, "ds_persist", False)]
+    return tensors
 
 
 class ModelStateProbe:
-    """Per component, the most this rank holds at two moments of the first optimizer step: after every
+    """Per component, the most this rank holds at two kinds of moment of the first optimizer step: after every
     micro-batch's backward, the non-final ones included (gradients still full-size where a strategy keeps them
-    so between reductions: ZeRO-1, FSDP under no_sync) and right after the inner optimizer's step (fp32
-    gradient partitions and freshly created optimizer states)."""
+    so between reductions: ZeRO-1, FSDP under no_sync), and right after each step of the inner optimizer. Under
+    DeepSpeed one optimizer step is several inner steps, one per parameter group (ZeRO-1/2) or sub-group
+    (ZeRO-3, `sub_group_size`): each has its own fp32 gradient while it steps (ZeRO-3 frees it after) and
+    creates its own Adam states, so every one of them is observed, until the next step's first backward."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
         self.held = dict.fromkeys(COMPONENTS, 0)
+        self.inner_steps = 0  # of the first optimizer step: its parameter groups or sub-groups
         self.done = False
         self._handle = innermost_optimizer(optimizer).register_step_post_hook(self._after_step)
 
     def after_backward(self) -> None:
+        self.done = self.done or self.inner_steps > 0  # the first optimizer step is over
         if not self.done:
             self._observe()
         elif self._handle is not None:  # removed here: a hook may not remove itself while hooks run
@@ -140,7 +184,7 @@ class ModelStateProbe:
     def _after_step(self, *_) -> None:
         if not self.done:
             self._observe()
-            self.done = True
+            self.inner_steps += 1
 
     def _observe(self) -> None:
         for key, value in held_model_states(self.model, self.optimizer).items():

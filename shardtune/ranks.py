@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import socket
 import sys
@@ -50,9 +51,8 @@ def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan
            if key.startswith(LAUNCH_PREFIXES) and key not in PER_MACHINE_KEYS},
         **{f"recipe.{key}": value for key, value in dataclasses.asdict(recipe).items()},
     }
-    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if config_file and os.path.isfile(config_file):  # its path may differ per machine, its contents may not
-        fingerprint["deepspeed_config_sha256"] = hashlib.sha256(open(config_file, "rb").read()).hexdigest()
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        fingerprint.update(deepspeed_fingerprint())
     packages = ["torch", "transformers", "accelerate", "datasets", "shardtune"]
     packages += ["deepspeed"] if accelerator.distributed_type == DistributedType.DEEPSPEED else []
     packages += ["peft"] if recipe.use_peft else []
@@ -62,6 +62,29 @@ def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan
         except PackageNotFoundError:
             fingerprint[f"version.{package}"] = "not installed"
     return {key: str(value) for key, value in fingerprint.items()}
+
+
+def deepspeed_fingerprint() -> dict[str, str]:
+    """The DeepSpeed settings every machine must share, read as the start-up checks and the planner read them:
+    from the JSON file `accelerate launch` names, which it exports no stage or offload variables for. Stage,
+    offload devices and precision by name (for the message); every other value through a digest of the file
+    (its path and NVMe swap directories may differ per machine, its contents may not)."""
+    from shardtune.plan import deepspeed_settings, launch_deepspeed_settings, resolve_deepspeed_json
+
+    settings = launch_deepspeed_settings()
+    fingerprint = {f"deepspeed.{key}": str(settings.get(key)) for key in
+                   ("stage", "offload_optimizer", "offload_param", "mixed_precision")}
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if config_file:
+        path = resolve_deepspeed_json(config_file)
+        deepspeed_settings(path)  # readable, with a zero_optimization section
+        with open(path) as file:
+            config = json.load(file)
+        for kind in ("offload_optimizer", "offload_param"):
+            (config.get("zero_optimization", {}).get(kind) or {}).pop("nvme_path", None)
+        fingerprint["deepspeed.config_sha256"] = hashlib.sha256(
+            json.dumps(config, sort_keys=True).encode()).hexdigest()
+    return fingerprint
 
 
 def check_ranks_agree(accelerator: Accelerator, fingerprint: dict[str, str]) -> list[str]:

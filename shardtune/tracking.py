@@ -4,18 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import resource
 import uuid
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from shardtune.config import Recipe
 
+RUN_CONFIG = "run_config.json"
+SAMPLES = "samples.jsonl"
+LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_")  # what `accelerate launch` exports from its config file and flags
+
 
 def start_tracking(accelerator: Accelerator, recipe: Recipe, resumed: bool) -> None:
-    """W&B through accelerate. The run id lives in output_dir, so a resumed run continues the same W&B run."""
+    """What the run is, in output_dir/run_config.json and as the W&B run's config; then W&B through accelerate.
+    The run id lives in output_dir, so a resumed run continues the same W&B run."""
+    config = run_config(accelerator, recipe)
+    if accelerator.is_main_process:
+        with open(os.path.join(recipe.resolved_output_dir, RUN_CONFIG), "w") as file:
+            json.dump(config, file, indent=2, allow_nan=False)
+            file.write("\n")
     if recipe.report_to != "wandb":
         return
     if not os.environ.get("WANDB_API_KEY"):
@@ -29,21 +41,75 @@ def start_tracking(accelerator: Accelerator, recipe: Recipe, resumed: bool) -> N
             run_id = file.read().strip()
     accelerator.init_trackers(
         recipe.wandb_project,
-        config=dataclasses.asdict(recipe),
+        config=config,
         init_kwargs={"wandb": {"dir": recipe.resolved_output_dir, "name": recipe.run_name or recipe.name,
                                "id": run_id, "resume": "allow"}} if accelerator.is_main_process else {},
     )
 
 
+def run_config(accelerator: Accelerator, recipe: Recipe) -> dict:
+    """The resolved recipe, the accelerate configuration this process runs under and the memory plan, as JSON
+    values. `accelerate launch` does not pass the --config_file path (nor its contents) to the script: it turns
+    the file into ACCELERATE_* / FSDP_* variables, which are therefore the effective config recorded here, with
+    DeepSpeed's resolved JSON config (its "auto" values filled in by `prepare`)."""
+    plan, why_none = memory_plan(recipe)
+    config = {"recipe": dataclasses.asdict(recipe), "accelerate": accelerate_config(accelerator),
+              "memory_plan": plan}
+    if plan is None:
+        config["memory_plan_absent"] = why_none
+    return json_values(config)
+
+
+def json_values(value):
+    """`value` as strict JSON values: paths and dtypes as text, infinities (DeepSpeed's steps_per_print) as
+    "inf" (JSON has no Infinity; Python would write one that other readers refuse)."""
+    if isinstance(value, dict):
+        return {str(key): json_values(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_values(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def accelerate_config(accelerator: Accelerator) -> dict:
+    environment = {name: value for name, value in sorted(os.environ.items()) if name.startswith(LAUNCH_PREFIXES)}
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    return {"distributed_type": accelerator.distributed_type.value, "num_processes": accelerator.num_processes,
+            "num_machines": max(1, accelerator.num_processes // max(1, per_node)),
+            "mixed_precision": accelerator.mixed_precision, "environment": environment,
+            "deepspeed_config": accelerator.state.deepspeed_plugin.deepspeed_config if deepspeed else None}
+
+
+def memory_plan(recipe: Recipe) -> tuple[dict | None, str | None]:
+    """shardtune.plan's per-GPU plan of this launch (as the start-up line prints it), or None and why."""
+    from shardtune.flops import ModelError, resolve_model
+    from shardtune.hardware import HardwareError
+    from shardtune.plan import launch_hardware, plan_launch
+
+    try:
+        hardware = launch_hardware(recipe.hardware)
+        if hardware is None:
+            return None, "no GPU visible and no --hardware given: nothing to plan against"
+        shape = resolve_model(recipe.model_name_or_path)
+    except (HardwareError, ModelError) as error:
+        return None, str(error)
+    return plan_launch(shape, hardware, recipe)[0].to_json(), None
+
+
 def truncate_metrics(output_dir: str, after_step: int) -> None:
-    """Drop rows logged after `after_step`: a resumed run logs those steps again."""
-    path = os.path.join(output_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return
-    with open(path) as file:
-        rows = [line for line in file if json.loads(line)["step"] <= after_step]
-    with open(path, "w") as file:
-        file.writelines(rows)
+    """Drop metrics and samples logged after `after_step`: a resumed run logs those steps again."""
+    for name in ("metrics.jsonl", SAMPLES):
+        path = os.path.join(output_dir, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as file:
+            rows = [line for line in file if json.loads(line)["step"] <= after_step]
+        with open(path, "w") as file:
+            file.writelines(rows)
 
 
 def log_metrics(accelerator: Accelerator, output_dir: str, step: int, metrics: dict[str, float]) -> None:
@@ -52,6 +118,20 @@ def log_metrics(accelerator: Accelerator, output_dir: str, step: int, metrics: d
     if accelerator.is_main_process:
         with open(os.path.join(output_dir, "metrics.jsonl"), "a") as file:
             file.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def log_samples(accelerator: Accelerator, output_dir: str, step: int, samples: list[dict[str, str]]) -> None:
+    """Generated samples: one JSON object each in samples.jsonl, and a W&B table (one per eval, under
+    `samples`) when W&B tracks the run. Main process only."""
+    if not accelerator.is_main_process:
+        return
+    with open(os.path.join(output_dir, SAMPLES), "a") as file:
+        for sample in samples:
+            file.write(json.dumps({"step": step, **sample}) + "\n")
+    if any(tracker.name == "wandb" for tracker in accelerator.trackers):
+        columns = ["step", *samples[0]]
+        accelerator.get_tracker("wandb").log_table(
+            "samples", columns=columns, data=[[step, *sample.values()] for sample in samples], step=step)
 
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:

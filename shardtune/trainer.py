@@ -7,7 +7,7 @@ The pieces it calls: `train_step` (shardtune.step) runs one optimizer step and r
 
 from __future__ import annotations
 
-import math
+import copy
 import os
 import resource
 import shutil
@@ -30,14 +30,16 @@ from shardtune.data import load_splits, make_collator
 from shardtune.distributed import make_accelerator, reduction_dtypes, shut_down
 from shardtune.evaluation import evaluate
 from shardtune.flops import ModelShape, shape_from_config
+from shardtune.generation import HeldOutPrompts, generate_samples, held_out_prompts
 from shardtune.hardware import peak_flops
 from shardtune.memory import COMPONENTS, ModelStateProbe, local_parameter_bytes
 from shardtune.metrics import TrainMetrics
 from shardtune.model import load_model, load_tokenizer
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
+from shardtune.profiling import begin_phase, end_phase, phase, profile_memory, start_phases
 from shardtune.ranks import check_ranks_agree, launch_fingerprint, set_collective_timeout, watch_ranks
 from shardtune.step import train_step, with_counts
-from shardtune.tracking import log_metrics, start_tracking, truncate_metrics
+from shardtune.tracking import log_metrics, log_samples, start_tracking, truncate_metrics
 
 
 def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: int) -> None:
@@ -47,7 +49,7 @@ def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: 
     stop = StopRequest()  # from the start: a signal during start-up still ends in a checkpoint and code 75
     accelerator = make_accelerator(recipe, plan, log_with="wandb" if recipe.report_to == "wandb" else None)
     machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, plan, start_step))
-    with watch_ranks(accelerator, recipe, machines):
+    with watch_ranks(accelerator, recipe, machines), profile_memory(accelerator.process_index):
         exit_code = train_loop(accelerator, recipe, plan, resume_path, start_step, stop)
     shut_down(accelerator)  # the wrappers, then the trackers and the process groups, once no rank watches
     if exit_code:
@@ -68,12 +70,14 @@ class Run:
     max_steps: int
     shape: ModelShape  # for FLOPs per token
     loaded: dict[str, int]  # parameter bytes right after loading; peak RSS while loading and sharding
+    held_out: HeldOutPrompts | None  # the prompts answered at each eval (--generation_samples)
+    save_dtype: torch.dtype | None  # of the Hugging Face export; None: as trained
 
 
 def build(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan) -> Run:
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe)
-    with accelerator.main_process_first():
+    with accelerator.local_main_process_first():  # once per node: nodes need not share the datasets cache
         train_set, eval_set = load_splits(recipe, tokenizer)
     steps_per_epoch = len(train_set) // plan.global_batch
     if steps_per_epoch == 0:
@@ -98,7 +102,7 @@ def build(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan) -> Run:
     )
     scheduler = get_scheduler(
         recipe.lr_scheduler_type, optimizer,
-        num_warmup_steps=math.ceil(recipe.warmup_ratio * max_steps), num_training_steps=max_steps,
+        num_warmup_steps=recipe.warmup_steps_for(max_steps), num_training_steps=max_steps,
     )
     train_loader = DataLoader(train_set, batch_size=plan.micro_batch, shuffle=True, drop_last=True,
                               collate_fn=make_collator(tokenizer, recipe.packing, recipe.attn_implementation))
@@ -109,7 +113,8 @@ def build(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan) -> Run:
     )
     loaded["peak_rss_bytes"] = peak_rss_bytes()  # loading and sharding: FSDP reads rank 0's copy only now
     return Run(tokenizer, model, optimizer, scheduler, train_loader, eval_loader, steps_per_epoch, max_steps, shape,
-               loaded)
+               loaded, held_out_prompts(eval_set, recipe.generation_samples, recipe.max_seq_length),
+               export_dtype(recipe))
 
 
 def train_loop(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, resume_path: str | None,
@@ -122,6 +127,7 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, resume
     peak = peak_flops(torch.cuda.get_device_name(accelerator.device)) if on_gpu else None
     metrics = TrainMetrics(accelerator, plan, run.steps_per_epoch, run.shape, peak)
     probe, fault = ModelStateProbe(model, optimizer), Fault.from_env(accelerator.process_index)
+    start_phases(model, optimizer)  # SHARDTUNE_PROFILE_MEMORY: peaks per phase (shardtune.profiling)
 
     def after_backward(micro_batch: int) -> None:  # the first step's memory probe; a fault a test injects
         probe.after_backward()
@@ -134,8 +140,10 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, resume
     progress = tqdm(range(start_step + 1, run.max_steps + 1), initial=start_step, total=run.max_steps,
                     disable=not accelerator.is_main_process, desc="training")
     for step, (micro_batches, counts, next_counts) in zip(progress, steps, strict=False):  # batches never end
+        begin_phase("forward_backward")
         out = train_step(accelerator, model, optimizer, scheduler, micro_batches, counts,
                          metrics.global_targets(counts), plan, recipe.max_grad_norm, after_backward)
+        end_phase()
         summary = metrics.after_step(out, stop.requested, next_counts)  # every rank's verdict reaches every rank
         if summary.non_finite:
             accelerator.print(f"shardtune: error: non-finite loss or gradient norm at step {step} "
@@ -164,7 +172,8 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, resume
     checkpointer.wait()
     if recipe.save_model:  # before the final eval: an eval that fails must not cost the trained model
         set_collective_timeout(recipe.startup_timeout_minutes)
-        save_hf_model(accelerator, model, run.tokenizer, output_dir)
+        with phase("save"):
+            save_hf_model(accelerator, model, run.tokenizer, output_dir, run.save_dtype)
         set_collective_timeout(recipe.collective_timeout_minutes)
     eval_metrics = log_eval(accelerator, run, output_dir, run.max_steps)
     if first_loss is not None:
@@ -199,9 +208,16 @@ def start(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, run: Run, r
 
 
 def log_eval(accelerator: Accelerator, run: Run, output_dir: str, step: int) -> dict[str, float]:
-    eval_metrics = evaluate(run.model, run.eval_loader, accelerator)
+    with phase("eval"):
+        eval_metrics = evaluate(run.model, run.eval_loader, accelerator)
     accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
     log_metrics(accelerator, output_dir, step, eval_metrics)
+    if run.held_out is not None:  # under ZeRO-3 / FSDP one full parameter gather per token: the time is shown
+        started = time.perf_counter()
+        samples = generate_samples(accelerator, run.model, run.tokenizer, run.held_out)
+        accelerator.print(f"step {step}: {len(samples)} samples generated in {time.perf_counter() - started:.1f}s "
+                          f"(samples.jsonl)")
+        log_samples(accelerator, output_dir, step, samples)
     return eval_metrics
 
 
@@ -267,20 +283,85 @@ def global_batches(loader: DataLoader, plan: BatchPlan, steps_per_epoch: int, st
 
 
 def add_model_files(accelerator: Accelerator, run: Run, path: str) -> None:
-    """The config and tokenizer beside a checkpoint's state, so that it exports on its own."""
-    accelerator.unwrap_model(run.model).config.save_pretrained(path)
+    """The config and tokenizer beside a checkpoint's state, so that it exports on its own. The config states
+    the export's dtype (scripts/export_hf.py writes that by default), not the fp32 of the master weights."""
+    config_with_dtype(accelerator.unwrap_model(run.model).config, run.save_dtype).save_pretrained(path)
     run.tokenizer.save_pretrained(path)
 
 
-def save_hf_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer, output_dir: str) -> None:
-    """Full weights gathered from FSDP / ZeRO-3 shards, written as safetensors by the main process. A PEFT
-    model writes its adapter in peft's format, taken from the same gathered state dict (under ZeRO-3 the
-    local adapter tensors are empty shards)."""
-    state_dict = accelerator.get_state_dict(model)
+SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def export_dtype(recipe: Recipe) -> torch.dtype | None:
+    """--save_dtype: bf16 / fp16 / fp32, or auto: the dtype the model's own config.json states (bf16 for the
+    Llama recipes). The loaded model's config says fp32 (full fine-tuning loads fp32 master weights), so auto
+    reads the original. None (export as trained) where it states none."""
+    if recipe.save_dtype != "auto":
+        return SAVE_DTYPES[recipe.save_dtype]
+    from transformers import AutoConfig
+
+    stated = AutoConfig.from_pretrained(recipe.model_name_or_path).dtype
+    return getattr(torch, stated) if isinstance(stated, str) else stated
+
+
+def cast_floating(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Floating-point tensors to `dtype`, in place, one at a time: a full state dict the gather made (FSDP's,
+    on the host) frees each fp32 tensor as its cast replaces it, so the peak is one copy plus one tensor."""
+    if dtype is not None:
+        for key, tensor in state_dict.items():
+            if tensor.is_floating_point() and tensor.dtype != dtype:
+                state_dict[key] = tensor.to(dtype)
+    return state_dict
+
+
+def config_with_dtype(config, dtype: torch.dtype | None):
+    """A copy of the model config that states `dtype` (config.json's "dtype"); the live config is untouched."""
+    if dtype is None:
+        return config
+    config = copy.deepcopy(config)
+    config.dtype = str(dtype).removeprefix("torch.")
+    return config
+
+
+def save_hf_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer, output_dir: str,
+                  dtype: torch.dtype | None = None) -> None:
+    """Full weights gathered from FSDP / ZeRO-3 shards, cast to `dtype` (None: as trained), written as
+    safetensors by the main process, with a config.json that states the dtype written. A PEFT model writes its
+    adapter in peft's format, as trained (fp32 adapters: small, and peft upcasts them on load anyway), taken
+    from the same gathered state dict (under ZeRO-3 the local adapter tensors are empty shards)."""
+    state_dict = accelerator.get_state_dict(model)  # ZeRO-3: on the main process only (None elsewhere)
+    masters = {}
+    if dtype == torch.float32 and deepspeed_half(accelerator):
+        masters = deepspeed_master_weights(accelerator, model)  # a collective: every rank takes part
     if accelerator.is_main_process:
+        state_dict.update(masters)
         unwrapped = accelerator.unwrap_model(model)
-        shards = {} if isinstance(unwrapped, PeftModel) else {"max_shard_size": "5GB"}
-        unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True, **shards)
+        if isinstance(unwrapped, PeftModel):
+            unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+        else:
+            # save_pretrained writes the dtype of the live parameters into config.json; the copy states the cast.
+            unwrapped.save_pretrained(output_dir, state_dict=cast_floating(state_dict, dtype),
+                                      safe_serialization=True, max_shard_size="5GB")
+            config_with_dtype(unwrapped.config, dtype).save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
         durable(output_dir, recursive=False)  # the export's files, then output_dir itself, survive a crash
     accelerator.wait_for_everyone()
+
+
+def deepspeed_half(accelerator: Accelerator) -> bool:
+    """DeepSpeed in bf16 / fp16: its module holds 16-bit weights, the fp32 master weights are the optimizer's."""
+    return accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.mixed_precision in ("bf16", "fp16")
+
+
+def deepspeed_master_weights(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of the trained parameters, assembled one parameter at a time from the ranks'
+    partitions (a collective under every ZeRO stage: all ranks walk the parameters in the same order); on the
+    main process, on the host. An fp32 export of a bf16 DeepSpeed run holds these, not upcast 16-bit weights."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    weights = {}
+    for name, param in accelerator.unwrap_model(model).named_parameters():
+        full = safe_get_full_fp32_param(param)  # None for frozen parameters: their 16-bit value stays
+        if full is not None and accelerator.is_main_process:
+            weights[name] = full.detach().cpu()
+    return weights

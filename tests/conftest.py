@@ -327,8 +327,10 @@ def recipe_command(
 ) -> list[str]:
     """The command that runs the tiny recipe on the given model and data; with `config`, `accelerate launch`."""
     model_dir, data_file = assets
+    # No generated samples unless a test asks (tests/test_outputs.py): they cost every launch's final eval time.
     recipe_args = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),
-                   "--report_to", "none", "--logging_steps", "1", "--eval_steps", "0", "--use_cpu", "true", *args]
+                   "--report_to", "none", "--logging_steps", "1", "--eval_steps", "0", "--use_cpu", "true",
+                   "--generation_samples", "0", *args]
     if config is None:
         command = [sys.executable, str(recipe), *recipe_args]
     else:

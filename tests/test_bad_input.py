@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 
 from shardtune import Recipe, main
@@ -17,13 +18,15 @@ from tests.conftest import run_recipe
 @dataclass(frozen=True)
 class Case:
     """Flags (`{tmp}` is the test's directory), launch variables, files written under {tmp} first, modules made
-    to look uninstalled, and what the one error line must say."""
+    to look uninstalled, whether the Hub is out of reach (HF_HUB_OFFLINE=1), and what the one error line must
+    say."""
 
     args: tuple[str, ...]
     message: str
     env: dict[str, str] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
     uninstalled: tuple[str, ...] = ()
+    offline: bool = False
 
 
 MULTI_NODE = {"WORLD_SIZE": "2", "RANK": "0"}
@@ -39,7 +42,24 @@ CASES = {
     "no GPU and no CPU mode": Case(("--use_cpu", "false"), "No CUDA GPU is visible"),
     "unknown attention": Case(("--attn_implementation", "flash"), "--attn_implementation 'flash' is unknown"),
     "flex attention on CPU": Case(("--attn_implementation", "flex_attention"), "no backward pass on CPU"),
-    "unknown flag": Case(("--learning_rat", "1e-4"), "Unknown argument(s): --learning_rat"),
+    "unknown flag": Case(("--learning_rat", "1e-4"),
+                         "Unknown argument --learning_rat: did you mean --learning_rate?"),
+    "unknown flag with =": Case(("--per_device_batch_size=8",),
+                                "Unknown argument --per_device_batch_size: did you mean --per_device_eval_batch_size?"),
+    "stray value": Case(("stray",), "Unexpected value 'stray' on the command line"),
+    "bf16 and fp16": Case(("--bf16", "true", "--fp16", "true"), "--bf16 true --fp16 true ask for two precisions"),
+    "bf16 against mixed_precision": Case(("--mixed_precision", "no", "--bf16"),
+                                         "--bf16 true asks for bf16, --mixed_precision for no"),
+    "warm-up in steps and as a ratio": Case(("--warmup_steps", "10", "--warmup_ratio", "0.1"),
+                                            "--warmup_steps 10 and --warmup_ratio 0.1 both set the warm-up"),
+    "negative warm-up steps": Case(("--warmup_steps", "-1"), "--warmup_steps must be >= 0, got -1"),
+    "reentrant checkpointing": Case(("--gradient_checkpointing_kwargs", '{"use_reentrant": true}'),
+                                    "use_reentrant true is not supported: the trainer recomputes with "
+                                    "use_reentrant=False"),
+    "checkpointing kwargs that do not map": Case(("--gradient_checkpointing_kwargs", '{"preserve_rng_state": false}'),
+                                                 "preserve_rng_state: only use_reentrant (false) maps"),
+    "checkpointing kwargs not JSON": Case(("--gradient_checkpointing_kwargs", "use_reentrant=False"),
+                                          "'use_reentrant=False' is not a JSON object"),
     "batch does not divide": Case(("--global_batch_size", "33", "--per_device_train_batch_size", "4"),
                                   "--global_batch_size 33 is not divisible"),
     "accumulation disagrees": Case(("--global_batch_size", "32", "--per_device_train_batch_size", "4",
@@ -48,7 +68,9 @@ CASES = {
     "unknown precision": Case(("--mixed_precision", "fp8"), "--mixed_precision must be one of"),
     "4-bit without LoRA": Case(("--load_in_4bit", "true"), "add --use_peft true"),
     "QLoRA without a GPU": Case(("--use_peft", "true", "--load_in_4bit", "true"), "--load_in_4bit needs a CUDA GPU"),
-    "unknown data format": Case(("--dataset_format", "sharegpt"), "--dataset_format must be one of"),
+    "unknown data format": Case(("--dataset_format", "xml"), "--dataset_format must be one of"),
+    "negative generation samples": Case(("--generation_samples", "-1"), "--generation_samples must be 0 (off)"),
+    "unknown export dtype": Case(("--save_dtype", "float8"), "--save_dtype 'float8' is not one of auto, bf16"),
     "zero learning rate": Case(("--learning_rate", "0"), "--learning_rate must be > 0, got 0.0"),
     "negative learning rate": Case(("--learning_rate", "-0.0001"), "--learning_rate must be > 0, got -0.0001"),
     "max_seq_length 0": Case(("--max_seq_length", "0"), "--max_seq_length must be >= 2, got 0"),
@@ -89,8 +111,28 @@ CASES = {
                                                 env={**FSDP, "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"}),
     "W&B without wandb": Case(("--report_to", "wandb"), "pip install wandb, or pass --report_to none",
                               uninstalled=("wandb",)),
+    # The model, from its config.json alone (no weights).
+    "missing model directory": Case(("--model_name_or_path", "{tmp}/models/llama"),
+                                    "Model directory not found: '"),
+    "model directory without config.json": Case(("--model_name_or_path", "{tmp}/weights"),
+                                                "is a directory without config.json",
+                                                files={"weights/model.safetensors": "not a model"}),
+    "Hub id out of reach offline": Case(("--model_name_or_path", "shardtune-tests/no-such-model"),
+                                        "HF_HUB_OFFLINE=1 keeps the Hub out of reach: set HF_HUB_OFFLINE=0",
+                                        offline=True),
+    "max_seq_length above the model's": Case(("--max_seq_length", "100000000"),
+                                             "--max_seq_length 100000000 is above the model's "
+                                             "max_position_embeddings 256: give --max_seq_length 256 or less"),
+    "unknown LoRA target": Case(("--use_peft", "true", "--lora_target_modules", "q_proj,v_prj"),
+                                "--lora_target_modules 'v_prj' names no layer of the model: its linear modules are "
+                                "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"),
     # Data files, as far as they can be judged without reading them.
     "missing dataset": Case(("--dataset", "no/such/file.jsonl"), "Dataset file not found: 'no/such/file.jsonl'"),
+    "missing file of an unknown type": Case(("--dataset", "notes.txt"), "Dataset file not found: 'notes.txt'"),
+    "missing directory": Case(("--dataset", "rows/"), "Dataset file not found: 'rows/'"),
+    "missing source of a mixture": Case(("--dataset", "{tmp}/train.jsonl,extra/rows.parquet"),
+                                        "Dataset file not found: 'extra/rows.parquet'",
+                                        files={"train.jsonl": '{"text": "rev ab=ba"}\n'}),
     "empty data file": Case(("--dataset", "{tmp}/train.jsonl"), "train.jsonl' is empty", files={"train.jsonl": ""}),
     "unsupported file type": Case(("--dataset", "{tmp}/train.txt"), "unknown file type '.txt'",
                                   files={"train.txt": "rev ab=ba\n"}),
@@ -115,6 +157,23 @@ def test_refused_before_loading(case, tiny_assets, tmp_path, capsys, monkeypatch
     """The recipe entry point itself, in this process (a launched refusal is tested below): exit code 2, one
     line naming the problem and the fix, no traceback, nothing loaded, nothing on disk created or changed."""
     spec = CASES[case]
+    error_lines, stderr = refused(spec, tiny_assets, tmp_path, capsys, monkeypatch)
+    assert len(error_lines) == 1 and spec.message in error_lines[0], stderr[-2000:]
+
+
+def test_every_problem_reported_at_once(tiny_assets, tmp_path, capsys, monkeypatch):
+    """Three mistakes of three kinds (a flag, a data path, a value only the model's config can judge): one launch
+    names all three, one line each."""
+    spec = Case(("--learning_rat", "1e-4", "--dataset", "{tmp}/data/train.jsonl", "--max_seq_length", "4096"), "")
+    error_lines, stderr = refused(spec, tiny_assets, tmp_path, capsys, monkeypatch)
+    assert [line.split(":")[2].strip() for line in error_lines] == [
+        "Unknown argument --learning_rat", "Dataset file not found", "--max_seq_length 4096 is above the model's "
+        "max_position_embeddings 256"], stderr[-2000:]
+
+
+def refused(spec: Case, tiny_assets, tmp_path: Path, capsys, monkeypatch) -> tuple[list[str], str]:
+    """Run the tiny recipe's entry point with `spec` and assert the refusal: exit code 2, no traceback, no weights
+    loaded, nothing under tmp_path created or changed. Returns the error lines and all of stderr."""
     for name in [*os.environ]:
         if name in LAUNCH_VARIABLES or name.startswith(("ACCELERATE_", "FSDP_")):
             monkeypatch.delenv(name)
@@ -122,6 +181,8 @@ def test_refused_before_loading(case, tiny_assets, tmp_path, capsys, monkeypatch
         monkeypatch.setenv(name, value)
     for module in spec.uninstalled:
         monkeypatch.setitem(sys.modules, module, None)  # importlib.util.find_spec then answers None
+    if spec.offline:  # what HF_HUB_OFFLINE=1 sets when huggingface_hub is imported
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     for name, content in spec.files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(content)
@@ -134,17 +195,24 @@ def test_refused_before_loading(case, tiny_assets, tmp_path, capsys, monkeypatch
         main(Recipe(name="tiny", max_seq_length=64, per_device_train_batch_size=16, global_batch_size=32), argv)
     assert exit_info.value.code == 2
     stderr = capsys.readouterr().err
-    error_lines = [line for line in stderr.splitlines() if line.startswith("shardtune: error:")]
-    assert len(error_lines) == 1 and spec.message in error_lines[0], stderr[-2000:]
     assert "Traceback" not in stderr and "Loading weights" not in stderr
     assert snapshot(tmp_path) == before  # no output_dir created, an earlier run's files untouched
+    return [line for line in stderr.splitlines() if line.startswith("shardtune: error:")], stderr
 
 
 def test_batch_must_divide_over_ranks(tiny_assets, tmp_path):
+    """A 2-process `accelerate launch` refused by both ranks: the refusal leads the output, the launcher's closing
+    report names it as the root cause (from torchelastic's error file), and the launcher exits 1 whatever its
+    ranks returned (each rank's 2 is in the report)."""
     output_dir = tmp_path / "out"
     result = run_recipe(output_dir, tiny_assets, "--global_batch_size", "48", "--per_device_train_batch_size", "16",
                         config="ddp", processes=2, check=False)
-    assert result.returncode != 0
+    assert result.returncode == 1, result.stderr[-3000:]
     assert re.search(r"exitcode\s*:\s*2\b", result.stderr), result.stderr[-3000:]  # each rank's own code
-    assert "= 16 x 2 = 32. Pick a global batch that is a multiple of 32" in result.stderr
+    refusal = ("shardtune: error: --global_batch_size 48 is not divisible by per_device_train_batch_size x "
+               "processes = 16 x 2 = 32. Pick a global batch that is a multiple of 32")
+    assert refusal in result.stderr.split("ChildFailedError")[0], result.stderr[-3000:]  # the ranks' own output
+    ending = result.stderr.splitlines()[-15:]
+    assert any(refusal in line for line in ending), "\n".join(ending)
+    assert "To enable traceback see" not in "\n".join(ending)
     assert not output_dir.exists()

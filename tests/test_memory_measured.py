@@ -1,14 +1,23 @@
 """The planner's model states against what each rank really holds. Every shipped config's 2-process reference
 run (fp32) measures its weights, gradients and optimizer states on the live objects at the first step
-(shardtune.memory) and logs the largest rank's bytes; the planner predicts them from the config alone."""
+(shardtune.memory) and logs the largest rank's bytes; the planner predicts them from the config alone. One more
+launch measures ZeRO-3 where its formulas part from that reference: bf16 (fp32 gradient accumulation beside
+16-bit weights), 3 ranks (uneven partitions), and a sub_group_size that cuts each rank's partition into several
+optimizer sub-groups, as sub_group_size does for a 70B model."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+
 import pytest
 
+from shardtune.config import ConfigError
 from shardtune.flops import resolve_model
-from shardtune.plan import buffers, model_states, read_accelerate_config
-from tests.conftest import CONFIGS, read_metrics
+from shardtune.memory import COMPONENTS
+from shardtune.plan import Strategy, buffers, deepspeed_sizes, largest_sub_group, model_states, read_accelerate_config
+from tests.conftest import CONFIGS, read_metrics, run_recipe
 from tests.test_strategies import CONFIG_NAMES
 
 # The README's figures. Weights and optimizer states: exact up to Adam's step counters (4 bytes per tensor) and,
@@ -18,15 +27,26 @@ EXACT_RTOL = 4e-3
 GRADIENT_RTOL = 1e-3
 # Offload configs hold everything in host RAM, which on a CPU machine is the "device" too: totals are compared.
 OFFLOAD_RTOL = 0.05
-# DeepSpeed's buffers (reduce bucket allocated whole, ZeRO-3 layers still gathered): ZeRO-1 exact, ZeRO-3 +-0.04%.
-# Under ZeRO-2 the probe finds no bucket at the first step (0 bytes): there the buffer is planned, not measured.
+# DeepSpeed's reduce buckets, allocated whole: exact. Under ZeRO-2 the probe finds no bucket at the first step
+# (0 bytes): there the buffer is planned, not measured.
 BUFFER_RTOL = 1e-3
 BUFFERS_NOT_MEASURED = {"ds_zero2"}
+
+# The sub-grouped run: ZeRO-3's JSON with these two values patched into a copy, everything else as shipped.
+# 4,000 elements cut a rank's 32,714-element partition (98,112 parameters over 3 ranks) into 7 sub-groups (6 of
+# the decayed matrices, the largest 7,510 elements, and the norms); 2,500 keeps k_proj and v_proj (2,048 elements
+# each) and the norms whole on every rank.
+SUB_GROUP_SIZE, PERSISTENCE_THRESHOLD = 4000, 2500
+SUB_GROUPED_RANKS = 3
+# One step of 2 micro-batches of 4 sequences per rank; nothing saved or generated.
+SUB_GROUPED_ARGS = ("--max_steps", "1", "--mixed_precision", "bf16", "--per_device_train_batch_size", "4",
+                    "--global_batch_size", "24", "--save_steps", "0", "--save_model", "false",
+                    "--generation_samples", "0")
 
 
 def held(output_dir) -> dict[str, int]:
     (row,) = [row for row in read_metrics(output_dir) if "held_weights_bytes" in row]
-    return {key: row[f"held_{key}_bytes"] for key in ("weights", "gradients", "optimizer", "buffers")}
+    return {key: row[f"held_{key}_bytes"] for key in COMPONENTS}
 
 
 @pytest.mark.parametrize("config", CONFIG_NAMES)
@@ -35,7 +55,7 @@ def test_model_states_equal_the_bytes_each_rank_holds(config, reference_run, tin
     strategy = read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision="no")
     shape = resolve_model(tiny_assets[0])
     params = shape.params
-    planned = model_states(strategy, params, world=2)
+    planned = model_states(strategy, params, world=2, shape=shape)
     offloaded = planned.host + planned.nvme
     if not offloaded:
         assert measured["weights"] == pytest.approx(planned.weights, rel=EXACT_RTOL)
@@ -50,8 +70,134 @@ def test_model_states_equal_the_bytes_each_rank_holds(config, reference_run, tin
         # DeepSpeed swapped under --offload_nvme_path (it deletes the files at exit, the folders stay).
         swap_root = reference_run(config).parent / "nvme" / "zero_stage_3"
         assert {path.name for path in swap_root.iterdir()} == {"optimizer", "float32params"}
-    if strategy.kind == "deepspeed":  # reduce buckets (allocated whole) and ZeRO-3 layers still gathered
+    if strategy.kind == "deepspeed":
+        # Placement, by DeepSpeed's own bookkeeping: what the planner puts in host RAM is what DeepSpeed put there.
+        # Under NVMe offload the tiny model's partitions are smaller than DeepSpeed's smallest asynchronous I/O
+        # (aio block_size, 1 MiB): it keeps them in host RAM rather than swap them, so host RAM holds here what
+        # a large model's ranks would swap.
+        host = planned.host + (planned.nvme if "nvme" in config else 0)
+        assert measured["host"] == pytest.approx(host, rel=EXACT_RTOL, abs=64)
         if config in BUFFERS_NOT_MEASURED:
             assert measured["buffers"] == 0, f"{config} now measures its buffers: compare them, update the README"
         else:
-            assert measured["buffers"] == pytest.approx(buffers(strategy, shape, params, 2, "fp32"), rel=BUFFER_RTOL)
+            assert measured["buffers"] == pytest.approx(measurable_buffers(strategy, shape, 2), rel=BUFFER_RTOL)
+
+
+def measurable_buffers(strategy: Strategy, shape, world: int) -> float:
+    """The planned buffers that exist at the probe's moments. ZeRO-1/2: the reduce buckets, all of buffers().
+    ZeRO-3: its reduce bucket only. After each backward it has released every gathered parameter, and it gathers
+    the persistent ones for good only after the first step (stage3.py `_post_step`), so the rest of buffers()
+    (gathered layers, persistent parameters) is planned from DeepSpeed's code, not measured here."""
+    if strategy.shard < 3:
+        return buffers(strategy, shape, shape.params, world, "fp32")
+    return deepspeed_sizes(strategy, shape)["reduce_bucket"] * (2 if strategy.mixed_precision != "no" else 4)
+
+
+def sub_grouped_json(tmp_path) -> str:
+    """The shipped ZeRO-3 JSON with a sub_group_size and persistence threshold sized for the tiny model."""
+    config = json.loads((CONFIGS / "deepspeed" / "zero3.json").read_text())
+    config["zero_optimization"].update(sub_group_size=SUB_GROUP_SIZE,
+                                       stage3_param_persistence_threshold=PERSISTENCE_THRESHOLD)
+    path = tmp_path / "zero3_sub_grouped.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_zero3_in_bf16_on_3_ranks_holds_one_sub_group_beyond_its_partitions(tiny_assets, tmp_path):
+    """ZeRO-3 keeps the 16-bit weight partition, the gradient partition it reduces into (fp32: the trainer's
+    accumulation dtype) and the fp32 master, m and v partitions, and builds one sub-group's fp32 gradient at a
+    time: the optimizer states of every sub-group are counted, and of the gradients only the largest sub-group's
+    comes on top. The planner's sub-groups are cut from the model's parameter order, as DeepSpeed cuts them."""
+    config_file = sub_grouped_json(tmp_path)
+    run_recipe(tmp_path / "out", tiny_assets, *SUB_GROUPED_ARGS, config="ds_zero3", processes=SUB_GROUPED_RANKS,
+               launch_args=("--deepspeed_config_file", config_file))
+    measured = held(tmp_path / "out")
+    shape = resolve_model(tiny_assets[0])
+    strategy = read_accelerate_config(str(CONFIGS / "ds_zero3.yaml"), mixed_precision="bf16")
+    strategy = dataclasses.replace(strategy, sub_group=SUB_GROUP_SIZE, persistence_threshold=PERSISTENCE_THRESHOLD)
+    planned = model_states(strategy, shape.params, SUB_GROUPED_RANKS, shape)
+    partition = shape.params / SUB_GROUPED_RANKS
+    sub_group = largest_sub_group(strategy, shape, shape.params, SUB_GROUPED_RANKS)
+    assert SUB_GROUP_SIZE <= sub_group < partition / 3  # several sub-groups per rank
+    assert planned.gradients == pytest.approx(4 * partition + 4 * sub_group)
+    assert measured["weights"] == pytest.approx(planned.weights, rel=EXACT_RTOL)
+    assert measured["optimizer"] == pytest.approx(planned.optimizer, rel=EXACT_RTOL)
+    assert measured["gradients"] == pytest.approx(planned.gradients, rel=GRADIENT_RTOL)
+    assert measured["host"] == planned.host == 0
+    assert measured["buffers"] == pytest.approx(measurable_buffers(strategy, shape, SUB_GROUPED_RANKS),
+                                                rel=BUFFER_RTOL)
+
+
+DEEPSPEED_CONFIGS = [name for name in CONFIG_NAMES if name.startswith("ds_")]
+
+
+def accelerate_launch_env(config: str, monkeypatch) -> dict:
+    """What `accelerate launch --config_file <config>.yaml` exports for its DeepSpeed plugin (commands/launch.py
+    `deepspeed_launcher`, utils/launch.py `prepare_deepspeed_cmd_env`), set here in-process."""
+    import yaml
+
+    launch = yaml.safe_load((CONFIGS / f"{config}.yaml").read_text())
+    deepspeed = launch["deepspeed_config"]
+    for name in [name for name in list(os.environ) if name.startswith(("ACCELERATE_", "DEEPSPEED_"))]:
+        monkeypatch.delenv(name)
+    fields = list(deepspeed) + (["mixed_precision"] if "mixed_precision" in launch else [])
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", ",".join(fields))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", deepspeed["deepspeed_config_file"])
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", str(deepspeed["zero3_init_flag"]).lower())
+    monkeypatch.chdir(CONFIGS.parent)  # the YAML names the JSON relative to the repository, as users launch
+    return launch
+
+
+@pytest.mark.parametrize("config", DEEPSPEED_CONFIGS)
+def test_accelerate_reads_the_json_as_the_planner_and_the_checks_do(config, monkeypatch, tmp_path):
+    """accelerate's own DeepSpeedPlugin, built from what `accelerate launch` exports for the shipped YAML, takes
+    the stage, offload devices and 16-bit export from the JSON file; the planner, the start-up checks and the
+    cross-rank fingerprint read the same values from the same file (no stage or offload variable is exported).
+    bf16 is "auto": accelerate fills it from the run's precision."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from shardtune.config import Recipe, check_deepspeed_env, check_nvme_path
+    from shardtune.plan import strategy_from_launch_env
+    from shardtune.ranks import deepspeed_fingerprint
+
+    launch = accelerate_launch_env(config, monkeypatch)
+    assert "mixed_precision" not in launch and "zero_stage" not in launch["deepspeed_config"]
+    plugin = DeepSpeedPlugin()
+    plugin.set_mixed_precision("bf16")
+    planned = read_accelerate_config(str(CONFIGS / f"{config}.yaml"))
+    assert strategy_from_launch_env("bf16") == dataclasses.replace(planned, name=f"DeepSpeed ZeRO-{planned.shard}")
+    assert (plugin.zero_stage, plugin.offload_optimizer_device, plugin.offload_param_device) == (
+        planned.shard, planned.offload_optimizer, planned.offload_params)
+    # ZeRO-3 gathers the 16-bit weights for the Hugging Face export (ZeRO-1/2 hold them whole anyway).
+    assert plugin.zero3_init_flag == planned.ram_efficient_loading == plugin.zero3_save_16bit_model == (
+        planned.shard == 3)
+    assert plugin.deepspeed_config["bf16"]["enabled"] is True and planned.mixed_precision == "bf16"
+    check_deepspeed_env()
+    fingerprint = deepspeed_fingerprint()
+    assert fingerprint["deepspeed.stage"] == str(planned.shard)
+    nvme = "nvme" in config
+    if nvme:  # the flag fills the JSON's nvme_path "auto"; without it the run is refused
+        with pytest.raises(ConfigError, match="pass --offload_nvme_path"):
+            check_nvme_path(Recipe(), uses_deepspeed=True)
+        check_nvme_path(Recipe(offload_nvme_path=str(tmp_path)), uses_deepspeed=True)
+    else:
+        check_nvme_path(Recipe(), uses_deepspeed=True)
+    # A mixed_precision in the YAML beside deepspeed_config_file is refused by accelerate itself.
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", os.environ["ACCELERATE_CONFIG_DS_FIELDS"] + ",mixed_precision")
+    with pytest.raises(ValueError, match="deepspeed_config_file"):
+        DeepSpeedPlugin()
+
+
+def test_the_checks_read_a_bad_stage_or_offload_from_the_json(monkeypatch, tmp_path):
+    from shardtune.config import check_deepspeed_env
+
+    accelerate_launch_env("ds_zero2", monkeypatch)
+    for zero, message in (({"stage": 4}, "sets zero_stage '4'"),
+                          ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param_device cpu needs ZeRO"),
+                          ({"stage": 3, "offload_optimizer": {"device": "disk"}}, "offload_optimizer device 'disk'")):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps({"zero_optimization": zero}))
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+        with pytest.raises(ConfigError, match=message):
+            check_deepspeed_env()

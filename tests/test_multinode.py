@@ -32,7 +32,7 @@ def test_machines_started_differently_stop_at_start_up(tiny_assets, tmp_path):
         assert re.search(rf"exitcode\s*:\s*{CONFIG_EXIT_CODE}\b", log), log[-4000:]
         error_lines = [line for line in log.splitlines() if line.startswith("shardtune: error:")]
         assert len(error_lines) == 1, log[-4000:]
-        for expected in ("ACCELERATE_DEEPSPEED_ZERO_STAGE: '2' on machine 0 (", "'3' on machine 1 (",
+        for expected in ("deepspeed.stage: '2' on machine 0 (", "'3' on machine 1 (",
                          "recipe.max_seq_length: '64' on machine 0 (", "'48' on machine 1 ("):
             assert expected in error_lines[0], error_lines[0]
         # The only traceback is the launcher's own report that its rank exited non-zero.

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 from shardtune.flops import BUILTIN_MODELS, builtin_configs, resolve_model, shape_from_config
-from shardtune.hardware import Hardware, HardwareError, parse_hardware
+from shardtune.flops import main as flops_main
+from shardtune.hardware import Hardware, HardwareError, nominal_gpu_memory, parse_hardware
 from shardtune.plan import (
     CONFIGS_DIR,
     Peft,
@@ -26,6 +30,7 @@ from shardtune.plan import (
     read_accelerate_config,
     recommend,
     saved_activation_bytes,
+    usable_capacity,
 )
 from shardtune.tiny import tiny_llama_config
 from tests.conftest import REPO
@@ -66,7 +71,9 @@ def test_hub_ids_and_recipes_resolve_to_builtins():
 def test_70b_zero3_does_not_fit_8xh100():
     result = plan(resolve_model("llama-3.1-70b"), H100, config("ds_zero3"), 1, 4096, True)
     states = result.per_gpu["weights"] + result.per_gpu["gradients"] + result.per_gpu["optimizer"]
-    assert states >= 176e9  # 20 bytes per parameter / 8
+    # 18 bytes per parameter / 8 (16-bit weights, fp32 accumulated gradients, fp32 master, m, v) and one optimizer
+    # sub-group's fp32 gradient: the largest is the embedding's partition, 128256 x 8192 / 8 elements.
+    assert states == pytest.approx(18 * MISSION_PARAMS["llama-3.1-70b"] / 8 + 4 * 128256 * 8192 / 8)
     assert not result.fits
     fsdp = plan(resolve_model("llama-3.1-70b"), H100, config("fsdp_full_shard"), 1, 4096, True)
     assert fsdp.per_gpu["weights"] + fsdp.per_gpu["gradients"] + fsdp.per_gpu["optimizer"] >= 141e9
@@ -87,8 +94,11 @@ def test_ddp_1b_fits_80gb():
 
 @pytest.mark.parametrize("name,per_param", [
     # bf16 ZeRO-2 accumulates into the fp32 partition the optimizer reads; ZeRO-3 into an fp32 partition beside
-    # the optimizer's (measured: test_reduce_precision in bf16, test_memory_measured in fp32)
-    ("ds_zero1", 4 + 12 / 8), ("ds_zero2", 2 + 16 / 8), ("ds_zero3", 22 / 8), ("fsdp_full_shard", 16 / 8),
+    # the optimizer's, plus one sub-group's fp32 gradient at the step: 8B's largest is 105,512,960 elements of
+    # zero3.json's sub_group_size 1e8 (measured: test_reduce_precision in bf16, test_memory_measured in fp32
+    # and, with several sub-groups, in bf16 on 3 ranks)
+    ("ds_zero1", 4 + 12 / 8), ("ds_zero2", 2 + 16 / 8),
+    ("ds_zero3", 18 / 8 + 4 * 105_512_960 / MISSION_PARAMS["llama-3.1-8b"]), ("fsdp_full_shard", 16 / 8),
     ("fsdp_shard_grad_op", 16 / 8),
 ])
 def test_model_states_follow_the_zero_table(name, per_param):
@@ -108,9 +118,50 @@ def test_70b_recommendation_is_cpu_offload_with_host_ram():
     found = recommend(resolve_model("llama-3.1-70b"), H100, 64, 4096)
     assert found.plan is not None and not found.gpu_only
     assert "offload" in found.plan.config and "nvme" not in found.plan.config
-    assert found.plan.host_ram_per_node > 1e12  # 16-18 bytes per parameter on the host
-    assert "141" in found.message  # FULL_SHARD: 16 bytes per parameter and "host RAM" in found.message
+    assert found.plan.host_ram_per_node <= found.plan.host_ram_capacity == 0.9 * 2e12  # 2 TB per 8-GPU node
+    assert "No GPU-only config fits: the smallest" in found.message and "host RAM per node" in found.message
     assert found.plan.micro_batch * found.accumulation * 8 == 64
+
+
+def test_capacity_keeps_headroom_and_a_launch_reads_gpus_by_the_cli_rule():
+    assert usable_capacity(H100) == int(80e9 * 0.9 - 2 * 2**30)
+    assert nominal_gpu_memory(int(79.6 * 2**30)) == 80e9  # what an H100 80GB reports, planned as the CLI does
+    found = recommend(resolve_model("llama-3.1-8b"), H100, 64, 4096)
+    assert found.plan.per_gpu["total"] <= usable_capacity(H100) < 0.9 * 80e9
+
+
+def test_host_ram_binds_and_the_smallest_node_count_is_named():
+    """405B: micro-batch 1 fits the GPUs of one node only with NVMe offload, whose host-side gradient
+    partitions exceed 2 TB: the message says host RAM binds, and names the node count that fits."""
+    found = recommend(resolve_model("llama-3.1-405b"), H100, 128, 4096)
+    assert found.plan is None
+    assert "binding limit is host RAM" in found.message and "--host_ram_gb" in found.message
+    nodes = int(re.search(r"It fits on (\d+) such nodes", found.message).group(1))
+    assert 128 % (8 * nodes) == 0
+    assert recommend(resolve_model("llama-3.1-405b"), H100.with_nodes(nodes), 128, 4096).plan is not None
+    assert recommend(resolve_model("llama-3.1-405b"), H100.with_nodes(nodes // 2), 128, 4096).plan is None
+
+
+def test_nothing_fits_skips_node_counts_the_global_batch_does_not_divide(tmp_path):
+    """70B full fine-tuning without offload: 3 nodes (24 GPUs) cannot keep a global batch of 64, so the
+    smallest count named is one that can; the binding limit on one node is GPU memory."""
+    shutil.copy(os.path.join(CONFIGS_DIR, "fsdp_full_shard.yaml"), tmp_path)
+    found = recommend(resolve_model("llama-3.1-70b"), H100, 64, 4096, configs_dir=str(tmp_path))
+    assert found.plan is None and "binding limit is GPU memory" in found.message
+    nodes = int(re.search(r"It fits on (\d+) such nodes", found.message).group(1))
+    assert nodes >= 2 and 64 % (8 * nodes) == 0
+    for fewer in range(1, nodes):
+        if 64 % (8 * fewer) == 0:
+            assert recommend(resolve_model("llama-3.1-70b"), H100.with_nodes(fewer), 64, 4096,
+                             configs_dir=str(tmp_path)).plan is None
+
+
+def test_qlora_loads_its_base_in_4_bits_not_fp32():
+    shape = resolve_model("llama-3.1-70b")
+    qlora = plan(shape, H100, config("ddp"), 1, 4096, True, peft=Peft(16, load_in_4bit=True))
+    assert qlora.host_ram["model_loading"] == pytest.approx(8 * (0.516 * shape.params + 5e9), rel=1e-3)
+    lora = plan(shape, H100, config("fsdp_full_shard"), 1, 4096, True, peft=Peft(16))
+    assert lora.host_ram["model_loading"] == 2 * shape.params  # bf16 base, read by rank 0 alone
 
 
 def test_small_model_recommendation_is_ddp_and_keeps_global_batch():
@@ -120,9 +171,10 @@ def test_small_model_recommendation_is_ddp_and_keeps_global_batch():
 
 
 def test_too_small_host_ram_names_the_way_out():
-    found = recommend(resolve_model("llama-3.1-405b"), parse_hardware("8x80gb"), 64, 4096, host_ram=512e9)
+    found = recommend(resolve_model("llama-3.1-405b"), parse_hardware("8x80gb", host_ram_gb=512), 64, 4096)
     assert found.plan is None
     assert "Nothing fits" in found.message and "LoRA" in found.message
+    assert "460.8 GB is usable" in found.message  # 512 GB less 10%
 
 
 def test_hardware_forms():
@@ -132,9 +184,9 @@ def test_hardware_forms():
         parse_hardware("eight-h100s")
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardtune.plan", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=env)
 
 
 def test_cli_json_and_bad_hardware():
@@ -150,6 +202,38 @@ def test_cli_json_and_bad_hardware():
     assert bad.returncode != 0
     errors = [line for line in bad.stderr.splitlines() if line.startswith("shardtune.plan: error")]
     assert len(errors) == 1 and "NxMEMgb" in errors[0]
+
+
+def test_cli_refuses_impossible_values_all_at_once(capsys):
+    code = main(["--model", "llama-3.1-8b", "--per_device_train_batch_size", "0", "--max_seq_length", "-5",
+                 "--lora_r", "8", "--host_ram_gb", "0"])
+    errors = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(errors) == 4, errors
+    assert "--per_device_train_batch_size must be >= 1, got 0" in errors[0]
+    assert "--max_seq_length must be >= 2, got -5" in errors[1]
+    assert "--host_ram_gb" in errors[2] and "add --use_peft true" in errors[3]
+    assert main(["--model", "llama-3.1-8b", "--use_peft", "true", "--lora_target_modules", "qkv"]) == 2
+    assert "are not linear layers of llama-3.1-8b" in capsys.readouterr().err
+    assert flops_main(["--model", "llama-3.1-8b", "--tokens_per_second", "1000", "--gpus", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "shardtune.flops: error: --gpus must be > 0, got 0."
+
+
+def test_any_hub_model_plans_from_its_config_json_alone(tiny_assets, tmp_path):
+    """A Hub id that is not built in: only config.json is fetched (here from a Hub cache laid out as
+    huggingface_hub writes it, offline); offline and not cached, one line that says so and lists the built-ins."""
+    snapshot = tmp_path / "hub" / "models--acme--tiny-chat" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    shutil.copy(Path(tiny_assets[0]) / "config.json", snapshot / "config.json")
+    (tmp_path / "hub" / "models--acme--tiny-chat" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny-chat" / "refs" / "main").write_text("0" * 40)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    found = run_cli("--model", "acme/tiny-chat", "--json", env=env)
+    assert found.returncode == 0, found.stderr
+    assert json.loads(found.stdout)["params"] == resolve_model(tiny_assets[0]).params
+    missing = run_cli("--model", "acme/other-model", env=env)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert missing.stderr.count("\n") == 1 and "offline mode (HF_HUB_OFFLINE=1)" in missing.stderr
+    assert "llama-3.1-70b" in missing.stderr
 
 
 

@@ -1,0 +1,213 @@
+"""Peak of live tensor bytes per rank, per phase of a run, from the PyTorch profiler's allocator events.
+
+Set SHARDTUNE_PROFILE_MEMORY=<folder> and every rank writes <folder>/memory_rank<r>.json: for each phase of the
+run (the step's forward/backward, the optimizer step, eval, the final save) and each time it ran, the bytes live
+at its start and the most live within it. The planner's phases (shardtune.plan.phase_bytes) are tested against
+these figures (tests/test_memory_phases.py).
+
+How it counts: `profile_memory=True` makes the c10 allocators report every allocation and free with the running
+total of bytes allocated (`total_allocated`; it works on CPU too). Each phase is a `record_function` range on the
+same clock; its peak is the bytes live at its start plus the highest rise of that total within it.
+- The bytes live at a phase's start are counted on the live objects: every tensor Python can reach (the model's
+  parameters and gradients, the optimizer's states, DeepSpeed's flat buffers), each storage once. Phases start
+  where no autograd graph is alive. Not from the allocator: weights memory-mapped from the checkpoint never
+  passed through it.
+- Profiling starts before the model is built, so that a phase's frees of blocks allocated while building are
+  seen too (DDP, for one, replaces its gradient buckets in the second step).
+- The profiler records events on the threads it follows only, and the CPU allocator subtracts a free made on
+  another thread (gloo's workers release the buffers of the collectives they ran) only under c10's flag
+  caffe2_report_cpu_memory_usage, set while profiling: without it the total misses those frees and only grows.
+On a CPU machine host and device are one memory: CPU-offloaded states and a state dict gathered to the host count
+here as well. Profiling records every operator: meant for short measurement runs, not training.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import gc
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+ENV = "SHARDTUNE_PROFILE_MEMORY"
+PHASES = ("forward_backward", "optimizer", "eval", "save")
+_PREFIX = "shardtune.phase:"
+
+
+class PhaseRecorder:
+    """One profiler session over a run, with named phases marked on its clock."""
+
+    def __init__(self) -> None:
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._open: record_function | None = None
+        self._open_name = ""
+        self.started, self.baseline = False, 0
+        self.model: torch.nn.Module | None = None
+        self.starts: list[int] = []  # bytes live at each phase's start, in order
+
+    def start(self) -> None:
+        self._profile.__enter__()
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Phases may begin from now on; the bytes live now are the baseline."""
+        self.model, self.baseline = model, live_tensor_bytes(model)
+        self.started = True
+
+    def begin(self, name: str) -> None:
+        """Start phase `name`, ending the one open (phases never nest); nothing if `name` is open already."""
+        if self._open is not None and self._open_name == name:
+            return
+        self.end()
+        self.starts.append(live_tensor_bytes(self.model))
+        self._open, self._open_name = record_function(_PREFIX + name), name
+        self._open.__enter__()
+
+    def end(self) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None
+
+    def stop(self) -> dict[str, Any]:
+        """Stop profiling and return the per-phase figures (see `phase_figures`)."""
+        self.end()
+        self._profile.__exit__(None, None, None)
+        figures = phase_figures(self._profile.profiler.kineto_results.experimental_event_tree(), self.starts)
+        return {"baseline": self.baseline, **figures}
+
+
+def live_tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every storage reachable from Python now, each once (local shards of DTensors, ZeRO-3 partitions
+    and flat buffers are tensors of their own), the model's parameters and gradients included."""
+    from shardtune.memory import local
+
+    seen, total = set(), 0
+    candidates = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]  # no __class__ lookups
+    candidates += [tensor for param in model.parameters() for tensor in (param, param.grad) if tensor is not None]
+    for tensor in candidates:
+        with contextlib.suppress(RuntimeError):  # a wrapper subclass without storage of its own
+            storage = local(tensor).untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            if tensor.device.type != "meta" and storage.nbytes() and key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+    return total
+
+
+def _walk(events: list) -> Iterator:
+    for event in events:
+        yield event
+        yield from _walk(event.children)
+
+
+def phase_figures(roots: list, starts: list[int]) -> dict[str, Any]:
+    """{"phases": {name: [{"start": bytes, "peak": bytes}, ...]}, "peak": {name: bytes}, "step_peak": bytes}:
+    the i-th phase (in time) starts with starts[i] bytes live and peaks at that plus the most the allocator's
+    total rose above its value at the phase's start. Devices are added together: on CPU there is one."""
+    from torch._C._profiler import _EventType
+
+    allocations, ranges = [], []
+    for event in _walk(roots):
+        kind, fields = event.typed
+        if kind == _EventType.Allocation:
+            allocations.append((event.start_time_ns, fields.total_allocated, fields.alloc_size, str(fields.device)))
+        elif event.name.startswith(_PREFIX):
+            ranges.append((event.start_time_ns, event.end_time_ns, event.name[len(_PREFIX):]))
+    allocations.sort()
+    times, live, latest, offset = [], [], {}, {}
+    for time_ns, total, size, device in allocations:  # one running total per device, summed
+        offset.setdefault(device, total - size)  # the allocator's total outlives a profiling session
+        latest[device] = total - offset[device]
+        times.append(time_ns)
+        live.append(sum(latest.values()))
+    phases: dict[str, list[dict[str, int]]] = {}
+    for (start_ns, end_ns, name), at_start in zip(sorted(ranges), starts, strict=True):
+        first, last = bisect.bisect_left(times, start_ns), bisect.bisect_right(times, end_ns)
+        before = live[first - 1] if first else 0
+        rise = max([before, *live[first:last]]) - before
+        phases.setdefault(name, []).append({"start": at_start, "peak": at_start + rise})
+    peak = {name: max(run["peak"] for run in runs) for name, runs in phases.items()}
+    return {"phases": phases, "peak": peak,
+            "step_peak": max(peak.get("forward_backward", 0), peak.get("optimizer", 0))}
+
+
+_recorder: PhaseRecorder | None = None
+
+
+@contextlib.contextmanager
+def profile_memory(rank: int) -> Iterator[None]:
+    """When SHARDTUNE_PROFILE_MEMORY names a folder: profile the block (its phases begin once `start_phases` ran)
+    and write this rank's figures there at its end (also when it raises: a failed run's phases are what one wants
+    to see). A no-op otherwise."""
+    global _recorder
+    folder = os.environ.get(ENV)
+    if not folder:
+        yield
+        return
+    _recorder = PhaseRecorder()
+    count_every_thread = _cpu_allocator_flag(True)
+    _recorder.start()  # before the model is built: every block a phase frees was allocated under the profiler
+    try:
+        yield
+    finally:
+        recorder, _recorder = _recorder, None
+        figures = recorder.stop()
+        _cpu_allocator_flag(False)
+        figures["every_thread"] = count_every_thread
+        if recorder.started:  # a run that failed before its first step has nothing to report
+            _write(figures, folder, rank)
+
+
+def _cpu_allocator_flag(on: bool) -> bool:
+    """Set c10's FLAGS_caffe2_report_cpu_memory_usage (libc10's exported bool): the CPU allocator then keeps its
+    running total over every thread. False where this build of torch does not export it."""
+    try:
+        library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage").value = on
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _write(figures: dict[str, Any], folder: str, rank: int) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"memory_rank{rank}.json"), "w") as file:
+        json.dump({"rank": rank, **figures}, file)
+
+
+def begin_phase(name: str) -> None:
+    """Mark the start of phase `name` (and the end of the one before) when profiling; else nothing."""
+    if _recorder is not None and _recorder.started:
+        _recorder.begin(name)
+
+
+def end_phase() -> None:
+    if _recorder is not None:
+        _recorder.end()
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    begin_phase(name)
+    try:
+        yield
+    finally:
+        end_phase()
+
+
+def start_phases(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Let phases begin (inside `profile_memory`; else nothing), right before the first step. The "optimizer"
+    phase begins when the innermost torch optimizer starts stepping: under DeepSpeed the step runs inside the last
+    micro-batch's backward (accelerate calls engine.step there), once per parameter group or ZeRO-3 sub-group;
+    the reductions and the gradient norm before it stay in forward_backward."""
+    if _recorder is None:
+        return
+    from shardtune.memory import innermost_optimizer
+
+    innermost_optimizer(optimizer).register_step_pre_hook(lambda *_: begin_phase("optimizer"))
+    _recorder.watch(model)
