@@ -27,7 +27,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
 
 from shardtune.checkpoint import MARKER, damage, durable, fsync_path
-from shardtune.trainer import SAVE_DTYPES, cast_floating
+from shardtune.trainer import EXPORT_DTYPES, cast_floating
 
 MAX_SHARD_SIZE = "5GB"
 DCP_PREFIX = "model."  # accelerate's save_fsdp_model nests the model state under "model"
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint-<step> directory")
     parser.add_argument("output", type=Path, help="new directory for the Hugging Face model")
-    parser.add_argument("--dtype", choices=["auto", *SAVE_DTYPES], default="auto",
+    parser.add_argument("--dtype", choices=["auto", *EXPORT_DTYPES], default="auto",
                         help="dtype of the weights written; auto: the one the checkpoint's config.json states (the "
                              "run's --save_dtype, by default the model's own)")
     args = parser.parse_args(argv)
@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     scratch = args.output.with_name(f".{args.output.name}.tmp")
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
-    export(args.checkpoint, scratch, stated_dtype(args.checkpoint) if args.dtype == "auto" else SAVE_DTYPES[args.dtype])
+    dtype = stated_dtype(args.checkpoint) if args.dtype == "auto" else EXPORT_DTYPES[args.dtype]
+    export(args.checkpoint, scratch, dtype)
     durable(str(scratch))  # every file on disk before the output takes its name: a crash leaves no half model
     if args.output.exists():
         args.output.rmdir()

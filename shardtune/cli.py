@@ -26,7 +26,6 @@ from shardtune.config import (
     check_quantization,
     check_recipe,
     launch_env,
-    looks_like_path,
     parse_flags,
     plan_batches,
 )
@@ -65,11 +64,11 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int,
     if os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true":  # use_cpu: true in the accelerate config
         recipe = dataclasses.replace(recipe, use_cpu=True)
     launch = problems.check(launch_env)
-    import torch  # after the flag checks: --help and typos answer at once
-
-    if recipe.dry_run:
+    if recipe.dry_run:  # plans for --hardware, not this machine: no torch needed
         problems.raise_any()
         sys.exit(dry_run(recipe, problems))
+    import torch  # after the flag checks: --help and typos answer at once
+
     plan = check_recipe(recipe, problems, torch.cuda.is_available(), None if launch is None else launch[:2])
     if recipe.model_name_or_path:
         problems.check(check_model, recipe)
@@ -183,52 +182,13 @@ def check_model(recipe: Recipe) -> None:
 
 
 def read_model_config(name: str) -> PretrainedConfig:
-    """AutoConfig of a local model directory, or of a Hub id (from the cache, or downloaded: config.json only).
-    A name that can only be a path and exists nowhere is "not found", never tried on the Hub."""
-    from transformers import AutoConfig
+    """The model's config.json alone (shardtune.flops.read_config), a refusal when it cannot be had."""
+    from shardtune.flops import ModelError, read_config
 
-    if os.path.isdir(name):
-        if not os.path.isfile(os.path.join(name, "config.json")):
-            raise ConfigError(f"--model_name_or_path {name!r} is a directory without config.json: give a model "
-                              "directory written by save_pretrained, or a Hub model id.")
-    elif os.path.exists(name):
-        raise ConfigError(f"--model_name_or_path {name!r} is a file: give the model's directory, or a Hub model id.")
-    elif looks_like_path(name):
-        raise ConfigError(f"Model directory not found: {name!r}. Check the path given to --model_name_or_path.")
     try:
-        return AutoConfig.from_pretrained(name)
-    except OSError as error:
-        if os.path.isdir(name):
-            raise ConfigError(f"Cannot read {os.path.join(name, 'config.json')}: {first_line(error)}") from None
-        raise ConfigError(hub_problem(name, error)) from None
-    except ValueError as error:  # an unknown model_type, a config transformers cannot build
-        raise ConfigError(f"--model_name_or_path {name!r}: {first_line(error)}") from None
-
-
-def hub_problem(name: str, error: OSError) -> str:
-    """Why a name that is no local directory could not be had from the Hub, and what to do, from the
-    huggingface_hub error that transformers wraps in OSError."""
-    from huggingface_hub import errors
-    from huggingface_hub.constants import is_offline_mode
-
-    cause = error.__cause__
-    if isinstance(cause, errors.GatedRepoError):
-        return (f"{name!r} is a gated Hub model: accept its license at https://huggingface.co/{name}, then run "
-                "`hf auth login` (or set HF_TOKEN), or give a local model directory.")
-    if isinstance(cause, errors.RepositoryNotFoundError):
-        return (f"{name!r} is neither a local directory nor a Hub model id (if it is private, run "
-                "`hf auth login`): check --model_name_or_path.")
-    if is_offline_mode():
-        return (f"{name!r} is not a local directory and not in the Hugging Face cache, and HF_HUB_OFFLINE=1 keeps "
-                "the Hub out of reach: set HF_HUB_OFFLINE=0 where there is network (`hf auth login` for a "
-                "gated model), or give a local model directory.")
-    return (f"Cannot reach the Hugging Face Hub for {name!r} (no local directory of that name, not in the cache): "
-            "check the network or proxy, run `hf auth login` for a gated model, or give a local model "
-            f"directory. ({first_line(error)})")
-
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return read_config(name)
+    except ModelError as error:
+        raise ConfigError(str(error)) from None
 
 
 def check_context_length(recipe: Recipe, config: PretrainedConfig) -> None:

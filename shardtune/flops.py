@@ -9,7 +9,6 @@ import argparse
 import ast
 import json
 import os
-import re
 import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -171,41 +170,66 @@ def resolve_config(model: str) -> tuple[str, PretrainedConfig]:
     if key:
         return key, SimpleNamespace(**BUILTIN_CONFIG_VALUES[key])
     path = os.path.dirname(model) if model.endswith(".json") else model
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        if not looks_like_hub_id(model):
-            raise ModelError(f"Unknown model {model!r}: not built in ({', '.join(BUILTIN_MODELS)}), not a local "
-                             "model directory or config.json, not a recipe file.")
-        path = os.path.dirname(hub_config(model))
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from transformers import AutoConfig
+
+        return os.path.basename(os.path.abspath(path)), AutoConfig.from_pretrained(path)
+    try:
+        config = read_config(model)
+    except ModelError as error:
+        raise ModelError(f"{error} The built-in shapes need no network: {', '.join(BUILTIN_MODELS)}.") from None
+    return model.rstrip("/").split("/")[-1].lower(), config
+
+
+def read_config(name: str) -> PretrainedConfig:
+    """AutoConfig of a local model directory, or of a Hub id (from the cache, or downloaded: config.json only).
+    A name that can only be a path and exists nowhere is "not found", never tried on the Hub."""
     from transformers import AutoConfig
 
-    name = model.split("/")[-1].lower() if looks_like_hub_id(model) else os.path.basename(os.path.abspath(path))
-    return name, AutoConfig.from_pretrained(path)
+    from shardtune.config import looks_like_path
 
-
-def looks_like_hub_id(model: str) -> bool:
-    """`name` or `org/name`, as the Hub spells repository ids; not a path that exists or starts like one."""
-    return (re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model) is not None and not os.path.exists(model)
-            and not model.startswith(".") and not model.endswith((".py", ".json")))
-
-
-def hub_config(model_id: str) -> str:
-    """The local path of `model_id`'s config.json, fetched from the Hub (or its local cache) alone: no weights."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    builtins = f"The built-in shapes need no network: {', '.join(BUILTIN_MODELS)}."
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ModelError(f"--model_name_or_path {name!r} is a directory without config.json: give a model "
+                              "directory written by save_pretrained, or a Hub model id.")
+    elif os.path.exists(name):
+        raise ModelError(f"--model_name_or_path {name!r} is a file: give the model's directory, or a Hub model id.")
+    elif looks_like_path(name):
+        raise ModelError(f"Model directory not found: {name!r}. Check the path given to --model_name_or_path.")
     try:
-        return hf_hub_download(model_id, "config.json")
-    except GatedRepoError:
-        raise ModelError(f"{model_id!r} is gated on the Hub: accept its licence on huggingface.co and log in "
-                         f"(huggingface-cli login), or give a local model directory. {builtins}") from None
-    except RepositoryNotFoundError:
-        raise ModelError(f"{model_id!r} is not a model on the Hub (or is private: huggingface-cli login). "
-                         f"{builtins}") from None
-    except (LocalEntryNotFoundError, OSError) as error:  # offline mode, no network, a timeout
-        raise ModelError(f"Cannot fetch the config.json of {model_id!r} from the Hub ({type(error).__name__}: offline "
-                         "mode (HF_HUB_OFFLINE=1) or no network): give a local model directory or its config.json. "
-                         f"{builtins}") from None
+        return AutoConfig.from_pretrained(name)
+    except OSError as error:
+        if os.path.isdir(name):
+            raise ModelError(f"Cannot read {os.path.join(name, 'config.json')}: {first_line(error)}") from None
+        raise ModelError(hub_problem(name, error)) from None
+    except ValueError as error:  # an unknown model_type, a config transformers cannot build
+        raise ModelError(f"--model_name_or_path {name!r}: {first_line(error)}") from None
+
+
+def hub_problem(name: str, error: OSError) -> str:
+    """Why a name that is no local directory could not be had from the Hub, and what to do, from the
+    huggingface_hub error that transformers wraps in OSError."""
+    from huggingface_hub import errors
+    from huggingface_hub.constants import is_offline_mode
+
+    cause = error.__cause__
+    if isinstance(cause, errors.GatedRepoError):
+        return (f"{name!r} is a gated Hub model: accept its license at https://huggingface.co/{name}, then run "
+                "`hf auth login` (or set HF_TOKEN), or give a local model directory.")
+    if isinstance(cause, errors.RepositoryNotFoundError):
+        return (f"{name!r} is neither a local directory nor a Hub model id (if it is private, run "
+                "`hf auth login`): check --model_name_or_path.")
+    if is_offline_mode():
+        return (f"{name!r} is not a local directory and not in the Hugging Face cache, and HF_HUB_OFFLINE=1 keeps "
+                "the Hub out of reach: set HF_HUB_OFFLINE=0 where there is network (`hf auth login` for a "
+                "gated model), or give a local model directory.")
+    return (f"Cannot reach the Hugging Face Hub for {name!r} (no local directory of that name, not in the cache): "
+            "check the network or proxy, run `hf auth login` for a gated model, or give a local model "
+            f"directory. ({first_line(error)})")
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def resolve_model(model: str) -> ModelShape:

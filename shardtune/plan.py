@@ -952,7 +952,8 @@ def nothing_fits(shape: ModelShape, hardware: Hardware, global_batch: int | None
         if not fitting.gpu_only:
             fast = fewest_nodes(shape, hardware.with_nodes(nodes + 1), global_batch, seq, *search, gpu_only=True)
             text += (f" Without offload it fits on {fast[0]} nodes: {_describe(fast[1].plan, fast[1].accumulation)}."
-                     if fast else f" Without offload it fits on no number of nodes up to {MAX_NODES}.")
+                     if fast else f" Without offload it fits on no number of nodes up to {MAX_NODES} with this "
+                     "global batch.")
     peft = search[-1] if search else None
     return text + ("" if peft else " LoRA or QLoRA (--use_peft true) needs far less.")
 

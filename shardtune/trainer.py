@@ -289,7 +289,8 @@ def add_model_files(accelerator: Accelerator, run: Run, path: str) -> None:
     run.tokenizer.save_pretrained(path)
 
 
-SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# --save_dtype (shardtune.config.SAVE_DTYPES, less auto) as torch dtypes.
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def export_dtype(recipe: Recipe) -> torch.dtype | None:
@@ -297,7 +298,7 @@ def export_dtype(recipe: Recipe) -> torch.dtype | None:
     Llama recipes). The loaded model's config says fp32 (full fine-tuning loads fp32 master weights), so auto
     reads the original. None (export as trained) where it states none."""
     if recipe.save_dtype != "auto":
-        return SAVE_DTYPES[recipe.save_dtype]
+        return EXPORT_DTYPES[recipe.save_dtype]
     from transformers import AutoConfig
 
     stated = AutoConfig.from_pretrained(recipe.model_name_or_path).dtype

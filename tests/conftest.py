@@ -54,8 +54,9 @@ def scrubbed(environ: dict[str, str]) -> dict[str, str]:
 
 
 # Two ranks share the two cores: one thread each, and no W&B unless a test asks for it (offline even then).
+# No Hub either: a name that is not a local model is refused at once, not after huggingface_hub's retries.
 ENV = {**scrubbed(dict(os.environ)), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-       "WANDB_MODE": "offline", "HF_DATASETS_CACHE": str(SESSION_DIR / "datasets"),
+       "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(SESSION_DIR / "datasets"),
        "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS_DIR)}
 
 

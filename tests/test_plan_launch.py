@@ -65,6 +65,7 @@ def test_every_recipe_follows_its_plan():
     """Each recipe header's plan is the planner's, and the recipe launches what it plans: the config in its
     launch line, its micro-batch and checkpointing, and the node count it needs."""
     plan_table = load_plan_table()
+    readme = (REPO / "README.md").read_text()
     for path in plan_table.model_recipes():
         text = path.read_text()
         assert plan_table.recipe_with_plan(path) == text, f"{path.name}: run python scripts/plan_table.py --write"
@@ -75,3 +76,5 @@ def test_every_recipe_follows_its_plan():
         assert fields["per_device_train_batch_size"] == found.plan.micro_batch, path.name
         assert fields["gradient_checkpointing"] == found.plan.gradient_checkpointing, path.name
         assert (f"--num_machines {nodes} " in text) == (nodes > 1), path.name
+        assert f"| `recipes/{path.name}` | " in readme and f"| `{found.plan.config}`" in readme.split(
+            f"| `recipes/{path.name}` | ")[1].split("\n")[0], f"README's recipe table: {path.name}"

@@ -12,7 +12,7 @@ import time
 
 from tests.conftest import ENV, REPO, free_port, kill_tree, popen
 
-ROUNDS = 6
+ROUNDS = 3
 ROUND_TIMEOUT_S = 120
 RANK_SCRIPT = """
 import torch
