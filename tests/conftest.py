@@ -302,8 +302,10 @@ def reference_run(tiny_assets, tmp_path_factory):
     def run(config: str | None) -> Path:
         if config not in done:
             root = tmp_path_factory.mktemp(f"reference-{config or 'single'}")
+            # FSDP's reference run also measures its peaks by phase (tests/test_memory_phases.py, root/memory).
+            env = {"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")} if config == "fsdp_full_shard" else None
             run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, *nvme_args(config, root), config=config,
-                       processes=2)
+                       processes=2, env=env)
             done[config] = root / "out"
         return done[config]
 

@@ -21,7 +21,7 @@ from shardtune.hardware import parse_hardware
 from shardtune.model import load_tokenizer
 from shardtune.plan import PHASES, Strategy, optimizer_step_bytes, plan, read_accelerate_config
 from shardtune.profiling import ENV
-from tests.conftest import CONFIGS, run_recipe
+from tests.conftest import CONFIGS
 
 # The issue's bar; the worst phase of these runs is printed with every comparison.
 RTOL = 0.10
@@ -83,12 +83,11 @@ def test_one_process_phases_match_the_plan(tiny_assets, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("config", ["fsdp_full_shard"])
-def test_two_rank_phases_match_the_plan(config, tiny_assets, tmp_path):
-    run_recipe(tmp_path / "out", tiny_assets, *RUN_ARGS, "--per_device_train_batch_size", "8",
-               "--gradient_checkpointing", "false", config=config,
-               processes=2, env={ENV: str(tmp_path / "memory")})
+def test_two_rank_phases_match_the_plan(config, reference_run, tiny_assets):
+    """The strategy's reference run (fp32, 2 ranks, micro-batch 8, no recomputation; conftest.reference_run)
+    measured its phases."""
     strategy = read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision="no")
-    compare(strategy, tiny_assets, 2, 8, False, tmp_path / "memory")
+    compare(strategy, tiny_assets, 2, 8, False, reference_run(config).parent / "memory")
 
 
 @pytest.mark.parametrize("foreach", [True, False])

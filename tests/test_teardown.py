@@ -12,7 +12,7 @@ import time
 
 from tests.conftest import ENV, REPO, free_port, kill_tree, popen
 
-ROUNDS = 3
+ROUNDS = 2
 ROUND_TIMEOUT_S = 120
 RANK_SCRIPT = """
 import torch
