@@ -99,7 +99,8 @@ def test_frozen_base_is_unchanged(lora_runs, tiny_assets, tmp_path):
     check_base_unchanged(base, initial, torch.float32, "ddp")
 
 
-@pytest.mark.parametrize("config", STRATEGIES)
+# The sharded layouts; under DDP every rank holds the base as loaded (test_frozen_base_is_unchanged, in fp32).
+@pytest.mark.parametrize("config", [config for config in STRATEGIES if config != "ddp"])
 def test_bf16_base_layout_and_base_unchanged(config, tiny_assets, tmp_path):
     """The documented bf16 layout on each strategy: the base is held and saved in bf16, bit for bit the loaded
     weights after training, and the adapters train and are saved in fp32."""
