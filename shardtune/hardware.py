@@ -90,7 +90,7 @@ class HardwareError(ValueError):
 
 def parse_hardware(spec: str, host_ram_gb: float | None = None) -> Hardware:
     """'8xh100-80gb' -> 1 node x 8 GPUs x 80 GB; '2x8xh100-80gb' -> 2 nodes. GB is 1e9 bytes: a card sold as
-    80 GB reports about 85e9 bytes (80 GiB less what the driver keeps), so reading the label as 1e9 errs on the
+    80 GB holds 80 GiB (85.9e9 bytes), less what the driver keeps, so reading the label as 1e9 errs on the
     safe side; a launch reads its GPUs by the same rule (`nominal_gpu_memory`)."""
     match = _HARDWARE_RE.match(spec.strip().lower())
     if not match:
@@ -107,7 +107,7 @@ def parse_hardware(spec: str, host_ram_gb: float | None = None) -> Hardware:
 
 
 def nominal_gpu_memory(total_memory: int) -> int:
-    """The label of a GPU that reports `total_memory` bytes, in the planner's 1e9-byte GB: an H100 80GB reports
-    85.5e9 bytes (79.6 GiB) and plans as 80e9, exactly as `--hardware 8xh100-80gb` does. One capacity rule for
-    the planner CLI and a launch."""
+    """The label of a GPU that reports `total_memory` bytes, in the planner's 1e9-byte GB: a card reporting
+    79.6 GiB plans as 80e9, as `--hardware 8x80gb` does. One capacity rule for the planner CLI and a launch.
+    (Not yet checked against a real card's torch.cuda total_memory: no GPU has run this.)"""
     return int(round(total_memory / 2**30) * 1e9)

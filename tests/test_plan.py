@@ -125,7 +125,7 @@ def test_70b_recommendation_is_cpu_offload_with_host_ram():
 
 def test_capacity_keeps_headroom_and_a_launch_reads_gpus_by_the_cli_rule():
     assert usable_capacity(H100) == int(80e9 * 0.9 - 2 * 2**30)
-    assert nominal_gpu_memory(int(79.6 * 2**30)) == 80e9  # what an H100 80GB reports, planned as the CLI does
+    assert nominal_gpu_memory(int(79.6 * 2**30)) == 80e9  # a card's label in GiB, planned as the CLI reads it
     found = recommend(resolve_model("llama-3.1-8b"), H100, 64, 4096)
     assert found.plan.per_gpu["total"] <= usable_capacity(H100) < 0.9 * 80e9
 
