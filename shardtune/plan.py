@@ -11,6 +11,7 @@ All sizes are bytes. GB in output is 1e9 bytes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -42,6 +43,9 @@ DS_PREFETCH_BUCKET = int(5e7)  # elements; ZeRO-3 prefetches up to this many par
 DS_SUB_GROUP = int(1e9)  # elements of a rank's ZeRO-3 partition that the optimizer steps at once
 DS_PERSISTENCE_THRESHOLD = int(1e5)  # ZeRO-3 keeps parameters of at most this many elements whole on every rank
 DS_MAX_LIVE_PARAMETERS = int(1e9)  # elements of gathered ZeRO-3 parameters alive at once
+DS_NVME_PARAM_BUFFERS = (5, int(1e8))  # offload_param buffer_count, buffer_size: pinned host staging for NVMe
+DS_NVME_OPTIMIZER_BUFFERS = 4  # offload_optimizer buffer_count: pinned buffers of one sub-group each
+DS_NVME_MAX_IN_CPU = int(1e9)  # offload_param max_in_cpu: elements of a rank's partitions kept in host RAM
 
 # Fastest first: least sharding, then offload. Among offloads DeepSpeed's SIMD CPU Adam is faster than FSDP's
 # CPU-side torch AdamW step, and NVMe is slowest.
@@ -76,11 +80,18 @@ class Strategy:
     sub_group: int | None = DS_SUB_GROUP
     persistence_threshold: int | None = DS_PERSISTENCE_THRESHOLD
     max_live_parameters: int | None = DS_MAX_LIVE_PARAMETERS
+    # NVMe offload's pinned host buffers (only where the device is nvme): parameter buffers (count, elements
+    # each) and the optimizer swapper's buffer count.
+    nvme_param_buffers: tuple[int, int] = DS_NVME_PARAM_BUFFERS
+    nvme_optimizer_buffers: int = DS_NVME_OPTIMIZER_BUFFERS
+    nvme_max_in_cpu: int = DS_NVME_MAX_IN_CPU
 
 
-def read_accelerate_config(path: str, mixed_precision: str | None = None) -> Strategy:
+def read_accelerate_config(path: str, mixed_precision: str | None = None,
+                           deepspeed_config_file: str | None = None) -> Strategy:
     """Any accelerate config YAML: distributed_type, fsdp_config, deepspeed_config (and the DeepSpeed JSON file it
-    names), mixed_precision. The GPU count comes from --hardware, not from num_processes."""
+    names, or `deepspeed_config_file` in its place, as `accelerate launch --deepspeed_config_file` overrides it),
+    mixed_precision. The GPU count comes from --hardware, not from num_processes."""
     try:
         with open(path) as file:
             config = yaml.safe_load(file) or {}
@@ -90,8 +101,9 @@ def read_accelerate_config(path: str, mixed_precision: str | None = None) -> Str
     kind = str(config.get("distributed_type", "NO")).upper()
     if kind == "DEEPSPEED":
         ds = config.get("deepspeed_config") or {}
-        if ds.get("deepspeed_config_file"):
-            settings = deepspeed_settings(resolve_deepspeed_json(str(ds["deepspeed_config_file"]), path))
+        json_file = deepspeed_config_file or ds.get("deepspeed_config_file")
+        if json_file:
+            settings = deepspeed_settings(resolve_deepspeed_json(str(json_file), path))
         else:
             settings = _deepspeed_yaml(ds)
         # A JSON's bf16/fp16 "auto" takes the run's precision: the recipe's, bf16 unless it says otherwise.
@@ -174,6 +186,12 @@ def deepspeed_settings(path: str) -> dict:
         "sub_group": _size(zero, "sub_group_size", DS_SUB_GROUP),
         "persistence_threshold": _size(zero, "stage3_param_persistence_threshold", DS_PERSISTENCE_THRESHOLD),
         "max_live_parameters": _size(zero, "stage3_max_live_parameters", DS_MAX_LIVE_PARAMETERS),
+        "nvme_param_buffers": (int((zero.get("offload_param") or {}).get("buffer_count", DS_NVME_PARAM_BUFFERS[0])),
+                               int(float((zero.get("offload_param") or {}).get("buffer_size",
+                                                                               DS_NVME_PARAM_BUFFERS[1])))),
+        "nvme_optimizer_buffers": int((zero.get("offload_optimizer") or {}).get("buffer_count",
+                                                                                 DS_NVME_OPTIMIZER_BUFFERS)),
+        "nvme_max_in_cpu": int(float((zero.get("offload_param") or {}).get("max_in_cpu", DS_NVME_MAX_IN_CPU))),
     }
 
 
@@ -205,7 +223,8 @@ def _deepspeed_strategy(name: str, settings: dict, zero3_init: bool, precision: 
     except (TypeError, ValueError) as error:
         raise PlanError(f"{name}: ZeRO stage {settings['stage']!r} is not 1, 2 or 3.") from error
     sizes = {key: settings[key] for key in ("reduce_bucket", "overlap_comm", "prefetch_bucket", "sub_group",
-                                            "persistence_threshold", "max_live_parameters") if key in settings}
+                                            "persistence_threshold", "max_live_parameters", "nvme_param_buffers",
+                                            "nvme_optimizer_buffers", "nvme_max_in_cpu") if key in settings}
     return Strategy(name, "deepspeed", stage, settings["offload_optimizer"], settings["offload_param"],
                     zero3_init and stage == 3, precision, **sizes)
 
@@ -356,8 +375,7 @@ def model_states(strategy: Strategy, params: int, world: int, shape: ModelShape 
     low = 2 if half else 4  # bytes of the module's weights and gradients
     weights = low * p / n if strategy.shard >= 3 else low * p
     if strategy.shard >= 3:
-        persistent = persistent_elements(strategy, shape) / n * low if shape is not None else 0.0
-        return _zero3_states(strategy, p, n, weights, largest_sub_group(strategy, shape, params, world), persistent)
+        return _zero3_states(strategy, p, n, weights, largest_sub_group(strategy, shape, params, world), low)
     if strategy.shard == 2:  # fp32 accumulation: the reduced partition is the optimizer's gradient
         grads = 4 * p / n if half else 4 * p / n + 4 * largest_group(shape, params, world)
     else:  # ZeRO-1: the full gradients after backward, or at the step one group's fp32 partition (built as in
@@ -386,16 +404,17 @@ def largest_group(shape: ModelShape | None, params: int, world: int) -> float:
     return max(decayed, shape.params - decayed) / world
 
 
-def _zero3_states(strategy: Strategy, p: float, n: int, weights: float, sub_group: float,
-                  persistent: float = 0.0) -> States:
+def _zero3_states(strategy: Strategy, p: float, n: int, weights: float, sub_group: float, low: int) -> States:
     """ZeRO-3 as stage3.py allocates it. The gradient partition every micro-batch reduces into
     (`grad_partitions_flat_buffer`) is in the accumulation dtype: fp32, by the trainer's grad_accum_dtype under
     bf16/fp16 and natively in fp32 runs (4P/N). The optimizer then steps one sub-group at a time: it flattens that
     sub-group's gradients into a new fp32 tensor, steps, and frees it (`_prepare_sub_group` /
     `_release_sub_group`), so one sub-group's fp32 gradient (4 x its elements) is alive on top. With
     offload_optimizer both live in host RAM instead, and each sub-group keeps its own fp32 gradient buffer for
-    CPU Adam (4P/N in all) beside the accumulation partition. offload_param moves the weight partitions of the
-    parameters that are not persistent (`persistent`: bytes of the others' partitions, which stay on the GPU)."""
+    CPU Adam (4P/N in all) beside the accumulation partition. offload_param keeps every 16-bit partition in one flat
+    host buffer per parameter group, the persistent parameters' too (`_create_param_groups_fp16_flat_cpu_memory`;
+    their whole copies on the GPU are buffers); to NVMe, only what exceeds max_in_cpu elements per rank goes to
+    the swap files."""
     states = States(weights, 4 * p / n + 4 * sub_group, 12 * p / n)
     where = {"cpu": "host", "nvme": "nvme"}
     if strategy.offload_optimizer in where:
@@ -403,10 +422,11 @@ def _zero3_states(strategy: Strategy, p: float, n: int, weights: float, sub_grou
         setattr(states, where[strategy.offload_optimizer], getattr(states, where[strategy.offload_optimizer])
                 + states.optimizer)
         states.optimizer = states.gradients = 0.0
-    if strategy.offload_params in where:
-        setattr(states, where[strategy.offload_params], getattr(states, where[strategy.offload_params])
-                + weights - persistent)
-        states.weights = persistent
+    if strategy.offload_params in ("cpu", "nvme"):
+        in_host = weights if strategy.offload_params == "cpu" else min(weights, low * strategy.nvme_max_in_cpu)
+        states.host += in_host
+        states.nvme += weights - in_host
+        states.weights = 0.0
     return states
 
 
@@ -437,6 +457,16 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
     if strategy.shard >= 3:
         return (root + 2 * layer) * low + reducing
     return params * low + reducing
+
+
+def freed_under_layer_gradients(strategy: Strategy, shape: ModelShape, batch: int, seq: int, mode: str,
+                                attn: str = "sdpa", padded: bool = True) -> float:
+    """FSDP: a layer's unsharded fp32 gradients (in buffers()) grow while that layer's backward frees the
+    activations it saved or recomputed, so they sit on top of the peak activations only by what exceeds one
+    layer's activations (measured on CPU: counting both overshoots the forward/backward peak by 5-9%)."""
+    if strategy.kind != "fsdp":
+        return 0.0
+    return float(min(4 * shape.layer_params, layer_activation_bytes(shape, batch, seq, mode, attn, padded)))
 
 
 def deepspeed_buffers(strategy: Strategy, shape: ModelShape, params: int, low: int) -> float:
@@ -675,67 +705,116 @@ def eval_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str) ->
 def eval_gather_bytes(strategy: Strategy, shape: ModelShape) -> float:
     """Parameters gathered for the eval forward: FSDP's root unit (embedding, final norm, lm_head) stays gathered,
     one layer computes and one is prefetched, in the compute dtype (as in the training forward, see buffers);
-    ZeRO-3 the module computing and the one prefetched (2 x the largest)."""
+    SHARD_GRAD_OP (reshard_after_forward False) keeps every layer it gathered until a backward that an eval never
+    runs: the whole model; ZeRO-3 the module computing and the one prefetched (2 x the largest)."""
     low = 2 if strategy.mixed_precision in ("bf16", "fp16") else 4
     layer, root = shape.layer_params, shape.params - shape.layers * shape.layer_params
-    if strategy.kind == "fsdp" and strategy.shard >= 3:
-        return float((root + 2 * layer) * low)
+    if strategy.kind == "fsdp":
+        return float((root + 2 * layer) * low if strategy.shard >= 3 else shape.params * low)
     if strategy.kind == "deepspeed" and strategy.shard >= 3:
         return float(2 * max(layer, shape.embedding_params) * low)
     return 0.0
 
 
-def save_gather_bytes(strategy: Strategy, shape: ModelShape, params: int, world: int) -> tuple[float, float]:
+def save_gather_bytes(strategy: Strategy, shape: ModelShape, params: int, world: int,
+                      export_bytes: int = 2) -> tuple[float, float]:
     """(GPU bytes, host bytes on the rank that holds most) of trainer.save_hf_model's accelerator.get_state_dict:
     - FSDP2: torch's get_model_state_dict(full_state_dict, cpu_offload): each parameter all-gathered in full on the
       GPU (the gathered tensor and its full copy: 2 x the largest, fp32), then copied to rank 0's host RAM (4P);
     - ZeRO-3: _zero3_consolidated_16bit_state_dict gathers module by module (the largest module's own weights:
       the embedding or lm_head), rank 0 keeping a host copy of each (16-bit, or fp32 in fp32 runs);
     - ZeRO-1/2: clone_tensors_for_torch_save copies the whole 16-bit module to every rank's host RAM;
-    - DDP: the state dict is the live parameters (nothing is copied)."""
+    - an fp32 export (`export_bytes` 4) of a 16-bit DeepSpeed run also assembles the fp32 masters on the main
+      process's host beside that state dict (trainer.deepspeed_master_weights);
+    - DDP: the state dict is the live parameters; an export in another dtype casts each into a new tensor on the
+      GPU (trainer.cast_floating), `export_bytes` x P in all.
+    FSDP's state dict is cast on the host one tensor at a time (one copy plus one tensor: not counted)."""
     low = 2 if strategy.mixed_precision in ("bf16", "fp16") else 4
     largest = max(rows * columns for rows, columns in decay_tensors(shape))
     if strategy.kind == "fsdp":
         return 2.0 * 4 * largest, 4.0 * params
     if strategy.kind == "deepspeed":
-        return (float(low * largest) if strategy.shard >= 3 else 0.0), float(low * params)
-    return 0.0, 0.0
+        masters = 4.0 * params if export_bytes == 4 and low == 2 else 0.0
+        return (float(low * largest) if strategy.shard >= 3 else 0.0), float(low * params) + masters
+    return (float(export_bytes * params) if export_bytes != 4 else 0.0), 0.0
 
 
-def persistent_buffer_bytes(strategy: Strategy, params: int) -> float:
-    """Buffers that outlive forward/backward: DeepSpeed's reduce bucket, allocated whole at start-up."""
+def persistent_buffer_bytes(strategy: Strategy, shape: ModelShape) -> float:
+    """Buffers that outlive forward/backward: ZeRO-3's reduce bucket, allocated whole at start-up. ZeRO-1/2
+    allocate theirs when a backward starts and free them when it ends (stage_1_and_2.py `setup_buckets`,
+    `_release_ipg_buffers`)."""
+    if strategy.kind != "deepspeed" or strategy.shard < 3:
+        return 0.0
+    low = 2 if strategy.mixed_precision in ("bf16", "fp16") else 4
+    return float(low * deepspeed_sizes(strategy, shape)["reduce_bucket"])
+
+
+def swap_buffer_bytes(strategy: Strategy, shape: ModelShape, trainable: int, world: int) -> float:
+    """Pinned host RAM per rank of DeepSpeed's NVMe offload, allocated at start-up and held for the run:
+    offload_param's buffer_count buffers of buffer_size elements in the module's dtype (partitioned_param_swapper.py)
+    and offload_optimizer's buffer_count fp32 buffers of the largest sub-group each (optimizer_utils.py
+    `SwapBufferManager`, largest_numel)."""
     if strategy.kind != "deepspeed":
         return 0.0
     low = 2 if strategy.mixed_precision in ("bf16", "fp16") else 4
-    return float(low * (strategy.reduce_bucket or DS_REDUCE_BUCKET))
+    total = 0.0
+    if strategy.offload_params == "nvme":
+        count, size = strategy.nvme_param_buffers
+        total += count * size * low
+    if strategy.offload_optimizer == "nvme":
+        total += strategy.nvme_optimizer_buffers * 4 * largest_sub_group(strategy, shape, trainable, world)
+    return total
+
+
+def host_step_bytes(strategy: Strategy, shape: ModelShape, world: int, peft: Peft | None) -> float:
+    """The optimizer step's transient on the host: FSDP's CPUOffloadPolicy steps torch AdamW on host tensors, where
+    it runs its per-tensor loop (foreach needs CUDA tensors). DeepSpeed's CPU Adam steps in place: nothing."""
+    if strategy.kind != "fsdp" or strategy.offload_params == "none":
+        return 0.0
+    on_gpu = dataclasses.replace(strategy, offload_optimizer="none", offload_params="none")
+    return optimizer_step_bytes(on_gpu, shape, world, peft, foreach=False)
 
 
 def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backward: dict[str, float],
-                eval_batch: int, seq: int, peft: Peft | None = None, foreach: bool = True) -> dict[str, dict]:
+                eval_batch: int, seq: int, peft: Peft | None = None, foreach: bool = True,
+                host: float = 0.0, export_bytes: int = 2) -> dict[str, dict]:
     """Per GPU, each phase's parts and total; `forward_backward` is the step's (model states, activations,
     buffers). Gradients are freed by the step (the trainer's zero_grad sets them to None), so eval and save hold
     the weights and optimizer states; DDP's gradients are views into its reducer's buckets, which stay, and
-    DeepSpeed keeps its gradient partitions allocated. The save's host copy is listed ("on_host") but not in the
-    GPU total."""
+    ZeRO-3 keeps its gradient partitions allocated (ZeRO-1/2 free theirs with the step). Each phase also lists
+    the host RAM one rank holds in it ("on_host", not in the GPU total): `host`, its offloaded states (FSDP's
+    host gradients freed by the step), NVMe offload's pinned buffers, an optimizer step that runs on the host and
+    the save's host copy."""
     params = shape.params
     states = {key: forward_backward[key] for key in ("weights", "gradients", "optimizer")}
     kept = {"weights": states["weights"], "optimizer": states["optimizer"],
             "gradients": states["gradients"] if (strategy.kind == "ddp" and world > 1)
-            or strategy.kind == "deepspeed" else 0.0,
-            "buffers": persistent_buffer_bytes(strategy, params)}
+            or (strategy.kind == "deepspeed" and strategy.shard >= 3) else 0.0,
+            "buffers": persistent_buffer_bytes(strategy, shape)}
     mode = activation_mode(strategy)
-    gathered, host = save_gather_bytes(strategy, shape, params, world)
+    # Autocast caches its 16-bit copy of every matmul weight for the whole forward, an eval's too (buffers()).
+    autocast_cache = buffers(strategy, shape, params, world, mode, peft.trainable_params(shape) if peft else None) \
+        if strategy.kind == "ddp" else 0.0
+    gathered, saved_on_host = save_gather_bytes(strategy, shape, params, world, export_bytes)
     phases = {
         "forward_backward": dict(forward_backward),
         "optimizer": {**states, "buffers": kept["buffers"],
                       "step": optimizer_step_bytes(strategy, shape, world, peft, foreach)},
-        "eval": {**kept, "gathered": eval_gather_bytes(strategy, shape),
+        "eval": {**kept, "gathered": eval_gather_bytes(strategy, shape) + autocast_cache,
                  "activations": eval_activation_bytes(shape, eval_batch, seq, mode)},
         "save": {**kept, "gathered": gathered},
     }
     for parts in phases.values():
         parts["total"] = float(sum(parts.values()))
-    phases["save"]["on_host"] = host
+    trainable = peft.trainable_params(shape) if peft else params
+    held_on_host = host + swap_buffer_bytes(strategy, shape, trainable, world)
+    for parts in phases.values():
+        parts["on_host"] = held_on_host
+    if strategy.kind == "fsdp" and strategy.offload_params != "none":  # its host gradients are freed by the step
+        for name in ("eval", "save"):
+            phases[name]["on_host"] -= 4 * trainable / world
+    phases["optimizer"]["on_host"] += host_step_bytes(strategy, shape, world, peft)
+    phases["save"]["on_host"] += saved_on_host
     return phases
 
 
@@ -786,28 +865,35 @@ class Plan:
 def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch: int = 1, seq: int = 4096,
          checkpointing: bool = True, attn: str = "sdpa", peft: Peft | None = None,
          padded: bool = True, async_save: bool = False, save_only_model: bool = False, eval_batch: int = 8,
-         foreach: bool = True) -> Plan:
+         foreach: bool = True, export_bytes: int = 2) -> Plan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
-    headroom). per_gpu's components are the forward/backward phase's. `foreach`: torch AdamW's CUDA default;
-    False plans its per-tensor loop (the CPU default). Runs in microseconds: nothing is built or loaded. With
-    `peft`, activations are the base model's (LoRA's rank-r intermediates and dropout copies are not counted)."""
+    headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
+    final export (bf16, the Llama checkpoints' dtype, unless --save_dtype says otherwise). `foreach`: torch
+    AdamW's CUDA default; False plans its per-tensor loop (the CPU default). Runs in microseconds: nothing is
+    built or loaded. With `peft`, activations are the base model's (LoRA's rank-r intermediates and dropout
+    copies are not counted)."""
     params, world = shape.params, hardware.world_size
     mode = activation_mode(strategy)
     states = peft_states(strategy, shape, world, peft) if peft else model_states(strategy, params, world, shape)
     acts = activation_bytes(shape, micro_batch, seq, mode, checkpointing, attn, padded)
     buffer = buffers(strategy, shape, params, world, mode, peft.trainable_params(shape) if peft else None)
+    buffer -= freed_under_layer_gradients(strategy, shape, micro_batch, seq, mode, attn, padded)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
                "activations": float(acts["total"]), "buffers": float(buffer)}
-    phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch, seq, peft, foreach)
+    phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch, seq, peft, foreach, states.host,
+                         export_bytes)
     peak_phase = max(PHASES, key=lambda name: phases[name]["total"])
     per_gpu["total"] = phases[peak_phase]["total"]
     offloaded = states.host * hardware.gpus_per_node
+    swap_buffers = swap_buffer_bytes(strategy, shape, peft.trainable_params(shape) if peft else params, world)
+    swap_buffers *= hardware.gpus_per_node
     loading = loading_host_bytes(strategy, params, hardware.gpus_per_node, peft)
     staging = (staging_host_bytes(strategy, params, world, hardware.gpus_per_node, save_only_model)
                if async_save else 0.0)
-    host = {"offloaded_states": offloaded, "model_loading": loading, "checkpoint_staging": staging}
-    training_host = offloaded + staging  # both held while training; loading comes before
+    host = {"offloaded_states": offloaded, "swap_buffers": swap_buffers, "model_loading": loading,
+            "checkpoint_staging": staging}
+    training_host = offloaded + swap_buffers + staging  # held while training; loading comes before
     capacity = usable_capacity(hardware)
     notes = []
     if strategy.kind == "ddp" and mode == "autocast":
@@ -977,8 +1063,10 @@ def format_plan(p: Plan) -> str:
                 f"{GPU_FIXED_RESERVE / GiB:.0f} GiB kept free){'' if p.gpu_fits else '   -> GPU memory binds'}")
     rows.append(f"  host RAM per node: {_gb(p.host_ram_per_node)} of {_gb(p.host_ram_capacity)} usable "
                 f"(offloaded states {_gb(p.host_ram['offloaded_states'])}, model loading "
-                f"{_gb(p.host_ram['model_loading'])}" + (f", checkpoint staging {_gb(p.host_ram['checkpoint_staging'])}"
-                                                          if p.host_ram["checkpoint_staging"] else "") + ")"
+                f"{_gb(p.host_ram['model_loading'])}"
+                + (f", NVMe swap buffers {_gb(p.host_ram['swap_buffers'])}" if p.host_ram["swap_buffers"] else "")
+                + (f", checkpoint staging {_gb(p.host_ram['checkpoint_staging'])}"
+                   if p.host_ram["checkpoint_staging"] else "") + ")"
                 + ("" if p.host_ram_fits else "   -> host RAM binds"))
     rows.append(f"  -> {'fits' if p.fits else 'DOES NOT FIT'}")
     if p.nvme_per_node:

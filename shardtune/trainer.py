@@ -8,6 +8,7 @@ The pieces it calls: `train_step` (shardtune.step) runs one optimizer step and r
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import resource
 import shutil
@@ -346,6 +347,10 @@ def save_hf_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer, o
             config_with_dtype(unwrapped.config, dtype).save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
         durable(output_dir, recursive=False)  # the export's files, then output_dir itself, survive a crash
+    # The gathered copies sit in reference cycles that outlive this call until the collector runs: measured, a
+    # bf16 ZeRO-3 run's fp32 masters (4 bytes x P on the host) were still alive through the final eval.
+    del state_dict, masters
+    gc.collect()
     accelerator.wait_for_everyone()
 
 

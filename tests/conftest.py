@@ -302,10 +302,33 @@ def reference_run(tiny_assets, tmp_path_factory):
     def run(config: str | None) -> Path:
         if config not in done:
             root = tmp_path_factory.mktemp(f"reference-{config or 'single'}")
-            # FSDP's reference run also measures its peaks by phase (tests/test_memory_phases.py, root/memory).
-            env = {"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")} if config == "fsdp_full_shard" else None
+            # Every reference run also measures its peaks by phase (tests/test_memory_phases.py, root/memory).
+            env = {"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")}
             run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, *nvme_args(config, root), config=config,
                        processes=2, env=env)
+            done[config] = root / "out"
+        return done[config]
+
+    return run
+
+
+# One bf16 run per mechanism: autocast (one process; DDP casts the same way), FSDP2's MixedPrecisionPolicy
+# (FULL_SHARD; SHARD_GRAD_OP casts the same way) and DeepSpeed's bf16 engine (ZeRO-3; ZeRO-1/2 use the same
+# engine). The reference run's arguments in bf16, without intermediate checkpoints.
+BF16_CONFIGS = (None, "fsdp_full_shard", "ds_zero3")
+
+
+@pytest.fixture(scope="session")
+def bf16_run(tiny_assets, tmp_path_factory):
+    """bf16_run(config) -> output dir of that mechanism's bf16 run, run once; it measures its phases too
+    (root/memory)."""
+    done: dict[str | None, Path] = {}
+
+    def run(config: str | None) -> Path:
+        if config not in done:
+            root = tmp_path_factory.mktemp(f"bf16-{config or 'single'}")
+            run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, "--mixed_precision", "bf16", "--save_steps", "0",
+                       config=config, processes=2, env={"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")})
             done[config] = root / "out"
         return done[config]
 
@@ -324,11 +347,52 @@ def nvme_args(config: str | None, root: Path) -> tuple[str, ...]:
     return ("--offload_nvme_path", str(root / "nvme"))
 
 
+# Every DeepSpeed launch here runs its config's shipped JSON with these sizes (elements) in place of the shipped
+# ones, scaled to the tiny model (98,112 parameters, a decoder layer of 46,208, the largest matrix 11,264) as the
+# shipped sizes are to a 70B model: several reduce buckets per backward, a prefetch bucket of about one layer,
+# persistent norms, k_proj and v_proj, about 12 optimizer sub-groups per rank on 2 ranks, NVMe parameter buffers of
+# at least the largest matrix. So buckets, prefetch and sub-groups chunk on the tiny model as on a large one, and
+# the tests plan the same file (`strategy_as_launched`). A size the shipped JSON does not set stays unset.
+TINY_ZERO_SIZES = {"reduce_bucket_size": 12_000, "allgather_bucket_size": 12_000,
+                   "stage3_prefetch_bucket_size": 46_000, "stage3_param_persistence_threshold": 2_500,
+                   "stage3_max_live_parameters": 100_000, "stage3_max_reuse_distance": 100_000,
+                   "sub_group_size": 4_000}
+TINY_NVME_PARAM_BUFFER_SIZE = 12_288
+
+
+def tiny_deepspeed_json(config: str) -> Path:
+    """The JSON that DeepSpeed launches of `config` run in the tests (written once per session)."""
+    import yaml
+
+    path = SESSION_DIR / "deepspeed" / f"{config}.json"
+    if not path.exists():
+        launch = yaml.safe_load((CONFIGS / f"{config}.yaml").read_text())
+        settings = json.loads((REPO / launch["deepspeed_config"]["deepspeed_config_file"]).read_text())
+        zero = settings["zero_optimization"]
+        zero.update({key: value for key, value in TINY_ZERO_SIZES.items() if key in zero})
+        if "buffer_size" in zero.get("offload_param", {}):
+            zero["offload_param"]["buffer_size"] = TINY_NVME_PARAM_BUFFER_SIZE
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(settings, indent=2))
+    return path
+
+
+def strategy_as_launched(config: str, mixed_precision: str = "no"):
+    """The planner's Strategy for `config` as the tests launch it (DeepSpeed: with tiny_deepspeed_json)."""
+    from shardtune.plan import read_accelerate_config
+
+    json_file = str(tiny_deepspeed_json(config)) if config.startswith("ds_") else None
+    return read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision, json_file)
+
+
 def recipe_command(
     output_dir: Path, assets: tuple[str, str], *args: str, config: str | None = None, processes: int = 1,
     launch_args: tuple[str, ...] = (), recipe: Path = TINY_RECIPE, port: int | None = None,
 ) -> list[str]:
-    """The command that runs the tiny recipe on the given model and data; with `config`, `accelerate launch`."""
+    """The command that runs the tiny recipe on the given model and data; with `config`, `accelerate launch`
+    (DeepSpeed configs with tiny_deepspeed_json unless `launch_args` names a JSON of its own)."""
+    if config and config.startswith("ds_") and "--deepspeed_config_file" not in launch_args:
+        launch_args = (*launch_args, "--deepspeed_config_file", str(tiny_deepspeed_json(config)))
     model_dir, data_file = assets
     # No generated samples unless a test asks (tests/test_outputs.py): they cost every launch's final eval time.
     recipe_args = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),

@@ -17,7 +17,7 @@ from shardtune.config import ConfigError
 from shardtune.flops import resolve_model
 from shardtune.memory import COMPONENTS
 from shardtune.plan import Strategy, buffers, deepspeed_sizes, largest_sub_group, model_states, read_accelerate_config
-from tests.conftest import CONFIGS, read_metrics, run_recipe
+from tests.conftest import CONFIGS, read_metrics, run_recipe, strategy_as_launched
 from tests.test_strategies import CONFIG_NAMES
 
 # The README's figures. Weights and optimizer states: exact up to Adam's step counters (4 bytes per tensor) and,
@@ -52,7 +52,7 @@ def held(output_dir) -> dict[str, int]:
 @pytest.mark.parametrize("config", CONFIG_NAMES)
 def test_model_states_equal_the_bytes_each_rank_holds(config, reference_run, tiny_assets):
     measured = held(reference_run(config))
-    strategy = read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision="no")
+    strategy = strategy_as_launched(config)
     shape = resolve_model(tiny_assets[0])
     params = shape.params
     planned = model_states(strategy, params, world=2, shape=shape)
@@ -65,8 +65,11 @@ def test_model_states_equal_the_bytes_each_rank_holds(config, reference_run, tin
         total = measured["weights"] + measured["gradients"] + measured["optimizer"]
         assert total == pytest.approx(planned.weights + planned.gradients + planned.optimizer + offloaded,
                                       rel=OFFLOAD_RTOL)
-    else:  # NVMe: Adam's states and the fp32 master live in swap files; the gradient partitions in host RAM
-        assert measured["gradients"] == pytest.approx(planned.host, rel=GRADIENT_RTOL)
+    else:  # NVMe: Adam's states and the fp32 master live in swap files; in host RAM the gradient partitions and
+        # the weight partitions (a flat buffer per group, up to max_in_cpu elements: here all of them)
+        weight_partitions = 4 * params / 2
+        assert planned.nvme == 12 * params / 2 and planned.host == pytest.approx(8 * params / 2 + weight_partitions)
+        assert measured["gradients"] == pytest.approx(planned.host - weight_partitions, rel=GRADIENT_RTOL)
         # DeepSpeed swapped under --offload_nvme_path (it deletes the files at exit, the folders stay).
         swap_root = reference_run(config).parent / "nvme" / "zero_stage_3"
         assert {path.name for path in swap_root.iterdir()} == {"optimizer", "float32params"}

@@ -16,8 +16,17 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shardtune.flops import resolve_model
-from shardtune.plan import Peft, peft_states, read_accelerate_config
-from tests.conftest import CONFIGS, ENV, REFERENCE_ARGS, REPO, grad_norms, read_metrics, run_recipe, train_losses
+from shardtune.plan import Peft, peft_states
+from tests.conftest import (
+    ENV,
+    REFERENCE_ARGS,
+    REPO,
+    grad_norms,
+    read_metrics,
+    run_recipe,
+    strategy_as_launched,
+    train_losses,
+)
 
 LORA_ARGS = (*REFERENCE_ARGS, "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
              "--gradient_checkpointing", "true", "--save_steps", "8")
@@ -137,7 +146,7 @@ def test_planned_lora_states_equal_the_bytes_each_rank_holds(lora_runs, tiny_ass
     peft = Peft(rank=4)
     for config, output_dir in lora_runs.items():
         (row,) = [row for row in read_metrics(output_dir) if "held_weights_bytes" in row]
-        strategy = read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision="no")
+        strategy = strategy_as_launched(config)
         planned = peft_states(strategy, shape, 2, peft)
         assert row["held_weights_bytes"] == pytest.approx(planned.weights, rel=1e-2), config
         assert row["held_optimizer_bytes"] == pytest.approx(planned.optimizer, rel=1e-2), config

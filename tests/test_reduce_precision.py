@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from shardtune.flops import resolve_model
-from shardtune.plan import model_states, read_accelerate_config
-from tests.conftest import CONFIGS, read_metrics, run_recipe
+from shardtune.plan import model_states
+from tests.conftest import read_metrics, run_recipe, strategy_as_launched
 
 ARGS = ("--max_steps", "2", "--per_device_train_batch_size", "8", "--global_batch_size", "32", "--mixed_precision",
         "bf16", "--save_steps", "0", "--save_model", "false")
@@ -27,7 +27,8 @@ def test_bf16_reduces_in_fp32_and_holds_the_planned_gradients(config, tiny_asset
                 if line.startswith(f"shardtune: {'tiny'} |")]
     assert start.endswith(f"precision bf16 {CASES[config]}"), start
     (row,) = [row for row in read_metrics(output_dir) if "held_gradients_bytes" in row]
-    strategy = read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision="bf16")
-    planned = model_states(strategy, resolve_model(tiny_assets[0]).params, world=2).gradients
+    strategy = strategy_as_launched(config, mixed_precision="bf16")
+    shape = resolve_model(tiny_assets[0])
+    planned = model_states(strategy, shape.params, world=2, shape=shape).gradients
     # ZeRO-2 also holds the embedding's full 16-bit gradient until the step: 3% of this 98k-parameter model.
     assert row["held_gradients_bytes"] == pytest.approx(planned, rel=0.05)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import CONFIGS, REFERENCE_ARGS, grad_norms, run_recipe, train_losses
+from tests.conftest import BF16_CONFIGS, CONFIGS, grad_norms, train_losses
 from tests.test_batch_split import WEIGHT_ATOL, WEIGHT_RTOL
 
 CONFIG_NAMES = sorted(path.stem for path in CONFIGS.glob("*.yaml"))
@@ -40,10 +40,7 @@ def test_every_config_trains_and_matches_one_process_in_fp32(config, reference_r
         torch.testing.assert_close(weights[key], tensor, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL, msg=f"{config}: {key}")
 
 
-# One run per bf16 mechanism: autocast (one process; DDP casts the same way), FSDP2's MixedPrecisionPolicy
-# (FULL_SHARD; SHARD_GRAD_OP casts the same way) and DeepSpeed's bf16 engine (ZeRO-3; ZeRO-1/2 use the same
-# engine), each against its own fp32 reference run.
-BF16_CONFIGS = (None, "fsdp_full_shard", "ds_zero3")
+# One run per bf16 mechanism (conftest.bf16_run), each against its own fp32 reference run.
 # Between mechanisms: each rounds to bf16 (8-bit mantissa, ~0.4% per rounding) at different places, so their
 # curves part: observed up to 1.9e-3 in the losses and 2.9e-3 in the gradient norms (FSDP against autocast; the
 # runs are deterministic). 5e-3 allows that with a margin and stays below the change of the loss from one step to
@@ -55,12 +52,10 @@ BF16_RTOL = 5e-3
 BF16_OVER_NOISE = 100
 
 
-def test_bf16_strategies_agree_and_really_run_in_bf16(reference_run, tiny_assets, tmp_path):
+def test_bf16_strategies_agree_and_really_run_in_bf16(reference_run, bf16_run):
     curves, norms = {}, {}
     for config in BF16_CONFIGS:
-        output_dir = tmp_path / (config or "single")
-        run_recipe(output_dir, tiny_assets, *REFERENCE_ARGS, "--mixed_precision", "bf16", "--save_steps", "0",
-                   config=config, processes=2)
+        output_dir = bf16_run(config)
         curves[config], norms[config] = train_losses(output_dir), grad_norms(output_dir)
     fp32 = {config: train_losses(reference_run(config)) for config in BF16_CONFIGS}
     fp32_noise = max(max_relative_deviation(fp32[config], fp32[None]) for config in BF16_CONFIGS[1:])
