@@ -1,10 +1,12 @@
 """The planner's peak per phase (shardtune.plan.phase_bytes) against the peak of live tensor bytes each rank
-measured with the PyTorch profiler's allocator events (shardtune.profiling, SHARDTUNE_PROFILE_MEMORY): 2 steps of
-2 micro-batches, the final save and eval, in fp32. One run in this process (one rank: the DDP strategy's plan),
-with gradient checkpointing (the Recipe default), and one 2-rank FSDP FULL_SHARD launch without it (as
-recipes/tiny.py). On a CPU machine host and device are one memory, so the save phase is compared with the plan's
-GPU part plus the state dict it gathers to rank 0's host RAM. torch AdamW steps with its per-tensor loop on CPU
-(foreach is its CUDA default): planned with foreach=False."""
+measured with the PyTorch profiler's allocator events (shardtune.profiling, SHARDTUNE_PROFILE_MEMORY): whole runs
+of steps of 2 or more micro-batches, then the final save and eval. Measured: every shipped config's 2-rank
+reference run (fp32, micro-batch 8, no recomputation; DeepSpeed with its buffers and sub-groups scaled to the
+tiny model, conftest.TINY_ZERO_SIZES), one bf16 run per precision mechanism (autocast, FSDP2's
+MixedPrecisionPolicy, DeepSpeed's bf16 engine) and one process in this one with gradient checkpointing (the
+Recipe default). On a CPU machine host and device are one memory, so each phase is compared with the plan's GPU
+part plus the host RAM it plans for that phase (offloaded states, NVMe swap buffers, the save's host copy).
+torch AdamW steps with its per-tensor loop on CPU (foreach is its CUDA default): planned with foreach=False."""
 
 from __future__ import annotations
 
