@@ -130,9 +130,28 @@ def held_model_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     grads += fsdp_unsharded_gradients(model)
     if is_zero:
         grads += list(reachable_tensors(zero_optimizer))
-    host = _Storages().bytes(deepspeed_host_tensors(model, zero_optimizer)) if is_zero else 0
+    offloaded = deepspeed_host_tensors(model, zero_optimizer) if is_zero else fsdp_host_tensors(model, inner)
+    host = _Storages().bytes(offloaded)
     return {"weights": weights, "gradients": counted.bytes(grads), "optimizer": optimizer_states, "buffers": buffers,
             "host": host}
+
+
+def fsdp_host_tensors(model: torch.nn.Module, inner: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What FSDP2's CPUOffloadPolicy keeps in host memory, by FSDP's own bookkeeping (each FSDPParam's
+    `offload_to_cpu`): the sharded parameter, its gradient and the optimizer's states of it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    tensors: list[torch.Tensor] = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                if fsdp_param.offload_to_cpu:
+                    param = fsdp_param.sharded_param
+                    state = inner.state.get(param, {})
+                    tensors += [param, param.grad, *(v for v in state.values() if isinstance(v, torch.Tensor))]
+    return tensors
 
 
 def deepspeed_host_tensors(model: torch.nn.Module, zero_optimizer: object) -> list[torch.Tensor]:

@@ -639,6 +639,17 @@ def loading_host_bytes(strategy: Strategy, params: int, gpus_per_node: int, peft
     return float(per_param * params * copies)
 
 
+CHECKPOINT_BYTES = 2  # bytes per parameter of a Hugging Face Llama-class checkpoint (bf16)
+
+
+def checkpoint_page_cache_bytes(params: int) -> float:
+    """The checkpoint's safetensors files, memory-mapped by every process that reads them: their pages count in
+    each reader's resident set (measured: a rank that loads a bf16 checkpoint for fp32 training rises by 6 bytes
+    per parameter, 4 of them the model's) but are one page cache per node, and clean: the kernel can drop them
+    under pressure. Listed beside model_loading, not counted in "fits"."""
+    return float(CHECKPOINT_BYTES * params)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Phases: the peak of a run is the largest of them, not their sum (measured in tests/test_memory_phases.py).
 
@@ -795,7 +806,8 @@ def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backw
     # Autocast caches its 16-bit copy of every matmul weight for the whole forward, an eval's too (buffers()).
     autocast_cache = buffers(strategy, shape, params, world, mode, peft.trainable_params(shape) if peft else None) \
         if strategy.kind == "ddp" else 0.0
-    gathered, saved_on_host = save_gather_bytes(strategy, shape, params, world, export_bytes)
+    # A PEFT model exports its adapters as trained: nothing is cast.
+    gathered, saved_on_host = save_gather_bytes(strategy, shape, params, world, 4 if peft else export_bytes)
     phases = {
         "forward_backward": dict(forward_backward),
         "optimizer": {**states, "buffers": kept["buffers"],
@@ -892,7 +904,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     staging = (staging_host_bytes(strategy, params, world, hardware.gpus_per_node, save_only_model)
                if async_save else 0.0)
     host = {"offloaded_states": offloaded, "swap_buffers": swap_buffers, "model_loading": loading,
-            "checkpoint_staging": staging}
+            "checkpoint_page_cache": checkpoint_page_cache_bytes(params), "checkpoint_staging": staging}
     training_host = offloaded + swap_buffers + staging  # held while training; loading comes before
     capacity = usable_capacity(hardware)
     notes = []
@@ -1063,7 +1075,8 @@ def format_plan(p: Plan) -> str:
                 f"{GPU_FIXED_RESERVE / GiB:.0f} GiB kept free){'' if p.gpu_fits else '   -> GPU memory binds'}")
     rows.append(f"  host RAM per node: {_gb(p.host_ram_per_node)} of {_gb(p.host_ram_capacity)} usable "
                 f"(offloaded states {_gb(p.host_ram['offloaded_states'])}, model loading "
-                f"{_gb(p.host_ram['model_loading'])}"
+                f"{_gb(p.host_ram['model_loading'])} and the checkpoint's page cache "
+                f"{_gb(p.host_ram['checkpoint_page_cache'])}, which the kernel can drop"
                 + (f", NVMe swap buffers {_gb(p.host_ram['swap_buffers'])}" if p.host_ram["swap_buffers"] else "")
                 + (f", checkpoint staging {_gb(p.host_ram['checkpoint_staging'])}"
                    if p.host_ram["checkpoint_staging"] else "") + ")"

@@ -40,19 +40,37 @@ PHASES = ("forward_backward", "optimizer", "eval", "save")
 _PREFIX = "shardtune.phase:"
 
 
+# Steps profiled whole: the first (where the optimizer creates its states) and the second (where DDP rebuilds its
+# buckets, as every later step runs). The profiler pauses after them (it records every operator, which slows a run
+# by a third) and resumes for the final save and eval.
+PROFILED_STEPS = 2
+
+
 class PhaseRecorder:
-    """One profiler session over a run, with named phases marked on its clock."""
+    """Profiler sessions over a run, with named phases marked on their clock: one from before the model is built
+    to the end of the PROFILED_STEPS-th step, one over the final save and eval."""
 
     def __init__(self) -> None:
-        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile: profile | None = None
         self._open: record_function | None = None
         self._open_name = ""
-        self.started, self.baseline = False, 0
+        self.started, self.baseline, self.paused = False, 0, False
         self.model: torch.nn.Module | None = None
-        self.starts: list[int] = []  # bytes live at each phase's start, in order
+        self.starts: list[int] = []  # bytes live at the start of each phase of the current session, in order
+        self.steps = 0
+        self._figures: list[dict[str, Any]] = []  # of the sessions ended
 
     def start(self) -> None:
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._profile.__enter__()
+        self.starts, self.paused = [], False
+
+    def _end_session(self) -> None:
+        self.end()
+        self._profile.__exit__(None, None, None)
+        self._figures.append(phase_figures(self._profile.profiler.kineto_results.experimental_event_tree(),
+                                           self.starts))
+        self._profile = None
 
     def watch(self, model: torch.nn.Module) -> None:
         """Phases may begin from now on; the bytes live now are the baseline."""
@@ -60,9 +78,19 @@ class PhaseRecorder:
         self.started = True
 
     def begin(self, name: str) -> None:
-        """Start phase `name`, ending the one open (phases never nest); nothing if `name` is open already."""
+        """Start phase `name`, ending the one open (phases never nest); nothing if `name` is open already. The
+        step after the profiled ones pauses the profiler; a save or eval after that resumes it."""
         if self._open is not None and self._open_name == name:
             return
+        if name == "forward_backward":
+            self.steps += 1
+            if self.steps == PROFILED_STEPS + 1:
+                self._end_session()
+                self.paused = True
+        if self.paused:
+            if name not in ("save", "eval"):
+                return
+            self.start()
         self.end()
         self.starts.append(live_tensor_bytes(self.model))
         self._open, self._open_name = record_function(_PREFIX + name), name
@@ -74,11 +102,16 @@ class PhaseRecorder:
             self._open = None
 
     def stop(self) -> dict[str, Any]:
-        """Stop profiling and return the per-phase figures (see `phase_figures`)."""
-        self.end()
-        self._profile.__exit__(None, None, None)
-        figures = phase_figures(self._profile.profiler.kineto_results.experimental_event_tree(), self.starts)
-        return {"baseline": self.baseline, **figures}
+        """Stop profiling and return the per-phase figures of every session (see `phase_figures`)."""
+        if self._profile is not None:
+            self._end_session()
+        phases: dict[str, list[dict[str, int]]] = {}
+        for figures in self._figures:
+            for name, runs in figures["phases"].items():
+                phases.setdefault(name, []).extend(runs)
+        peak = {name: max(run["peak"] for run in runs) for name, runs in phases.items()}
+        return {"baseline": self.baseline, "phases": phases, "peak": peak,
+                "step_peak": max(peak.get("forward_backward", 0), peak.get("optimizer", 0))}
 
 
 def live_tensor_bytes(model: torch.nn.Module) -> int:
@@ -106,9 +139,11 @@ def _walk(events: list) -> Iterator:
 
 
 def phase_figures(roots: list, starts: list[int]) -> dict[str, Any]:
-    """{"phases": {name: [{"start": bytes, "peak": bytes}, ...]}, "peak": {name: bytes}, "step_peak": bytes}:
-    the i-th phase (in time) starts with starts[i] bytes live and peaks at that plus the most the allocator's
-    total rose above its value at the phase's start. Devices are added together: on CPU there is one."""
+    """{"phases": {name: [{"start": bytes, "peak": bytes}, ...]}} of one session: the i-th phase (in time) starts
+    with starts[i] bytes live and peaks at that plus the most the allocators' totals rose within it. Each
+    allocation event carries its allocator's running total after it, so the total before a phase's first event is
+    that total less the event's size (frees are negative): no event before the phase is needed. Devices are added
+    together: on CPU there is one."""
     from torch._C._profiler import _EventType
 
     allocations, ranges = [], []
@@ -119,21 +154,25 @@ def phase_figures(roots: list, starts: list[int]) -> dict[str, Any]:
         elif event.name.startswith(_PREFIX):
             ranges.append((event.start_time_ns, event.end_time_ns, event.name[len(_PREFIX):]))
     allocations.sort()
-    times, live, latest, offset = [], [], {}, {}
-    for time_ns, total, size, device in allocations:  # one running total per device, summed
-        offset.setdefault(device, total - size)  # the allocator's total outlives a profiling session
-        latest[device] = total - offset[device]
-        times.append(time_ns)
-        live.append(sum(latest.values()))
+    times = [time_ns for time_ns, *_ in allocations]
     phases: dict[str, list[dict[str, int]]] = {}
     for (start_ns, end_ns, name), at_start in zip(sorted(ranges), starts, strict=True):
         first, last = bisect.bisect_left(times, start_ns), bisect.bisect_right(times, end_ns)
-        before = live[first - 1] if first else 0
-        rise = max([before, *live[first:last]]) - before
+        rise = _largest_rise(allocations[first:last])
         phases.setdefault(name, []).append({"start": at_start, "peak": at_start + rise})
-    peak = {name: max(run["peak"] for run in runs) for name, runs in phases.items()}
-    return {"phases": phases, "peak": peak,
-            "step_peak": max(peak.get("forward_backward", 0), peak.get("optimizer", 0))}
+    return {"phases": phases}
+
+
+def _largest_rise(allocations: list[tuple[int, int, int, str]]) -> int:
+    """The most the summed allocators' totals stood above their values before the first of these events."""
+    before: dict[str, int] = {}
+    latest: dict[str, int] = {}
+    rise = 0
+    for _, total, size, device in allocations:
+        before.setdefault(device, total - size)
+        latest[device] = total - before[device]
+        rise = max(rise, sum(latest.values()))
+    return rise
 
 
 _recorder: PhaseRecorder | None = None

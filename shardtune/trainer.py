@@ -88,9 +88,11 @@ def build(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan) -> Run:
         )
     max_steps = recipe.max_steps if recipe.max_steps > 0 else steps_per_epoch * recipe.num_train_epochs
 
-    reset_peak_rss()  # so that the peak read after `prepare` is the loading's own
+    rss_before = rss_bytes()
+    reset_peak_rss()  # so that the peaks read below are the loading's own
     model = load_model(recipe, main_process=accelerator.is_main_process)
-    loaded = {"parameter_bytes": local_parameter_bytes(model)}
+    # Host RAM the weights took while loading (before any move to a GPU): the planner's model_loading per process.
+    loaded = {"parameter_bytes": local_parameter_bytes(model), "loading_rss_bytes": peak_rss_bytes() - rss_before}
     shape = shape_from_config(model.config, recipe.name)
     if accelerator.distributed_type == DistributedType.FSDP:
         # Shard first (accelerate's own FSDP2 preparation; `prepare` below finds the model sharded) and build the
@@ -226,12 +228,13 @@ def report_held(accelerator: Accelerator, output_dir: str, step: int, probe: Mod
                 loaded: dict[str, int]) -> None:
     """What the ranks really held at the first step (checked against the planner's model states: max over
     ranks), and per rank what it held right after loading the weights (only rank 0 reads them under FSDP)."""
-    local = [probe.held[key] for key in COMPONENTS] + [loaded["parameter_bytes"], loaded["peak_rss_bytes"]]
+    loading = ("parameter_bytes", "peak_rss_bytes", "loading_rss_bytes")
+    local = [probe.held[key] for key in COMPONENTS] + [loaded[key] for key in loading]
     per_rank = accelerator.gather(torch.tensor(local, dtype=torch.float64, device=accelerator.device))
     per_rank = per_rank.view(-1, len(local)).tolist()
     held = {f"held_{key}_bytes": int(max(rank[index] for rank in per_rank)) for index, key in enumerate(COMPONENTS)}
     for rank, values in enumerate(per_rank):
-        held[f"loaded_parameter_bytes_rank{rank}"], held[f"loaded_peak_rss_bytes_rank{rank}"] = map(int, values[-2:])
+        held.update({f"loaded_{key}_rank{rank}": int(value) for key, value in zip(loading, values[-3:], strict=True)})
     accelerator.print("shardtune: held per rank (max over ranks): "
                       + ", ".join(f"{key} {held[f'held_{key}_bytes'] / 2**30:.3f} GiB" for key in COMPONENTS))
     log_metrics(accelerator, output_dir, step, held)
@@ -244,6 +247,15 @@ def reset_peak_rss() -> None:
             file.write("5")
     except OSError:  # not Linux: the peak then counts from the start of the process
         pass
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (VmRSS; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as file:
+            return next(int(line.split()[1]) * 1024 for line in file if line.startswith("VmRSS:"))
+    except OSError:
+        return 0
 
 
 def peak_rss_bytes() -> int:

@@ -314,7 +314,8 @@ def reference_run(tiny_assets, tmp_path_factory):
 
 # One bf16 run per mechanism: autocast (one process; DDP casts the same way), FSDP2's MixedPrecisionPolicy
 # (FULL_SHARD; SHARD_GRAD_OP casts the same way) and DeepSpeed's bf16 engine (ZeRO-3; ZeRO-1/2 use the same
-# engine). The reference run's arguments in bf16, without intermediate checkpoints.
+# engine). The reference run's arguments in bf16, without intermediate checkpoints; the one process recomputes
+# its layers in backward (gradient checkpointing: the same numbers, and its memory is measured too).
 BF16_CONFIGS = (None, "fsdp_full_shard", "ds_zero3")
 
 
@@ -327,8 +328,10 @@ def bf16_run(tiny_assets, tmp_path_factory):
     def run(config: str | None) -> Path:
         if config not in done:
             root = tmp_path_factory.mktemp(f"bf16-{config or 'single'}")
+            checkpointing = ("--gradient_checkpointing", "true") if config is None else ()
             run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, "--mixed_precision", "bf16", "--save_steps", "0",
-                       config=config, processes=2, env={"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")})
+                       *checkpointing, config=config, processes=2,
+                       env={"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")})
             done[config] = root / "out"
         return done[config]
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardtune.flops import resolve_model
+from shardtune.plan import checkpoint_page_cache_bytes, loading_host_bytes
 from shardtune.tiny import write_tiny_assets
-from tests.conftest import read_metrics, run_recipe
+from tests.conftest import read_metrics, run_recipe, strategy_as_launched
 
 MEDIUM = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=4)
@@ -28,6 +30,11 @@ def medium_assets(tmp_path_factory) -> tuple[str, str]:
 def loaded(output_dir, rank: int) -> tuple[int, int]:
     (row,) = [row for row in read_metrics(output_dir) if "held_weights_bytes" in row]
     return row[f"loaded_parameter_bytes_rank{rank}"], row[f"loaded_peak_rss_bytes_rank{rank}"]
+
+
+def loading_rss(output_dir, rank: int) -> int:
+    (row,) = [row for row in read_metrics(output_dir) if "held_weights_bytes" in row]
+    return row[f"loaded_loading_rss_bytes_rank{rank}"]
 
 
 def test_fsdp_reads_the_weights_on_rank_0_only(medium_assets, tmp_path):
@@ -51,3 +58,13 @@ def test_fsdp_reads_the_weights_on_rank_0_only(medium_assets, tmp_path):
     # broadcast's per-tensor buffers the allocator keeps (measured: 0.6 x the model below every rank that loads).
     assert fsdp_rss_1 < ddp_rss_1 - 0.4 * model_bytes
     assert fsdp_rss_1 < fsdp_rss_0 - 0.4 * model_bytes
+    # Host RAM of the loading itself (from_pretrained's rise of the resident set) against the planner, summed over
+    # the node's ranks: each copy of the fp32 model it plans (model_loading), and the mapped checkpoint's pages in
+    # the resident set of every rank that reads them (checkpoint_page_cache, one page cache per node).
+    params = resolve_model(medium_assets[0]).params
+    for config, readers in (("ddp", 2), ("fsdp_full_shard", 1)):
+        measured = sum(loading_rss(tmp_path / config, rank) for rank in (0, 1))
+        planned = loading_host_bytes(strategy_as_launched(config), params, gpus_per_node=2)
+        planned += readers * checkpoint_page_cache_bytes(params)
+        print(f"{config}: loading rose the resident sets by {measured / 1e6:.1f} MB, planned {planned / 1e6:.1f} MB")
+        assert measured == pytest.approx(planned, rel=0.1), config

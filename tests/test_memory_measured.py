@@ -73,6 +73,9 @@ def test_model_states_equal_the_bytes_each_rank_holds(config, reference_run, tin
         # DeepSpeed swapped under --offload_nvme_path (it deletes the files at exit, the folders stay).
         swap_root = reference_run(config).parent / "nvme" / "zero_stage_3"
         assert {path.name for path in swap_root.iterdir()} == {"optimizer", "float32params"}
+    if strategy.kind == "fsdp":  # placement, by FSDP's own bookkeeping (FSDPParam.offload_to_cpu)
+        assert measured["host"] == pytest.approx(planned.host, rel=EXACT_RTOL, abs=64)
+        assert (measured["host"] > 0) == (strategy.offload_params == "cpu")
     if strategy.kind == "deepspeed":
         # Placement, by DeepSpeed's own bookkeeping: what the planner puts in host RAM is what DeepSpeed put there.
         # Under NVMe offload the tiny model's partitions are smaller than DeepSpeed's smallest asynchronous I/O

@@ -2,34 +2,31 @@
 measured with the PyTorch profiler's allocator events (shardtune.profiling, SHARDTUNE_PROFILE_MEMORY): whole runs
 of steps of 2 or more micro-batches, then the final save and eval. Measured: every shipped config's 2-rank
 reference run (fp32, micro-batch 8, no recomputation; DeepSpeed with its buffers and sub-groups scaled to the
-tiny model, conftest.TINY_ZERO_SIZES), one bf16 run per precision mechanism (autocast, FSDP2's
-MixedPrecisionPolicy, DeepSpeed's bf16 engine) and one process in this one with gradient checkpointing (the
-Recipe default). On a CPU machine host and device are one memory, so each phase is compared with the plan's GPU
-part plus the host RAM it plans for that phase (offloaded states, NVMe swap buffers, the save's host copy).
-torch AdamW steps with its per-tensor loop on CPU (foreach is its CUDA default): planned with foreach=False."""
+tiny model, conftest.TINY_ZERO_SIZES) and the one-process run, one bf16 run per precision mechanism (autocast
+with gradient checkpointing, FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16 engine) and the LoRA runs
+(tests/test_peft.py: gradient checkpointing, ZeRO-3's packed). On a CPU machine host and device are one memory,
+so each phase is compared with the plan's GPU part plus the host RAM it plans for that phase (offloaded states,
+NVMe swap buffers, the save's host copy). torch AdamW steps with its per-tensor loop on CPU (foreach is its CUDA
+default): planned with foreach=False."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from shardtune import Recipe, main
+from shardtune import Recipe
 from shardtune.data import load_splits
 from shardtune.flops import resolve_model
 from shardtune.hardware import parse_hardware
 from shardtune.model import load_tokenizer
-from shardtune.plan import PHASES, Strategy, optimizer_step_bytes, plan
-from shardtune.profiling import ENV
+from shardtune.plan import PHASES, Peft, Strategy, optimizer_step_bytes, plan
 from tests.conftest import BF16_CONFIGS, CONFIGS, strategy_as_launched
 from tests.test_strategies import CONFIG_NAMES
 
 # The issue's bar; the worst phase of these runs is printed with every comparison.
 RTOL = 0.10
-RUN_ARGS = ("--max_steps", "2", "--eval_steps", "0", "--logging_steps", "1", "--mixed_precision", "no",
-            "--global_batch_size", "32")
 TINY = dict(name="tiny", max_seq_length=64, per_device_train_batch_size=16, global_batch_size=32)
 
 
@@ -48,9 +45,12 @@ def measured_peaks(folder: Path, ranks: int) -> dict[str, int]:
 
 
 def compare(strategy: Strategy, assets: tuple[str, str], world: int, micro: int, checkpointing: bool,
-            folder: Path) -> None:
+            folder: Path, peft: Peft | None = None, packed: bool = False) -> None:
+    """Planned against measured, per phase. Packed rows are max_seq_length long; on CPU SDPA sees them through
+    a block-diagonal mask as dense as a padding mask (on GPUs the packed kernels take none: padded=False)."""
     shape, hardware = resolve_model(assets[0]), parse_hardware(f"{world}x80gb")
-    planned = plan(shape, hardware, strategy, micro, longest_row(assets), checkpointing, eval_batch=8, foreach=False,
+    seq = TINY["max_seq_length"] if packed else longest_row(assets)
+    planned = plan(shape, hardware, strategy, micro, seq, checkpointing, peft=peft, eval_batch=8, foreach=False,
                    export_bytes=4)  # the tiny model is stored in fp32: its export is fp32
     measured = measured_peaks(folder, world)
     # What DeepSpeed would swap to NVMe it keeps in host RAM at the tiny size (partitions below its smallest
@@ -70,22 +70,10 @@ def compare(strategy: Strategy, assets: tuple[str, str], world: int, micro: int,
     assert abs(errors[worst]) < RTOL, table
 
 
-def test_one_process_phases_match_the_plan(tiny_assets, tmp_path, monkeypatch):
-    """The recipe entry point in this process: the plan of a launch without accelerate (DDP's, one rank)."""
-    from accelerate.state import AcceleratorState
-
-    for name in [*os.environ]:
-        if name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") or name.startswith(
-                ("ACCELERATE_", "FSDP_")):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv(ENV, str(tmp_path / "memory"))
-    model_dir, data_file = tiny_assets
-    try:
-        main(Recipe(**TINY), ["--model_name_or_path", model_dir, "--dataset", data_file, "--report_to", "none",
-                              "--use_cpu", "true", "--output_dir", str(tmp_path / "out"), *RUN_ARGS])
-    finally:
-        AcceleratorState._reset_state(True)  # the next in-process Accelerator starts afresh
-    compare(Strategy("DDP", "ddp", 0, mixed_precision="no"), tiny_assets, 1, 16, True, tmp_path / "memory")
+def test_one_process_phases_match_the_plan(reference_run, tiny_assets):
+    """The one-process reference run (fp32, micro-batch 8 x 4 accumulation steps, no recomputation): the plan of
+    a launch without accelerate (DDP's, one rank)."""
+    compare(strategy_as_launched("ddp"), tiny_assets, 1, 8, False, reference_run(None).parent / "memory")
 
 
 @pytest.mark.parametrize("config", CONFIG_NAMES)
@@ -98,10 +86,10 @@ def test_two_rank_phases_match_the_plan(config, reference_run, tiny_assets):
 
 @pytest.mark.parametrize("config", BF16_CONFIGS)
 def test_bf16_phases_match_the_plan(config, bf16_run, tiny_assets):
-    """Each bf16 mechanism's run (conftest.bf16_run: micro-batch 8, no recomputation): autocast on one process
-    (DDP's plan at one rank), FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16 engine."""
+    """Each bf16 mechanism's run (conftest.bf16_run: micro-batch 8): autocast on one process with gradient
+    checkpointing (DDP's plan at one rank), FSDP2's MixedPrecisionPolicy and DeepSpeed's bf16 engine without."""
     world = 1 if config is None else 2
-    compare(strategy_as_launched(config or "ddp", "bf16"), tiny_assets, world, 8, False,
+    compare(strategy_as_launched(config or "ddp", "bf16"), tiny_assets, world, 8, config is None,
             bf16_run(config).parent / "memory")
 
 
