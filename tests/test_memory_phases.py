@@ -3,11 +3,10 @@ measured with the PyTorch profiler's allocator events (shardtune.profiling, SHAR
 of steps of 2 or more micro-batches, then the final save and eval. Measured: every shipped config's 2-rank
 reference run (fp32, micro-batch 8, no recomputation; DeepSpeed with its buffers and sub-groups scaled to the
 tiny model, conftest.TINY_ZERO_SIZES) and the one-process run, one bf16 run per precision mechanism (autocast
-with gradient checkpointing, FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16 engine) and the LoRA runs
-(tests/test_peft.py: gradient checkpointing, ZeRO-3's packed). On a CPU machine host and device are one memory,
-so each phase is compared with the plan's GPU part plus the host RAM it plans for that phase (offloaded states,
-NVMe swap buffers, the save's host copy). torch AdamW steps with its per-tensor loop on CPU (foreach is its CUDA
-default): planned with foreach=False."""
+with gradient checkpointing, FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16 engine). On a CPU machine host and
+device are one memory, so each phase is compared with the plan's GPU part plus the host RAM it plans for that
+phase (offloaded states, NVMe swap buffers, the save's host copy). torch AdamW steps with its per-tensor loop on
+CPU (foreach is its CUDA default): planned with foreach=False."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from shardtune.data import load_splits
 from shardtune.flops import resolve_model
 from shardtune.hardware import parse_hardware
 from shardtune.model import load_tokenizer
-from shardtune.plan import PHASES, Peft, Strategy, optimizer_step_bytes, plan
+from shardtune.plan import PHASES, Strategy, optimizer_step_bytes, plan
 from tests.conftest import BF16_CONFIGS, CONFIGS, strategy_as_launched
 from tests.test_strategies import CONFIG_NAMES
 
@@ -45,12 +44,9 @@ def measured_peaks(folder: Path, ranks: int) -> dict[str, int]:
 
 
 def compare(strategy: Strategy, assets: tuple[str, str], world: int, micro: int, checkpointing: bool,
-            folder: Path, peft: Peft | None = None, packed: bool = False) -> None:
-    """Planned against measured, per phase. Packed rows are max_seq_length long; on CPU SDPA sees them through
-    a block-diagonal mask as dense as a padding mask (on GPUs the packed kernels take none: padded=False)."""
+            folder: Path) -> None:
     shape, hardware = resolve_model(assets[0]), parse_hardware(f"{world}x80gb")
-    seq = TINY["max_seq_length"] if packed else longest_row(assets)
-    planned = plan(shape, hardware, strategy, micro, seq, checkpointing, peft=peft, eval_batch=8, foreach=False,
+    planned = plan(shape, hardware, strategy, micro, longest_row(assets), checkpointing, eval_batch=8, foreach=False,
                    export_bytes=4)  # the tiny model is stored in fp32: its export is fp32
     measured = measured_peaks(folder, world)
     # What DeepSpeed would swap to NVMe it keeps in host RAM at the tiny size (partitions below its smallest
