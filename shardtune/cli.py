@@ -255,8 +255,8 @@ def print_memory_plan(recipe: Recipe, required: bool, config_file: str | None = 
         chosen, alternative = plan_launch(shape, hardware, recipe, config_file)
     except PlanError as error:  # a config file or LoRA target the planner cannot use
         raise ConfigError(str(error)) from None
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(format_plan(chosen))
+    if int(os.environ.get("RANK", "0")) == 0:  # flushed: the launcher may stop this rank when another exits first
+        print(format_plan(chosen), flush=True)
     if alternative:
         raise ConfigError(f"{shape.name} does not fit {hardware.name} with {chosen.config}: its limit is "
                           f"{chosen.binding_limit()}. {alternative}")
