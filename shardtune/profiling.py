@@ -12,8 +12,9 @@ same clock; its peak is the bytes live at its start plus the highest rise of tha
   parameters and gradients, the optimizer's states, DeepSpeed's flat buffers), each storage once. Phases start
   where no autograd graph is alive. Not from the allocator: weights memory-mapped from the checkpoint never
   passed through it.
-- Profiling starts before the model is built, so that a phase's frees of blocks allocated while building are
-  seen too (DDP, for one, replaces its gradient buckets in the second step).
+- The allocator keeps every block's size from before the model is built, so that a phase's frees of blocks
+  allocated while building are counted too (DDP, for one, replaces its gradient buckets in the second step); the
+  profiler records the first PROFILED_STEPS steps and the final save and eval (it records every operator).
 - The profiler records events on the threads it follows only, and the CPU allocator subtracts a free made on
   another thread (gloo's workers release the buffers of the collectives they ran) only under c10's flag
   caffe2_report_cpu_memory_usage, set while profiling: without it the total misses those frees and only grows.
@@ -47,8 +48,8 @@ PROFILED_STEPS = 2
 
 
 class PhaseRecorder:
-    """Profiler sessions over a run, with named phases marked on their clock: one from before the model is built
-    to the end of the PROFILED_STEPS-th step, one over the final save and eval."""
+    """Profiler sessions over a run, with named phases marked on their clock: one over the first PROFILED_STEPS
+    steps, one over the final save and eval."""
 
     def __init__(self) -> None:
         self._profile: profile | None = None
@@ -189,17 +190,19 @@ def profile_memory(rank: int) -> Iterator[None]:
         yield
         return
     _recorder = PhaseRecorder()
+    # From before the model is built, the CPU allocator keeps the size of every block: a phase's free of a block
+    # allocated while building (DDP replaces its gradient buckets in the second step) is counted. The profiler
+    # itself starts with the first step (start_phases).
     count_every_thread = _cpu_allocator_flag(True)
-    _recorder.start()  # before the model is built: every block a phase frees was allocated under the profiler
     try:
         yield
     finally:
         recorder, _recorder = _recorder, None
-        figures = recorder.stop()
-        _cpu_allocator_flag(False)
-        figures["every_thread"] = count_every_thread
         if recorder.started:  # a run that failed before its first step has nothing to report
+            figures = recorder.stop()
+            figures["every_thread"] = count_every_thread
             _write(figures, folder, rank)
+        _cpu_allocator_flag(False)
 
 
 def _cpu_allocator_flag(on: bool) -> bool:
@@ -249,4 +252,5 @@ def start_phases(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> No
     from shardtune.memory import innermost_optimizer
 
     innermost_optimizer(optimizer).register_step_pre_hook(lambda *_: begin_phase("optimizer"))
+    _recorder.start()
     _recorder.watch(model)

@@ -321,17 +321,18 @@ BF16_CONFIGS = (None, "fsdp_full_shard", "ds_zero3")
 
 @pytest.fixture(scope="session")
 def bf16_run(tiny_assets, tmp_path_factory):
-    """bf16_run(config) -> output dir of that mechanism's bf16 run, run once; it measures its phases too
-    (root/memory)."""
+    """bf16_run(config) -> output dir of that config's bf16 run (BF16_CONFIGS, or any other), run once; it
+    measures its phases too (root/memory) and keeps its output (root/launch.log)."""
     done: dict[str | None, Path] = {}
 
     def run(config: str | None) -> Path:
         if config not in done:
             root = tmp_path_factory.mktemp(f"bf16-{config or 'single'}")
             checkpointing = ("--gradient_checkpointing", "true") if config is None else ()
-            run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, "--mixed_precision", "bf16", "--save_steps", "0",
-                       *checkpointing, config=config, processes=2,
-                       env={"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")})
+            result = run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, "--mixed_precision", "bf16",
+                                "--save_steps", "0", *checkpointing, config=config, processes=2,
+                                env={"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")})
+            (root / "launch.log").write_text(result.stdout + result.stderr)
             done[config] = root / "out"
         return done[config]
 

@@ -80,10 +80,11 @@ def test_two_rank_phases_match_the_plan(config, reference_run, tiny_assets):
     compare(strategy, tiny_assets, 2, 8, False, reference_run(config).parent / "memory")
 
 
-@pytest.mark.parametrize("config", BF16_CONFIGS)
+@pytest.mark.parametrize("config", [*BF16_CONFIGS, "ds_zero2"])  # ZeRO-2's run: tests/test_reduce_precision.py
 def test_bf16_phases_match_the_plan(config, bf16_run, tiny_assets):
     """Each bf16 mechanism's run (conftest.bf16_run: micro-batch 8): autocast on one process with gradient
-    checkpointing (DDP's plan at one rank), FSDP2's MixedPrecisionPolicy and DeepSpeed's bf16 engine without."""
+    checkpointing (DDP's plan at one rank), FSDP2's MixedPrecisionPolicy and DeepSpeed's bf16 engine (ZeRO-2 and
+    ZeRO-3) without."""
     world = 1 if config is None else 2
     compare(strategy_as_launched(config or "ddp", "bf16"), tiny_assets, world, 8, config is None,
             bf16_run(config).parent / "memory")

@@ -1,6 +1,7 @@
 """Gradients are reduced and accumulated in fp32 under bf16: FSDP2 reduce-scatters in fp32 (its
 MixedPrecisionPolicy), DeepSpeed ZeRO-2/3 accumulate in fp32 (data_types.grad_accum_dtype). Each run prints what
-the live objects use, and holds the gradient bytes the planner counts for it (2 ranks, 2 micro-batches)."""
+the live objects use, and holds the gradient bytes the planner counts for it (the bf16 runs of conftest.bf16_run:
+2 ranks, 2 micro-batches)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,8 @@ import pytest
 
 from shardtune.flops import resolve_model
 from shardtune.plan import model_states
-from tests.conftest import read_metrics, run_recipe, strategy_as_launched
+from tests.conftest import read_metrics, strategy_as_launched
 
-ARGS = ("--max_steps", "2", "--per_device_train_batch_size", "8", "--global_batch_size", "32", "--mixed_precision",
-        "bf16", "--save_steps", "0", "--save_model", "false")
 CASES = {  # config -> what the start-up line reports
     "fsdp_full_shard": "FSDP reduce float32",
     "ds_zero2": "DeepSpeed gradient accumulation float32",
@@ -20,10 +19,9 @@ CASES = {  # config -> what the start-up line reports
 
 
 @pytest.mark.parametrize("config", CASES)
-def test_bf16_reduces_in_fp32_and_holds_the_planned_gradients(config, tiny_assets, tmp_path):
-    output_dir = tmp_path / config
-    result = run_recipe(output_dir, tiny_assets, *ARGS, config=config, processes=2)
-    (start,) = [line for line in result.stdout.splitlines() + result.stderr.splitlines()
+def test_bf16_reduces_in_fp32_and_holds_the_planned_gradients(config, bf16_run, tiny_assets):
+    output_dir = bf16_run(config)
+    (start,) = [line for line in (output_dir.parent / "launch.log").read_text().splitlines()
                 if line.startswith(f"shardtune: {'tiny'} |")]
     assert start.endswith(f"precision bf16 {CASES[config]}"), start
     (row,) = [row for row in read_metrics(output_dir) if "held_gradients_bytes" in row]
