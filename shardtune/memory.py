@@ -81,20 +81,24 @@ def local_parameter_bytes(model: torch.nn.Module) -> int:
     return _Storages().bytes(getattr(p, "ds_tensor", p) for p in model.parameters())
 
 
+def fsdp_params(model: torch.nn.Module) -> Iterator:
+    """Every FSDPParam of an FSDP2 model: FSDP's own record of each parameter (nothing for other models)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                yield from group.fsdp_params
+
+
 def fsdp_unsharded_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     """The full-size gradients FSDP2 keeps between micro-batches when gradient sync is off (no_sync): the
     unsharded parameter's gradient, or its copy upcast to the reduce dtype. Neither is a `.grad` of the model's
     (sharded) parameters, so a probe reading `p.grad` alone misses them."""
-    from torch.distributed.fsdp import FSDPModule
-
     grads = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                grads += [fsdp_param.unsharded_accumulated_grad, unsharded.grad if unsharded is not None else None]
+    for fsdp_param in fsdp_params(model):
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        grads += [fsdp_param.unsharded_accumulated_grad, unsharded.grad if unsharded is not None else None]
     return grads
 
 
@@ -139,18 +143,12 @@ def held_model_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 def fsdp_host_tensors(model: torch.nn.Module, inner: torch.optim.Optimizer) -> list[torch.Tensor]:
     """What FSDP2's CPUOffloadPolicy keeps in host memory, by FSDP's own bookkeeping (each FSDPParam's
     `offload_to_cpu`): the sharded parameter, its gradient and the optimizer's states of it."""
-    from torch.distributed.fsdp import FSDPModule
-
     tensors: list[torch.Tensor] = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                if fsdp_param.offload_to_cpu:
-                    param = fsdp_param.sharded_param
-                    state = inner.state.get(param, {})
-                    tensors += [param, param.grad, *(v for v in state.values() if isinstance(v, torch.Tensor))]
+    for fsdp_param in fsdp_params(model):
+        if fsdp_param.offload_to_cpu:
+            param = fsdp_param.sharded_param
+            state = inner.state.get(param, {})
+            tensors += [param, param.grad, *(v for v in state.values() if isinstance(v, torch.Tensor))]
     return tensors
 
 

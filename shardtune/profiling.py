@@ -111,8 +111,7 @@ class PhaseRecorder:
             for name, runs in figures["phases"].items():
                 phases.setdefault(name, []).extend(runs)
         peak = {name: max(run["peak"] for run in runs) for name, runs in phases.items()}
-        return {"baseline": self.baseline, "phases": phases, "peak": peak,
-                "step_peak": max(peak.get("forward_backward", 0), peak.get("optimizer", 0))}
+        return {"baseline": self.baseline, "phases": phases, "peak": peak}
 
 
 def live_tensor_bytes(model: torch.nn.Module) -> int:

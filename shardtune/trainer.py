@@ -251,20 +251,22 @@ def reset_peak_rss() -> None:
 
 def rss_bytes() -> int:
     """This process's resident set size now (VmRSS; 0 where /proc is missing)."""
-    try:
-        with open("/proc/self/status") as file:
-            return next(int(line.split()[1]) * 1024 for line in file if line.startswith("VmRSS:"))
-    except OSError:
-        return 0
+    return _proc_status_bytes("VmRSS:") or 0
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size since the last `reset_peak_rss` (VmHWM)."""
+    """This process's peak resident set size since the last `reset_peak_rss` (VmHWM; where /proc is missing, the
+    peak since the process started)."""
+    peak = _proc_status_bytes("VmHWM:")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _proc_status_bytes(field: str) -> int | None:
     try:
         with open("/proc/self/status") as file:
-            return next(int(line.split()[1]) * 1024 for line in file if line.startswith("VmHWM:"))
+            return next(int(line.split()[1]) * 1024 for line in file if line.startswith(field))
     except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return None
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
