@@ -103,9 +103,9 @@ def planned_peak(config: str, packing: bool) -> float:
     shape = shape_from_config(LlamaConfig(**MODEL), "llama-1.2b (random)")
     hardware = Hardware(1, 1, torch.cuda.get_device_properties(0).total_memory, name="1 GPU")
     strategy = read_accelerate_config(str(REPO / "accelerate_configs" / f"{config}.yaml"), mixed_precision="bf16")
-    # A packed micro-batch is one row of MICRO sequences: the same tokens, no padding, no mask.
-    return plan(shape, hardware, strategy, MICRO, SEQ, checkpointing=True, attn="sdpa",
-                padded=not packing).per_gpu["total"]
+    # A packed micro-batch is one row of MICRO sequences under flex attention: no padding, no dense mask.
+    return plan(shape, hardware, strategy, MICRO, SEQ, checkpointing=True, attn="flash" if packing else "sdpa",
+                packing=packing).per_gpu["total"]
 
 
 def print_table(rows: list[dict]) -> None:

@@ -49,6 +49,11 @@ DS_NVME_MAX_IN_CPU = int(1e9)  # offload_param max_in_cpu: elements of a rank's 
 
 # Fastest first: least sharding, then offload. Among offloads DeepSpeed's SIMD CPU Adam is faster than FSDP's
 # CPU-side torch AdamW step, and NVMe is slowest.
+# How the planner models each transformers attention implementation (shardtune.config.ATTENTION_PACKAGES): SDPA
+# and eager take a dense mask; the flash kernels (flash-attn's varlen kernels, flex attention's block mask) none.
+PLANNED_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash", "flash_attention_3": "flash",
+                     "flex_attention": "flash"}
+
 SPEED_ORDER = (
     "ddp", "ds_zero1", "fsdp_shard_grad_op", "ds_zero2", "fsdp_full_shard", "ds_zero3",
     "ds_zero3_offload_optimizer", "ds_zero3_cpu_offload", "fsdp_full_shard_cpu_offload", "ds_zero3_nvme_offload",
@@ -247,12 +252,15 @@ class Peft:
     targets: str = "all-linear"
     load_in_4bit: bool = False
 
+    def target_names(self) -> list[str]:
+        return list(LORA_TARGETS) if self.targets == "all-linear" else [t.strip() for t in self.targets.split(",")]
+
     def trainable_params(self, shape: ModelShape) -> int:
         q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         h, inter = shape.hidden, shape.intermediate
         shapes = {"q_proj": (h, q_dim), "k_proj": (h, kv_dim), "v_proj": (h, kv_dim), "o_proj": (q_dim, h),
                   "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-        names = LORA_TARGETS if self.targets == "all-linear" else [t.strip() for t in self.targets.split(",")]
+        names = self.target_names()
         unknown = [name for name in names if name not in shapes]
         if unknown:
             raise PlanError(f"LoRA target(s) {unknown} are not linear layers of {shape.name}; use {LORA_TARGETS}.")
@@ -348,7 +356,8 @@ def model_states(strategy: Strategy, params: int, world: int, shape: ModelShape 
       16-bit but keeps the fp32 parameters, so their gradients are fp32 too.
     - DeepSpeed with bf16/fp16 converts the module to 16-bit; the ZeRO optimizer keeps fp32 master weights, m
       and v (12P/N). Gradients, as measured at the first step (tests/test_memory_measured.py): ZeRO-1 holds the
-      full 16-bit gradients until the reduction at the accumulation boundary (2P). With 16-bit weights the
+      full 16-bit gradients until the reduction at the accumulation boundary (2P), at the step one group's fp32
+      partition beside the whole gradients of the parameters its partition overlaps. With 16-bit weights the
       trainer accumulates ZeRO-2/3 gradients in fp32 (shardtune.distributed.configure_deepspeed): ZeRO-2 reduces
       them into the fp32 partition the optimizer reads (4P/N); ZeRO-3 into an fp32 partition, and builds one
       optimizer sub-group's fp32 gradient at a time on top (_zero3_states). So ZeRO-1: 2 + 2 + 12/N, ZeRO-2:
@@ -379,8 +388,9 @@ def model_states(strategy: Strategy, params: int, world: int, shape: ModelShape 
     if strategy.shard == 2:  # fp32 accumulation: the reduced partition is the optimizer's gradient
         grads = 4 * p / n if half else 4 * p / n + 4 * largest_group(shape, params, world)
     else:  # ZeRO-1: the full gradients after backward, or at the step one group's fp32 partition (built as in
-        # ZeRO-2) beside the reduced 16-bit partitions (`averaged_gradients`): measured 3P at N = 2 in bf16
-        grads = max(low * p, 4 * largest_group(shape, params, world) + low * p / n)
+        # ZeRO-2) beside the reduced partitions (`averaged_gradients`), views that keep the whole gradient of every
+        # parameter overlapping the rank's partition alive: measured 3P at N = 2 and 2.27P at N = 3 in bf16
+        grads = max(low * p, 4 * largest_group(shape, params, world) + low * overlapping_elements(shape, params, world))
     states = States(weights, grads, 12 * p / n)
     where = {"cpu": "host", "nvme": "nvme"}
     if strategy.offload_optimizer in where:
@@ -402,6 +412,26 @@ def largest_group(shape: ModelShape | None, params: int, world: int) -> float:
         return params / world
     decayed = sum(numel for numel, decay in parameter_sizes(shape) if decay)
     return max(decayed, shape.params - decayed) / world
+
+
+def overlapping_elements(shape: ModelShape | None, params: int, world: int) -> float:
+    """ZeRO-1/2: the most elements, over ranks, of the parameters that overlap a rank's partition. Each parameter
+    group is flattened in parameter order, padded to a multiple of 2 x N elements (stage_1_and_2.py
+    nccl_start_alignment_factor) and cut into N equal partitions; a parameter that straddles a boundary overlaps
+    two. Without a shape: P/N."""
+    if shape is None or params != shape.params:
+        return params / world
+    per_rank = [0] * world
+    for decayed in (True, False):
+        group = [numel for numel, decay in parameter_sizes(shape) if decay == decayed]
+        alignment = 2 * world
+        size = -(-sum(group) // alignment) * alignment // world
+        start = 0
+        for numel in group:
+            for rank in range(start // size, min(world, -(-(start + numel) // size))):
+                per_rank[rank] += numel
+            start += numel
+    return float(max(per_rank))
 
 
 def _zero3_states(strategy: Strategy, p: float, n: int, weights: float, sub_group: float, low: int) -> States:
@@ -442,8 +472,8 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
       Llama 3 is the embedding or lm_head), the prefetch bucket and the reduce bucket.
     - FSDP FULL_SHARD: the root unit (embedding, final norm, lm_head) stays gathered from forward to backward;
       one layer computing and one prefetched; the unsharded gradients of one layer and of the root before
-      reduce-scatter, in fp32 (the trainer's reduce_dtype). SHARD_GRAD_OP keeps every unsharded 16-bit weight
-      from forward to backward instead of re-gathering."""
+      reduce-scatter, in fp32 (the trainer's reduce_dtype; with LoRA one layer's adapters). SHARD_GRAD_OP keeps
+      every unsharded 16-bit weight from forward to backward instead of re-gathering."""
     low = 2 if strategy.mixed_precision in ("bf16", "fp16") else 4
     layer = shape.layer_params
     root = shape.params - shape.layers * layer
@@ -453,20 +483,28 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
         return 2 * cached if activation_mode == "autocast" else 0
     if strategy.kind == "deepspeed":
         return deepspeed_buffers(strategy, shape, params, low)
-    reducing = (root + layer) * 4  # unsharded gradients waiting for their fp32 reduce-scatter
+    reducing = 4 * layer_gradient_elements(shape, trainable) + (4 * root if trainable in (None, params) else 0)
     if strategy.shard >= 3:
         return (root + 2 * layer) * low + reducing
     return params * low + reducing
 
 
+def layer_gradient_elements(shape: ModelShape, trainable: int | None = None) -> float:
+    """Elements of one decoder layer's gradients: all its parameters, or its share of `trainable` (LoRA's
+    adapters, all in the layers)."""
+    return shape.layer_params if trainable in (None, shape.params) else trainable / shape.layers
+
+
 def freed_under_layer_gradients(strategy: Strategy, shape: ModelShape, batch: int, seq: int, mode: str,
-                                attn: str = "sdpa", padded: bool = True) -> float:
+                                attn: str = "sdpa", masked: bool = True, trainable: int | None = None) -> float:
     """FSDP: a layer's unsharded fp32 gradients (in buffers()) grow while that layer's backward frees the
     activations it saved or recomputed, so they sit on top of the peak activations only by what exceeds one
     layer's activations (measured on CPU: counting both overshoots the forward/backward peak by 5-9%)."""
     if strategy.kind != "fsdp":
         return 0.0
-    return float(min(4 * shape.layer_params, layer_activation_bytes(shape, batch, seq, mode, attn, padded)))
+    frozen = trainable not in (None, shape.params)
+    activations = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
+    return float(min(4 * layer_gradient_elements(shape, trainable), activations))
 
 
 def deepspeed_buffers(strategy: Strategy, shape: ModelShape, params: int, low: int) -> float:
@@ -509,19 +547,22 @@ def _dtypes(mode: str) -> tuple[int, int]:
 
 
 def layer_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, attn: str = "sdpa",
-                           padded: bool = True) -> int:
+                           masked: bool = True, frozen: bool = False) -> int:
     """Bytes one Llama decoder layer saves for backward without recomputation (n = batch x seq tokens,
     c = compute bytes, r = residual bytes; the layer input itself is saved by the first norm).
 
     - Each RMSNorm: its input upcast to fp32 (4nh; the input itself when already fp32), the fp32 rstd (4n), the
-      normalised x in the residual dtype (r·nh, for the weight gradient) and its output as the next matmuls'
+      normalised x in the residual dtype (r·nh, for the weight gradient: not with a `frozen` base, LoRA's) and
+      its output as the next matmuls'
       input in the compute dtype (c·nh; under autocast one 16-bit copy per consuming matmul: 3 for q, k, v and
       2 for gate, up, as autocast caches only casts of leaf weights).
     - Attention: RoPE saves only cos/sin (shared). SDPA saves q, k, v, its output (c·n·d each, where k and v are
-      repeated to all heads when GQA meets a padding mask, since transformers then calls repeat_kv) and the fp32
-      logsumexp (4·n·heads); o_proj reads the output in place. With padding each layer also saves its own copy
-      of the additive mask in the compute dtype (c·b·s², measured on CPU SDPA). Eager saves q, repeated k and v,
-      the fp32 softmax (4·b·heads·s²) and its 16-bit copy, and the contiguous o_proj input.
+      repeated to all heads when GQA meets a mask, since transformers then calls repeat_kv) and the fp32
+      logsumexp (4·n·heads); o_proj reads the output in place. `masked` (a dense mask reaches the kernel: a
+      padded batch, or a packed row's block-diagonal mask under SDPA or eager): each layer also saves its own copy
+      of the mask in the compute dtype (c·b·s², measured on CPU SDPA). The flash kernels ("flash":
+      flash_attention_2/3, flex_attention) take no dense mask and save what unmasked SDPA saves. Eager saves q,
+      repeated k and v, the fp32 softmax (4·b·heads·s²) and its 16-bit copy, and the contiguous o_proj input.
     - SwiGLU MLP: gate output, SiLU output, up output and their product (4·c·n·intermediate).
     Residual adds save nothing."""
     compute, residual = _dtypes(mode)
@@ -529,52 +570,54 @@ def layer_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, a
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     # Autocast casts a matmul input once per matmul (only leaf weights are cached): q, k, v and gate, up.
     attn_inputs, mlp_inputs = (3, 2) if mode == "autocast" else (1, 1)
-    norm = 4 * n * h + 4 * n + residual * n * h
+    norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h)
     norms = 2 * norm + (attn_inputs + mlp_inputs) * compute * n * h
     if attn == "eager":
         scores = batch * shape.heads * seq * seq
         attention = 4 * compute * n * q_dim + 4 * scores + (compute * scores if compute != 4 else 0)
     else:
         key = value = kv_dim
-        if padded and shape.kv_heads != shape.heads:  # repeat_kv copies, except one kv head: a reshape view
+        if masked and shape.kv_heads != shape.heads:  # repeat_kv copies, except one kv head: a reshape view
             key = value = q_dim if shape.kv_heads > 1 else kv_dim
             key = q_dim if mode == "autocast" else key  # autocast's cast to 16-bit materialises the view
         attention = compute * n * (2 * q_dim + key + value) + 4 * n * shape.heads
-        if padded:  # each layer's SDPA call saves its own converted copy of the additive mask
+        if masked:  # each layer's SDPA call saves its own converted copy of the additive mask
             attention += batch * seq * seq * compute
     return norms + attention + 4 * compute * n * inter
 
 
 def shared_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, attn: str = "sdpa",
-                            padded: bool = True) -> int:
+                            masked: bool = True) -> int:
     """Saved once for all layers: RoPE cos and sin (1 x s x head_dim each, residual dtype)."""
     _, residual = _dtypes(mode)
     return 2 * seq * shape.head_dim * residual
 
 
-def head_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str) -> int:
-    """Outside the layers: input ids (int64, for the embedding), the final RMSNorm (as in a layer), the fp32
-    log-probabilities saved by cross-entropy (4·n·vocab: the upcast logits' log_softmax) and the int64 targets."""
+def head_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, frozen: bool = False) -> int:
+    """Outside the layers: input ids (int64, for the embedding), the final RMSNorm (as in a layer; a `frozen`
+    lm_head saves no input, a frozen norm weight no normalised x), the fp32 log-probabilities saved by
+    cross-entropy (4·n·vocab: the upcast logits' log_softmax) and the int64 targets."""
     compute, residual = _dtypes(mode)
     n, h = batch * seq, shape.hidden
-    return 8 * n + (4 * n * h + 4 * n + residual * n * h + compute * n * h) + 4 * n * shape.vocab + 8 * n
+    norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h + compute * n * h)
+    return 8 * n + norm + 4 * n * shape.vocab + 8 * n
 
 
 def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
-                           attn: str = "sdpa", padded: bool = True) -> int:
+                           attn: str = "sdpa", masked: bool = True, frozen: bool = False) -> int:
     """Everything saved for backward at the end of the forward (what saved_tensors_hooks see). With full
     recomputation (non-reentrant) a layer saves only its input (r·n·h); masks and RoPE tables are then held by
     the recompute closure, not the graph, and are counted in the transient peak instead."""
     _, residual = _dtypes(mode)
-    head = head_activation_bytes(shape, batch, seq, mode)
+    head = head_activation_bytes(shape, batch, seq, mode, frozen)
     if checkpointing:
         return shape.layers * residual * batch * seq * shape.hidden + head
-    per_layer = layer_activation_bytes(shape, batch, seq, mode, attn, padded)
-    return shape.layers * per_layer + shared_activation_bytes(shape, batch, seq, mode, attn, padded) + head
+    per_layer = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
+    return shape.layers * per_layer + shared_activation_bytes(shape, batch, seq, mode, attn, masked) + head
 
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
-                     attn: str = "sdpa", padded: bool = True) -> dict[str, int]:
+                     attn: str = "sdpa", masked: bool = True, frozen: bool = False) -> dict[str, int]:
     """Peak activation memory = saved + the largest transient on top of it:
     - the loss: the forward holds the logits (c·n·vocab) and their fp32 upcast (4·n·vocab); its backward holds
       two fp32 n x vocab gradients (d log-probs, d logits) - the larger, 8·n·vocab, is taken;
@@ -582,12 +625,12 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpo
     - the MLP backward's two intermediate-size gradients (2·c·n·intermediate)."""
     compute, _ = _dtypes(mode)
     n = batch * seq
-    saved = saved_activation_bytes(shape, batch, seq, mode, checkpointing, attn, padded)
+    saved = saved_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen)
     logits = max(compute * n * shape.vocab + (4 * n * shape.vocab if compute != 4 else 0), 8 * n * shape.vocab)
     recompute = 0
     if checkpointing:
-        recompute = layer_activation_bytes(shape, batch, seq, mode, attn, padded)
-        recompute += shared_activation_bytes(shape, batch, seq, mode, attn, padded)
+        recompute = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
+        recompute += shared_activation_bytes(shape, batch, seq, mode, attn, masked)
     transient = max(logits, recompute) + 2 * compute * n * shape.intermediate
     return {"saved": saved, "transient": transient, "total": saved + transient}
 
@@ -697,20 +740,24 @@ def optimizer_step_bytes(strategy: Strategy, shape: ModelShape, world: int, peft
     return 4.0 * max(previous + 2 * current for previous, current in zip([0, *sizes], sizes, strict=False))
 
 
-def eval_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str) -> float:
+def eval_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, masked: bool = True,
+                          adapted_up: bool = False) -> float:
     """The eval forward under no_grad (shardtune.evaluation): only what the running op needs is alive. Throughout,
     four n x h tensors of the residual stream (the embedding output, which the model's forward keeps, the layer's
-    input, the residual and the normalised input), the additive mask (c·b·s², padded batches) and RoPE's cos and
-    sin (b·s·head_dim each). On top, the larger of the SwiGLU MLP (SiLU of gate, up and their product,
-    3·c·n·intermediate; measured with the profiler's allocator events) and the head: the logits in the compute
+    input, the residual and the normalised input), the additive mask (c·b·s², `masked`: SDPA and eager) and
+    RoPE's cos and sin (b·s·head_dim each). On top, the larger of the SwiGLU MLP (SiLU of gate, up and their product,
+    3·c·n·intermediate; measured with the profiler's allocator events; a LoRA adapter on up_proj adds its scaled
+    output and the sum, `result + lora_B(lora_A(x)) * scaling` in peft, while SiLU of gate is alive: 4) and the
+    head: the logits in the compute
     dtype (c·n·vocab, kept for the whole batch) with one chunk of CHUNK_POSITIONS positions upcast to fp32 and
     cross-entropy's log-softmax of it."""
     compute, residual = _dtypes(mode)
     n = batch * seq
-    stream = 4 * residual * n * shape.hidden + compute * batch * seq * seq + 2 * residual * n * shape.head_dim
+    mask = compute * batch * seq * seq if masked else 0
+    stream = 4 * residual * n * shape.hidden + mask + 2 * residual * n * shape.head_dim
     upcasts = 2 if compute != 4 else 1  # the chunk's fp32 copy (none when fp32 already) and its log-softmax
     head = compute * n * shape.vocab + 4 * min(seq, EVAL_CHUNK_POSITIONS) * shape.vocab * upcasts
-    return float(stream + max(head, 3 * compute * n * shape.intermediate))
+    return float(stream + max(head, (4 if adapted_up else 3) * compute * n * shape.intermediate))
 
 
 def eval_gather_bytes(strategy: Strategy, shape: ModelShape) -> float:
@@ -788,7 +835,7 @@ def host_step_bytes(strategy: Strategy, shape: ModelShape, world: int, peft: Pef
 
 def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backward: dict[str, float],
                 eval_batch: int, seq: int, peft: Peft | None = None, foreach: bool = True,
-                host: float = 0.0, export_bytes: int = 2) -> dict[str, dict]:
+                host: float = 0.0, export_bytes: int = 2, attn: str = "sdpa") -> dict[str, dict]:
     """Per GPU, each phase's parts and total; `forward_backward` is the step's (model states, activations,
     buffers). Gradients are freed by the step (the trainer's zero_grad sets them to None), so eval and save hold
     the weights and optimizer states; DDP's gradients are views into its reducer's buckets, which stay, and
@@ -813,7 +860,8 @@ def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backw
         "optimizer": {**states, "buffers": kept["buffers"],
                       "step": optimizer_step_bytes(strategy, shape, world, peft, foreach)},
         "eval": {**kept, "gathered": eval_gather_bytes(strategy, shape) + autocast_cache,
-                 "activations": eval_activation_bytes(shape, eval_batch, seq, mode)},
+                 "activations": eval_activation_bytes(shape, eval_batch, seq, mode, attn != "flash",
+                                                      peft is not None and "up_proj" in peft.target_names())},
         "save": {**kept, "gathered": gathered},
     }
     for parts in phases.values():
@@ -876,7 +924,7 @@ class Plan:
 
 def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch: int = 1, seq: int = 4096,
          checkpointing: bool = True, attn: str = "sdpa", peft: Peft | None = None,
-         padded: bool = True, async_save: bool = False, save_only_model: bool = False, eval_batch: int = 8,
+         packing: bool = False, async_save: bool = False, save_only_model: bool = False, eval_batch: int = 8,
          foreach: bool = True, export_bytes: int = 2) -> Plan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
@@ -884,17 +932,21 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     final export (bf16, the Llama checkpoints' dtype, unless --save_dtype says otherwise). `foreach`: torch
     AdamW's CUDA default; False plans its per-tensor loop (the CPU default). Runs in microseconds: nothing is
     built or loaded. With `peft`, activations are the base model's (LoRA's rank-r intermediates and dropout
-    copies are not counted)."""
+    copies are not counted). `attn`: "sdpa", "eager" or "flash" (planned_attention). With `packing` a training
+    micro-batch is one row of micro_batch x seq tokens (DataCollatorWithFlattening); eval batches are padded."""
     params, world = shape.params, hardware.world_size
     mode = activation_mode(strategy)
     states = peft_states(strategy, shape, world, peft) if peft else model_states(strategy, params, world, shape)
-    acts = activation_bytes(shape, micro_batch, seq, mode, checkpointing, attn, padded)
+    rows, length = (1, micro_batch * seq) if packing else (micro_batch, seq)
+    masked = attn != "flash"  # SDPA and eager get a dense mask: a padded batch's, or a packed row's block-diagonal
+    acts = activation_bytes(shape, rows, length, mode, checkpointing, attn, masked, frozen=peft is not None)
     buffer = buffers(strategy, shape, params, world, mode, peft.trainable_params(shape) if peft else None)
-    buffer -= freed_under_layer_gradients(strategy, shape, micro_batch, seq, mode, attn, padded)
+    buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked,
+                                          peft.trainable_params(shape) if peft else None)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
                "activations": float(acts["total"]), "buffers": float(buffer)}
     phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch, seq, peft, foreach, states.host,
-                         export_bytes)
+                         export_bytes, attn)
     peak_phase = max(PHASES, key=lambda name: phases[name]["total"])
     per_gpu["total"] = phases[peak_phase]["total"]
     offloaded = states.host * hardware.gpus_per_node
@@ -956,7 +1008,7 @@ MAX_NODES = 64  # how far "nothing fits" looks for a node count that does
 
 def candidates(shape: ModelShape, hardware: Hardware, global_batch: int | None = None, seq: int = 4096,
                mixed_precision: str = "bf16", configs_dir: str = CONFIGS_DIR, attn: str = "sdpa",
-               peft: Peft | None = None) -> Iterator[tuple[Plan, int, bool]]:
+               peft: Peft | None = None, packing: bool = False) -> Iterator[tuple[Plan, int, bool]]:
     """(plan, accumulation, offloads) for every config, checkpointing and micro-batch, fastest first: GPU-only
     configs before offload; within each, no recomputation before recomputation, configs in SPEED_ORDER, then the
     largest micro-batch that keeps the global batch (accumulation derived; it must divide)."""
@@ -968,18 +1020,19 @@ def candidates(shape: ModelShape, hardware: Hardware, global_batch: int | None =
         for checkpointing in (False, True):
             for strategy in group:
                 for micro, accumulation in pairs:
-                    yield plan(shape, hardware, strategy, micro, seq, checkpointing, attn, peft), accumulation, offload
+                    yield (plan(shape, hardware, strategy, micro, seq, checkpointing, attn, peft, packing),
+                           accumulation, offload)
 
 
 def recommend(shape: ModelShape, hardware: Hardware, global_batch: int | None = None, seq: int = 4096,
               mixed_precision: str = "bf16", configs_dir: str = CONFIGS_DIR, attn: str = "sdpa",
-              peft: Peft | None = None) -> Recommendation:
+              peft: Peft | None = None, packing: bool = False) -> Recommendation:
     """The fastest plan that fits the GPUs and the host RAM (see `candidates` for the order); when none does,
     what binds and the smallest number of such nodes on which one does."""
     if not micro_batches(global_batch, hardware.world_size):
         return Recommendation(None, False, None, f"Global batch {global_batch} is not divisible by the "
                               f"{hardware.world_size} GPUs of {hardware.name}: no micro-batch keeps it.")
-    args = (shape, hardware, global_batch, seq, mixed_precision, configs_dir, attn, peft)
+    args = (shape, hardware, global_batch, seq, mixed_precision, configs_dir, attn, peft, packing)
     for candidate, accumulation, offload in candidates(*args):
         if candidate.fits:
             return Recommendation(candidate, not offload, accumulation,
@@ -1178,14 +1231,14 @@ def plan_launch(shape: ModelShape, hardware: Hardware, recipe, config_file: str 
     else:
         strategy = strategy_from_launch_env(recipe.mixed_precision)
     peft = Peft(recipe.lora_r, recipe.lora_target_modules, recipe.load_in_4bit) if recipe.use_peft else None
+    attn = PLANNED_ATTENTION[recipe.attn_implementation]
     chosen = plan(shape, hardware, strategy, recipe.per_device_train_batch_size, recipe.max_seq_length,
-                  recipe.gradient_checkpointing, "eager" if recipe.attn_implementation == "eager" else "sdpa",
-                  peft=peft, padded=not recipe.packing, async_save=recipe.async_save,
+                  recipe.gradient_checkpointing, attn, peft=peft, packing=recipe.packing, async_save=recipe.async_save,
                   save_only_model=recipe.save_only_model, eval_batch=recipe.per_device_eval_batch_size)
     if chosen.fits:
         return chosen, None
     found = recommend(shape, hardware, recipe.global_batch_size, recipe.max_seq_length, recipe.mixed_precision,
-                      attn="eager" if recipe.attn_implementation == "eager" else "sdpa", peft=peft)
+                      attn=attn, peft=peft, packing=recipe.packing)
     return chosen, f"The fastest plan that fits: {found.message}" if found.plan else found.message
 
 
@@ -1201,7 +1254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_seq_length", type=int)
     parser.add_argument("--gradient_checkpointing", type=_bool)
     parser.add_argument("--mixed_precision", choices=("bf16", "fp16", "no"))
-    parser.add_argument("--attn_implementation", default="sdpa", choices=("sdpa", "eager"))
+    parser.add_argument("--attn_implementation", default="sdpa", choices=tuple(PLANNED_ATTENTION))
+    parser.add_argument("--packing", type=_bool, default=False,
+                        help="Padding-free packed micro-batches (one row of micro-batch x length tokens)")
     parser.add_argument("--host_ram_gb", type=float,
                         help="Host RAM per node in GB (default: 250 GB per GPU, as DGX nodes carry)")
     parser.add_argument("--use_peft", type=_bool, help="LoRA on a frozen base")
@@ -1259,6 +1314,8 @@ def _run(args: argparse.Namespace) -> int:
     micro = _given(args.per_device_train_batch_size, recipe.get("per_device_train_batch_size") or 1)
     checkpointing = _given(args.gradient_checkpointing, recipe.get("gradient_checkpointing", True))
     precision = args.mixed_precision or recipe.get("mixed_precision")
+    attn = PLANNED_ATTENTION[args.attn_implementation]
+    packing = args.packing or recipe.get("packing", False)
     peft = None
     if _given(args.use_peft, recipe.get("use_peft", False)):
         peft = Peft(_given(args.lora_r, recipe.get("lora_r", 16)),
@@ -1266,20 +1323,19 @@ def _run(args: argparse.Namespace) -> int:
                     _given(args.load_in_4bit, recipe.get("load_in_4bit", False)))
         peft.trainable_params(shape)  # unknown target names: one line now
     if args.compare or args.chart:
-        plans = [plan(shape, hardware, read_accelerate_config(path, precision), micro, seq, checkpointing,
-                      args.attn_implementation, peft) for path in config_paths()]
+        plans = [plan(shape, hardware, read_accelerate_config(path, precision), micro, seq, checkpointing, attn,
+                      peft, packing) for path in config_paths()]
         if args.chart:
             write_chart(plans, args.chart)
         print(json.dumps([p.to_json() for p in plans]) if args.json else format_compare(plans))
         return 0
     if args.config_file:
         strategy = read_accelerate_config(args.config_file, precision)
-        result = plan(shape, hardware, strategy, micro, seq, checkpointing, args.attn_implementation, peft)
+        result = plan(shape, hardware, strategy, micro, seq, checkpointing, attn, peft, packing)
         print(json.dumps(result.to_json()) if args.json else format_plan(result))
         return 0 if result.fits else 1
     global_batch = _given(args.global_batch_size, recipe.get("global_batch_size"))
-    found = recommend(shape, hardware, global_batch, seq, precision or "bf16", attn=args.attn_implementation,
-                      peft=peft)
+    found = recommend(shape, hardware, global_batch, seq, precision or "bf16", attn=attn, peft=peft, packing=packing)
     if args.json:
         body = found.plan.to_json() if found.plan else {"params": shape.params, "fits": False}
         print(json.dumps({**body, "recommendation": found.message, "gpu_only": found.gpu_only,

@@ -60,6 +60,7 @@ class PhaseRecorder:
         self.starts: list[int] = []  # bytes live at the start of each phase of the current session, in order
         self.steps = 0
         self._figures: list[dict[str, Any]] = []  # of the sessions ended
+        self.largest_batch: dict[str, list[int]] = {}  # per phase, the shape of the largest input_ids recorded
 
     def start(self) -> None:
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -74,9 +75,19 @@ class PhaseRecorder:
         self._profile = None
 
     def watch(self, model: torch.nn.Module) -> None:
-        """Phases may begin from now on; the bytes live now are the baseline."""
+        """Phases may begin from now on; the bytes live now are the baseline. Each recorded phase also notes the
+        largest batch the model ran (rows, length of its input_ids: a packed row is one row)."""
         self.model, self.baseline = model, live_tensor_bytes(model)
         self.started = True
+        model.register_forward_pre_hook(self._note_batch, with_kwargs=True)
+
+    def _note_batch(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self._open is None or not isinstance(ids, torch.Tensor):
+            return
+        largest = self.largest_batch.get(self._open_name, [0, 0])
+        if ids.numel() > largest[0] * largest[1]:
+            self.largest_batch[self._open_name] = list(ids.shape)
 
     def begin(self, name: str) -> None:
         """Start phase `name`, ending the one open (phases never nest); nothing if `name` is open already. The
@@ -111,7 +122,7 @@ class PhaseRecorder:
             for name, runs in figures["phases"].items():
                 phases.setdefault(name, []).extend(runs)
         peak = {name: max(run["peak"] for run in runs) for name, runs in phases.items()}
-        return {"baseline": self.baseline, "phases": phases, "peak": peak}
+        return {"baseline": self.baseline, "phases": phases, "peak": peak, "largest_batch": self.largest_batch}
 
 
 def live_tensor_bytes(model: torch.nn.Module) -> int:

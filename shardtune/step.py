@@ -57,11 +57,14 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     for index, batch in enumerate(micro_batches):
         with accelerator.accumulate(model):
             loss = model(**batch, num_items_in_batch=targets).loss  # this micro-batch's share of the mean
+            loss_sum += loss.detach()
             # accelerate divides by the accumulation steps and the ranks average gradients: undo both.
             accelerator.backward(loss * plan.accumulation * plan.world_size)
+            # The spent graph would outlive the loop into the optimizer step: under LoRA with recomputation its
+            # leaves include the embedding output (made to require grad by peft) and that output's gradient.
+            del loss
             if after_backward is not None:
                 after_backward(index)
-        loss_sum += loss.detach()
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)  # only on the update
     optimizer.step()
     scheduler.step()

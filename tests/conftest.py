@@ -321,21 +321,72 @@ BF16_CONFIGS = (None, "fsdp_full_shard", "ds_zero3")
 
 @pytest.fixture(scope="session")
 def bf16_run(tiny_assets, tmp_path_factory):
-    """bf16_run(config) -> output dir of that config's bf16 run (BF16_CONFIGS, or any other), run once; it
-    measures its phases too (root/memory) and keeps its output (root/launch.log)."""
+    """bf16_run(config) -> output dir of that config's bf16 run (BF16_CONFIGS), run once; it measures its phases
+    too (root/memory) and keeps its output (root/launch.log)."""
     done: dict[str | None, Path] = {}
 
     def run(config: str | None) -> Path:
         if config not in done:
             root = tmp_path_factory.mktemp(f"bf16-{config or 'single'}")
             checkpointing = ("--gradient_checkpointing", "true") if config is None else ()
-            # A config whose curve no test compares runs the two steps its phases are measured over.
-            steps = () if config in BF16_CONFIGS else ("--max_steps", "2")
-            result = run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, "--mixed_precision", "bf16",
-                                "--save_steps", "0", *steps, *checkpointing, config=config, processes=2,
-                                env={"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")})
-            (root / "launch.log").write_text(result.stdout + result.stderr)
-            done[config] = root / "out"
+            done[config] = measured_run(root, tiny_assets, *REFERENCE_ARGS, "--mixed_precision", "bf16",
+                                        "--save_steps", "0", *checkpointing, config=config, processes=2)
+        return done[config]
+
+    return run
+
+
+# DeepSpeed where its formulas depend on the rank count and the precision: bf16 on 3 ranks (uneven partitions;
+# on 2 ranks in fp32 the ZeRO-1, ZeRO-2 and ZeRO-3 gradient terms coincide), ZeRO-3's partitions cut into several
+# optimizer sub-groups (TINY_ZERO_SIZES). Two steps of 2 micro-batches of 4 sequences per rank, then the save and
+# the eval: the steps and phases the profiler measures.
+THREE_RANKS = 3
+THREE_RANK_ARGS = ("--max_steps", "2", "--mixed_precision", "bf16", "--per_device_train_batch_size", "4",
+                   "--global_batch_size", "24", "--save_steps", "0")
+THREE_RANK_CONFIGS = ("ds_zero1", "ds_zero2", "ds_zero3")
+
+
+@pytest.fixture(scope="session")
+def three_rank_run(tiny_assets, tmp_path_factory):
+    """three_rank_run(config) -> output dir of that DeepSpeed config's 3-rank bf16 run, run once; it measures its
+    phases (root/memory) and keeps its output (root/launch.log)."""
+    done: dict[str, Path] = {}
+
+    def run(config: str) -> Path:
+        if config not in done:
+            root = tmp_path_factory.mktemp(f"three-ranks-{config}")
+            done[config] = measured_run(root, tiny_assets, *THREE_RANK_ARGS, config=config, processes=THREE_RANKS)
+        return done[config]
+
+    return run
+
+
+def measured_run(root: Path, assets: tuple[str, str], *args: str, **options) -> Path:
+    """Run the recipe into root/out with its phases measured (root/memory) and its output kept (root/launch.log)."""
+    result = run_recipe(root / "out", assets, *args, env={"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")},
+                        **options)
+    (root / "launch.log").write_text(result.stdout + result.stderr)
+    return root / "out"
+
+
+# LoRA on a frozen fp32 base, with recomputation, 4 steps (tests/test_peft.py): padded under DDP, packed under FSDP
+# and ZeRO-3, so packed training is compared with padded and measured by phase (tests/test_memory_phases.py).
+LORA_ARGS = (*REFERENCE_ARGS, "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
+             "--gradient_checkpointing", "true", "--max_steps", "4", "--save_steps", "4")
+LORA_STRATEGIES = {"ddp": (), "fsdp_full_shard": ("--packing", "true"), "ds_zero3": ("--packing", "true")}
+
+
+@pytest.fixture(scope="session")
+def lora_run(tiny_assets, tmp_path_factory):
+    """lora_run(config) -> output dir of that config's LoRA run (LORA_STRATEGIES), run once; it measures its
+    phases too (root/memory)."""
+    done: dict[str, Path] = {}
+
+    def run(config: str) -> Path:
+        if config not in done:
+            root = tmp_path_factory.mktemp(f"lora-{config}")
+            done[config] = measured_run(root, tiny_assets, *LORA_ARGS, *LORA_STRATEGIES[config], config=config,
+                                        processes=2)
         return done[config]
 
     return run

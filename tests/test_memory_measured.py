@@ -1,9 +1,9 @@
 """The planner's model states against what each rank really holds. Every shipped config's 2-process reference
 run (fp32) measures its weights, gradients and optimizer states on the live objects at the first step
-(shardtune.memory) and logs the largest rank's bytes; the planner predicts them from the config alone. One more
-launch measures ZeRO-3 where its formulas part from that reference: bf16 (fp32 gradient accumulation beside
-16-bit weights), 3 ranks (uneven partitions), and a sub_group_size that cuts each rank's partition into several
-optimizer sub-groups, as sub_group_size does for a 70B model."""
+(shardtune.memory) and logs the largest rank's bytes; the planner predicts them from the config alone. The 3-rank
+bf16 runs (conftest.three_rank_run) measure ZeRO-1, -2 and -3 where their formulas part from that reference: bf16
+(fp32 gradient accumulation beside 16-bit weights), 3 ranks (uneven partitions), and a sub_group_size that cuts
+each rank's partition into several optimizer sub-groups, as sub_group_size does for a 70B model."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from shardtune.config import ConfigError
 from shardtune.flops import resolve_model
 from shardtune.memory import COMPONENTS
 from shardtune.plan import Strategy, buffers, deepspeed_sizes, largest_sub_group, model_states, read_accelerate_config
-from tests.conftest import CONFIGS, read_metrics, run_recipe, strategy_as_launched
+from tests.conftest import CONFIGS, THREE_RANK_CONFIGS, THREE_RANKS, read_metrics, strategy_as_launched
 from tests.test_strategies import CONFIG_NAMES
 
 # The README's figures. Weights and optimizer states: exact up to Adam's step counters (4 bytes per tensor) and,
@@ -31,18 +31,6 @@ OFFLOAD_RTOL = 0.05
 # (0 bytes): there the buffer is planned, not measured.
 BUFFER_RTOL = 1e-3
 BUFFERS_NOT_MEASURED = {"ds_zero2"}
-
-# The sub-grouped run: ZeRO-3's JSON with these two values patched into a copy, everything else as shipped.
-# 4,000 elements cut a rank's 32,714-element partition (98,112 parameters over 3 ranks) into 7 sub-groups (6 of
-# the decayed matrices, the largest 7,510 elements, and the norms); 2,500 keeps k_proj and v_proj (2,048 elements
-# each) and the norms whole on every rank.
-SUB_GROUP_SIZE, PERSISTENCE_THRESHOLD = 4000, 2500
-SUB_GROUPED_RANKS = 3
-# One step of 2 micro-batches of 4 sequences per rank; nothing saved or generated.
-SUB_GROUPED_ARGS = ("--max_steps", "1", "--mixed_precision", "bf16", "--per_device_train_batch_size", "4",
-                    "--global_batch_size", "24", "--save_steps", "0", "--save_model", "false",
-                    "--generation_samples", "0")
-
 
 def held(output_dir) -> dict[str, int]:
     (row,) = [row for row in read_metrics(output_dir) if "held_weights_bytes" in row]
@@ -99,39 +87,29 @@ def measurable_buffers(strategy: Strategy, shape, world: int) -> float:
     return deepspeed_sizes(strategy, shape)["reduce_bucket"] * (2 if strategy.mixed_precision != "no" else 4)
 
 
-def sub_grouped_json(tmp_path) -> str:
-    """The shipped ZeRO-3 JSON with a sub_group_size and persistence threshold sized for the tiny model."""
-    config = json.loads((CONFIGS / "deepspeed" / "zero3.json").read_text())
-    config["zero_optimization"].update(sub_group_size=SUB_GROUP_SIZE,
-                                       stage3_param_persistence_threshold=PERSISTENCE_THRESHOLD)
-    path = tmp_path / "zero3_sub_grouped.json"
-    path.write_text(json.dumps(config))
-    return str(path)
-
-
-def test_zero3_in_bf16_on_3_ranks_holds_one_sub_group_beyond_its_partitions(tiny_assets, tmp_path):
-    """ZeRO-3 keeps the 16-bit weight partition, the gradient partition it reduces into (fp32: the trainer's
-    accumulation dtype) and the fp32 master, m and v partitions, and builds one sub-group's fp32 gradient at a
-    time: the optimizer states of every sub-group are counted, and of the gradients only the largest sub-group's
-    comes on top. The planner's sub-groups are cut from the model's parameter order, as DeepSpeed cuts them."""
-    config_file = sub_grouped_json(tmp_path)
-    run_recipe(tmp_path / "out", tiny_assets, *SUB_GROUPED_ARGS, config="ds_zero3", processes=SUB_GROUPED_RANKS,
-               launch_args=("--deepspeed_config_file", config_file))
-    measured = held(tmp_path / "out")
+@pytest.mark.parametrize("config", THREE_RANK_CONFIGS)
+def test_bf16_on_3_ranks_holds_the_planned_states(config, three_rank_run, tiny_assets):
+    """ZeRO-1, -2 and -3 in bf16 on 3 ranks (conftest.three_rank_run), where each stage's formulas differ: the
+    16-bit weights (partitioned by ZeRO-3 only), the fp32 master, m and v partitions, and the gradients: ZeRO-1 the
+    full fp32 accumulation (the trainer's dtype) until its partition is reduced, ZeRO-2 its fp32 partition, ZeRO-3
+    its fp32 partition plus one optimizer sub-group's fp32 gradient at a time, cut from the model's parameter
+    order as DeepSpeed cuts them (TINY_ZERO_SIZES: several sub-groups per rank)."""
+    measured = held(three_rank_run(config))
     shape = resolve_model(tiny_assets[0])
-    strategy = read_accelerate_config(str(CONFIGS / "ds_zero3.yaml"), mixed_precision="bf16")
-    strategy = dataclasses.replace(strategy, sub_group=SUB_GROUP_SIZE, persistence_threshold=PERSISTENCE_THRESHOLD)
-    planned = model_states(strategy, shape.params, SUB_GROUPED_RANKS, shape)
-    partition = shape.params / SUB_GROUPED_RANKS
-    sub_group = largest_sub_group(strategy, shape, shape.params, SUB_GROUPED_RANKS)
-    assert SUB_GROUP_SIZE <= sub_group < partition / 3  # several sub-groups per rank
-    assert planned.gradients == pytest.approx(4 * partition + 4 * sub_group)
+    strategy = strategy_as_launched(config, "bf16")
+    planned = model_states(strategy, shape.params, THREE_RANKS, shape)
+    if strategy.shard >= 3:
+        partition = shape.params / THREE_RANKS
+        sub_group = largest_sub_group(strategy, shape, shape.params, THREE_RANKS)
+        assert strategy.sub_group <= sub_group < partition / 3  # several sub-groups per rank
+        assert planned.gradients == pytest.approx(4 * partition + 4 * sub_group)
     assert measured["weights"] == pytest.approx(planned.weights, rel=EXACT_RTOL)
     assert measured["optimizer"] == pytest.approx(planned.optimizer, rel=EXACT_RTOL)
     assert measured["gradients"] == pytest.approx(planned.gradients, rel=GRADIENT_RTOL)
     assert measured["host"] == planned.host == 0
-    assert measured["buffers"] == pytest.approx(measurable_buffers(strategy, shape, SUB_GROUPED_RANKS),
-                                                rel=BUFFER_RTOL)
+    if config not in BUFFERS_NOT_MEASURED:
+        assert measured["buffers"] == pytest.approx(measurable_buffers(strategy, shape, THREE_RANKS),
+                                                    rel=BUFFER_RTOL)
 
 
 DEEPSPEED_CONFIGS = [name for name in CONFIG_NAMES if name.startswith("ds_")]

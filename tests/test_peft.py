@@ -1,5 +1,6 @@
 """LoRA on DDP, FSDP and ZeRO-3 with 2 real processes: the same losses, gradient norms and saved adapter on every
-strategy (ZeRO-3's run also packs its micro-batches, so packed training is checked against padded training),
+strategy (FSDP's and ZeRO-3's runs also pack their micro-batches, so packed training is checked against padded
+training; conftest.lora_run),
 the frozen base untouched (fp32, and the documented bf16 base on every strategy), a peft-format adapter that
 round-trips, and a merge that changes nothing."""
 
@@ -19,7 +20,8 @@ from shardtune.flops import resolve_model
 from shardtune.plan import Peft, peft_states
 from tests.conftest import (
     ENV,
-    REFERENCE_ARGS,
+    LORA_ARGS,
+    LORA_STRATEGIES,
     REPO,
     grad_norms,
     read_metrics,
@@ -28,9 +30,7 @@ from tests.conftest import (
     train_losses,
 )
 
-LORA_ARGS = (*REFERENCE_ARGS, "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
-             "--gradient_checkpointing", "true", "--max_steps", "4", "--save_steps", "4")
-STRATEGIES = {"ddp": (), "fsdp_full_shard": (), "ds_zero3": ("--packing", "true")}
+STRATEGIES = tuple(LORA_STRATEGIES)
 # The saved adapters of the three strategies agree to this (the README's figure): the ranks change only the order
 # of float sums (observed: 5e-8 after eight AdamW steps, the runs now take four).
 ADAPTER_MAX_DIFFERENCE = 1e-6
@@ -39,11 +39,8 @@ BF16_LORA_ARGS = (*LORA_ARGS, "--mixed_precision", "bf16")
 
 
 @pytest.fixture(scope="module")
-def lora_runs(tiny_assets, tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora")
-    for config, extra in STRATEGIES.items():
-        run_recipe(root / config, tiny_assets, *LORA_ARGS, *extra, config=config, processes=2)
-    return {config: root / config for config in STRATEGIES}
+def lora_runs(lora_run):
+    return {config: lora_run(config) for config in STRATEGIES}
 
 
 def test_lora_trains_the_same_on_every_strategy(lora_runs):
@@ -70,7 +67,7 @@ def test_token_utilization_is_logged_packed_and_padded(lora_runs):
     def utilization(config: str) -> list[float]:
         return [row["token_utilization"] for row in read_metrics(lora_runs[config]) if "loss" in row]
 
-    assert all(value == 1.0 for value in utilization("ds_zero3"))  # packed: no padding at all
+    assert all(value == 1.0 for config in ("fsdp_full_shard", "ds_zero3") for value in utilization(config))  # packed
     assert all(0.5 < value < 0.95 for value in utilization("ddp"))
 
 
