@@ -256,6 +256,10 @@ class Peft:
         return list(LORA_TARGETS) if self.targets == "all-linear" else [t.strip() for t in self.targets.split(",")]
 
     def trainable_params(self, shape: ModelShape) -> int:
+        return sum(self.adapter_sizes(shape))
+
+    def adapter_sizes(self, shape: ModelShape) -> list[int]:
+        """Elements of every adapter matrix (A: rank x in, B: out x rank), layer by layer."""
         q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         h, inter = shape.hidden, shape.intermediate
         shapes = {"q_proj": (h, q_dim), "k_proj": (h, kv_dim), "v_proj": (h, kv_dim), "o_proj": (q_dim, h),
@@ -264,7 +268,8 @@ class Peft:
         unknown = [name for name in names if name not in shapes]
         if unknown:
             raise PlanError(f"LoRA target(s) {unknown} are not linear layers of {shape.name}; use {LORA_TARGETS}.")
-        return shape.layers * sum(self.rank * (shapes[name][0] + shapes[name][1]) for name in names)
+        layer = [size for name in names for size in (self.rank * shapes[name][0], self.rank * shapes[name][1])]
+        return layer * shape.layers
 
 
 def peft_states(strategy: Strategy, shape: ModelShape, world: int, peft: Peft) -> States:
@@ -331,11 +336,13 @@ def largest_sub_group(strategy: Strategy, shape: ModelShape | None, params: int,
     return float(largest)
 
 
-def persistent_elements(strategy: Strategy, shape: ModelShape) -> int:
+def persistent_elements(strategy: Strategy, shape: ModelShape, peft: Peft | None = None) -> int:
     """Elements of the parameters ZeRO-3 keeps whole on every rank between steps (numel at most
-    stage3_param_persistence_threshold, parameter_offload.py `mark_persistent_parameters`)."""
+    stage3_param_persistence_threshold, parameter_offload.py `mark_persistent_parameters`), LoRA's adapters
+    included: it releases them before the optimizer steps and gathers them again after (stage3.py `_post_step`)."""
     threshold = deepspeed_sizes(strategy, shape)["persistence_threshold"]
-    return sum(numel for numel, _ in parameter_sizes(shape) if numel <= threshold)
+    sizes = [numel for numel, _ in parameter_sizes(shape)] + (peft.adapter_sizes(shape) if peft else [])
+    return sum(numel for numel in sizes if numel <= threshold)
 
 
 def deepspeed_sizes(strategy: Strategy, shape: ModelShape) -> dict[str, int]:
@@ -461,7 +468,7 @@ def _zero3_states(strategy: Strategy, p: float, n: int, weights: float, sub_grou
 
 
 def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, activation_mode: str,
-            trainable: int | None = None) -> float:
+            peft: Peft | None = None) -> float:
     """Transient 16-bit copies and communication buffers alive during forward/backward (assumptions documented
     per case; DeepSpeed values are its defaults, see DS_REDUCE_BUCKET).
 
@@ -477,12 +484,12 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
     low = 2 if strategy.mixed_precision in ("bf16", "fp16") else 4
     layer = shape.layer_params
     root = shape.params - shape.layers * layer
+    trainable = peft.trainable_params(shape) if peft else None
     if strategy.kind == "ddp":  # with LoRA only the adapters have gradients, and a 16-bit base needs no cast
-        trainable = params if trainable is None else trainable
-        cached = shape.non_embedding_matmul_params if trainable == params else trainable
+        cached = trainable if peft else shape.non_embedding_matmul_params
         return 2 * cached if activation_mode == "autocast" else 0
     if strategy.kind == "deepspeed":
-        return deepspeed_buffers(strategy, shape, params, low)
+        return deepspeed_buffers(strategy, shape, params, low, peft)
     reducing = 4 * layer_gradient_elements(shape, trainable) + (4 * root if trainable in (None, params) else 0)
     if strategy.shard >= 3:
         return (root + 2 * layer) * low + reducing
@@ -507,7 +514,8 @@ def freed_under_layer_gradients(strategy: Strategy, shape: ModelShape, batch: in
     return float(min(4 * layer_gradient_elements(shape, trainable), activations))
 
 
-def deepspeed_buffers(strategy: Strategy, shape: ModelShape, params: int, low: int) -> float:
+def deepspeed_buffers(strategy: Strategy, shape: ModelShape, params: int, low: int, peft: Peft | None = None
+                      ) -> float:
     """DeepSpeed's communication buffers and gathered parameters, at the sizes the JSON sets (allocated at full
     size, however small the model: measured).
 
@@ -525,7 +533,7 @@ def deepspeed_buffers(strategy: Strategy, shape: ModelShape, params: int, low: i
         return (2 if strategy.overlap_comm else 1) * sizes["reduce_bucket"] * bucket_bytes
     largest = max(numel for numel, _ in parameter_sizes(shape))
     gathered = min(max(sizes["max_live_parameters"], largest), largest + min(sizes["prefetch_bucket"], params))
-    return (gathered + persistent_elements(strategy, shape) + sizes["reduce_bucket"]) * low
+    return (gathered + persistent_elements(strategy, shape, peft) + sizes["reduce_bucket"]) * low
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -594,13 +602,13 @@ def shared_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, 
 
 
 def head_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, frozen: bool = False) -> int:
-    """Outside the layers: input ids (int64, for the embedding), the final RMSNorm (as in a layer; a `frozen`
-    lm_head saves no input, a frozen norm weight no normalised x), the fp32 log-probabilities saved by
-    cross-entropy (4·n·vocab: the upcast logits' log_softmax) and the int64 targets."""
+    """Outside the layers: input ids (int64, for the embedding's weight gradient), the final RMSNorm (as in a
+    layer), the fp32 log-probabilities saved by cross-entropy (4·n·vocab: the upcast logits' log_softmax) and the
+    int64 targets. A `frozen` base saves neither the ids nor lm_head's input, nor the norm's normalised x."""
     compute, residual = _dtypes(mode)
     n, h = batch * seq, shape.hidden
     norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h + compute * n * h)
-    return 8 * n + norm + 4 * n * shape.vocab + 8 * n
+    return (0 if frozen else 8 * n) + norm + 4 * n * shape.vocab + 8 * n
 
 
 def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
@@ -764,13 +772,17 @@ def eval_gather_bytes(strategy: Strategy, shape: ModelShape) -> float:
     """Parameters gathered for the eval forward: FSDP's root unit (embedding, final norm, lm_head) stays gathered,
     one layer computes and one is prefetched, in the compute dtype (as in the training forward, see buffers);
     SHARD_GRAD_OP (reshard_after_forward False) keeps every layer it gathered until a backward that an eval never
-    runs: the whole model; ZeRO-3 the module computing and the one prefetched (2 x the largest)."""
+    runs: the whole model. ZeRO-3 gathers a module's parameters and the prefetch bucket after them with one
+    all-gather into one flat buffer, which lives until every parameter in it is released: two such buffers, the
+    one computing and the next (measured on 3 ranks: two to four of them alive through the first eval forward,
+    as the training trace's prefetches run ahead of the eval's modules)."""
     low = 2 if strategy.mixed_precision in ("bf16", "fp16") else 4
     layer, root = shape.layer_params, shape.params - shape.layers * shape.layer_params
     if strategy.kind == "fsdp":
         return float((root + 2 * layer) * low if strategy.shard >= 3 else shape.params * low)
     if strategy.kind == "deepspeed" and strategy.shard >= 3:
-        return float(2 * max(layer, shape.embedding_params) * low)
+        largest = max(numel for numel, _ in parameter_sizes(shape))
+        return float(2 * (largest + min(deepspeed_sizes(strategy, shape)["prefetch_bucket"], shape.params)) * low)
     return 0.0
 
 
@@ -835,14 +847,15 @@ def host_step_bytes(strategy: Strategy, shape: ModelShape, world: int, peft: Pef
 
 def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backward: dict[str, float],
                 eval_batch: int, seq: int, peft: Peft | None = None, foreach: bool = True,
-                host: float = 0.0, export_bytes: int = 2, attn: str = "sdpa") -> dict[str, dict]:
+                host: float = 0.0, export_bytes: int = 2, attn: str = "sdpa", graph: float = 0.0
+                ) -> dict[str, dict]:
     """Per GPU, each phase's parts and total; `forward_backward` is the step's (model states, activations,
     buffers). Gradients are freed by the step (the trainer's zero_grad sets them to None), so eval and save hold
     the weights and optimizer states; DDP's gradients are views into its reducer's buckets, which stay, and
     ZeRO-3 keeps its gradient partitions allocated (ZeRO-1/2 free theirs with the step). Each phase also lists
     the host RAM one rank holds in it ("on_host", not in the GPU total): `host`, its offloaded states (FSDP's
     host gradients freed by the step), NVMe offload's pinned buffers, an optimizer step that runs on the host and
-    the save's host copy."""
+    the save's host copy. `graph`: what the last micro-batch's spent graph still holds while the optimizer steps."""
     params = shape.params
     states = {key: forward_backward[key] for key in ("weights", "gradients", "optimizer")}
     kept = {"weights": states["weights"], "optimizer": states["optimizer"],
@@ -851,14 +864,20 @@ def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backw
             "buffers": persistent_buffer_bytes(strategy, shape)}
     mode = activation_mode(strategy)
     # Autocast caches its 16-bit copy of every matmul weight for the whole forward, an eval's too (buffers()).
-    autocast_cache = buffers(strategy, shape, params, world, mode, peft.trainable_params(shape) if peft else None) \
+    autocast_cache = buffers(strategy, shape, params, world, mode, peft) \
         if strategy.kind == "ddp" else 0.0
     # A PEFT model exports its adapters as trained: nothing is cast.
     gathered, saved_on_host = save_gather_bytes(strategy, shape, params, world, 4 if peft else export_bytes)
+    # ZeRO-3's persistent parameters, whole on every rank: released before the optimizer steps and gathered again
+    # after it (stage3.py `_post_step`), so the step holds the larger of its transient and them.
+    low = 2 if strategy.mixed_precision in ("bf16", "fp16") else 4
+    persistent = float(low * persistent_elements(strategy, shape, peft)) \
+        if strategy.kind == "deepspeed" and strategy.shard >= 3 else 0.0
+    kept["persistent"] = persistent
     phases = {
         "forward_backward": dict(forward_backward),
-        "optimizer": {**states, "buffers": kept["buffers"],
-                      "step": optimizer_step_bytes(strategy, shape, world, peft, foreach)},
+        "optimizer": {**states, "buffers": kept["buffers"], "graph": graph,
+                      "step": max(optimizer_step_bytes(strategy, shape, world, peft, foreach), persistent)},
         "eval": {**kept, "gathered": eval_gather_bytes(strategy, shape) + autocast_cache,
                  "activations": eval_activation_bytes(shape, eval_batch, seq, mode, attn != "flash",
                                                       peft is not None and "up_proj" in peft.target_names())},
@@ -940,13 +959,18 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     rows, length = (1, micro_batch * seq) if packing else (micro_batch, seq)
     masked = attn != "flash"  # SDPA and eager get a dense mask: a padded batch's, or a packed row's block-diagonal
     acts = activation_bytes(shape, rows, length, mode, checkpointing, attn, masked, frozen=peft is not None)
-    buffer = buffers(strategy, shape, params, world, mode, peft.trainable_params(shape) if peft else None)
+    buffer = buffers(strategy, shape, params, world, mode, peft)
     buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked,
                                           peft.trainable_params(shape) if peft else None)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
                "activations": float(acts["total"]), "buffers": float(buffer)}
+    # With recomputation peft makes the embedding output require grad (enable_input_require_grads): a leaf of the
+    # loss's graph, which then holds it and its gradient; accelerate steps DeepSpeed's engine inside backward, while
+    # that graph is alive (the trainer drops it before stepping any other strategy).
+    graph = 2.0 * _dtypes(mode)[1] * rows * length * shape.hidden \
+        if peft and checkpointing and strategy.kind == "deepspeed" else 0.0
     phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch, seq, peft, foreach, states.host,
-                         export_bytes, attn)
+                         export_bytes, attn, graph)
     peak_phase = max(PHASES, key=lambda name: phases[name]["total"])
     per_gpu["total"] = phases[peak_phase]["total"]
     offloaded = states.host * hardware.gpus_per_node
