@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import sys
 import time
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -156,3 +159,15 @@ def shut_down(accelerator: Accelerator) -> None:
     gc.collect()
     time.sleep(0.05)  # releases the GIL: a gloo worker finishing a work item can take it
     accelerator.end_training()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a finished run's process with `code`: the atexit handlers run (loggers, W&B's service, multiprocessing)
+    and the streams are flushed, then the interpreter stops without tearing its modules down one by one. That
+    teardown costs each rank 2 s with torch, transformers and DeepSpeed loaded, eight ranks at once on a node,
+    and runs the C++ destructors (gloo's among them, see shut_down) in an order nothing controls. Call it after
+    shut_down: every file the run wrote is closed (checkpoints fsynced) by then."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -12,10 +12,10 @@ import gc
 import os
 import resource
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase, get_scheduler
 from shardtune.checkpoint import Checkpointer, durable
 from shardtune.config import BatchPlan, ConfigError, Recipe
 from shardtune.data import load_splits, make_collator
-from shardtune.distributed import make_accelerator, reduction_dtypes, shut_down
+from shardtune.distributed import exit_process, make_accelerator, reduction_dtypes, shut_down
 from shardtune.evaluation import evaluate
 from shardtune.flops import ModelShape, shape_from_config
 from shardtune.generation import HeldOutPrompts, generate_samples, held_out_prompts
@@ -43,18 +43,17 @@ from shardtune.step import train_step, with_counts
 from shardtune.tracking import log_metrics, log_samples, start_tracking, truncate_metrics
 
 
-def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: int) -> None:
+def train(recipe: Recipe, plan: BatchPlan, resume_path: str | None, start_step: int) -> NoReturn:
     """Train `recipe` (already checked by shardtune.cli), from `resume_path` at `start_step` if given. Every rank
-    first checks that all ranks were launched alike, then trains watched by the others. Exits with the trainer's
-    code when it stops early (non-finite loss, stop signal)."""
+    first checks that all ranks were launched alike, then trains watched by the others. Ends the process with the
+    trainer's code: 0, or that of an early stop (non-finite loss, stop signal)."""
     stop = StopRequest()  # from the start: a signal during start-up still ends in a checkpoint and code 75
     accelerator = make_accelerator(recipe, plan, log_with="wandb" if recipe.report_to == "wandb" else None)
     machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, plan, start_step))
     with watch_ranks(accelerator, recipe, machines), profile_memory(accelerator.process_index):
         exit_code = train_loop(accelerator, recipe, plan, resume_path, start_step, stop)
     shut_down(accelerator)  # the wrappers, then the trackers and the process groups, once no rank watches
-    if exit_code:
-        sys.exit(exit_code)
+    exit_process(exit_code)
 
 
 @dataclass

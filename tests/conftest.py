@@ -339,11 +339,14 @@ def bf16_run(tiny_assets, tmp_path_factory):
 # DeepSpeed where its formulas depend on the rank count and the precision: bf16 on 3 ranks (uneven partitions;
 # on 2 ranks in fp32 the ZeRO-1, ZeRO-2 and ZeRO-3 gradient terms coincide), ZeRO-3's partitions cut into several
 # optimizer sub-groups (TINY_ZERO_SIZES). Two steps of 2 micro-batches of 4 sequences per rank, then the save and
-# the eval: the steps and phases the profiler measures.
+# the eval: the steps and phases the profiler measures. ZeRO-1 and ZeRO-2 also pack their micro-batches, ZeRO-1
+# with recomputation, so that full fine-tuning's phases are measured packed and recomputed too.
 THREE_RANKS = 3
 THREE_RANK_ARGS = ("--max_steps", "2", "--mixed_precision", "bf16", "--per_device_train_batch_size", "4",
                    "--global_batch_size", "24", "--save_steps", "0")
-THREE_RANK_CONFIGS = ("ds_zero1", "ds_zero2", "ds_zero3")
+THREE_RANK_RUNS = {"ds_zero1": ("--packing", "true", "--gradient_checkpointing", "true"),
+                   "ds_zero2": ("--packing", "true"), "ds_zero3": ()}
+THREE_RANK_CONFIGS = tuple(THREE_RANK_RUNS)
 
 
 @pytest.fixture(scope="session")
@@ -355,7 +358,8 @@ def three_rank_run(tiny_assets, tmp_path_factory):
     def run(config: str) -> Path:
         if config not in done:
             root = tmp_path_factory.mktemp(f"three-ranks-{config}")
-            done[config] = measured_run(root, tiny_assets, *THREE_RANK_ARGS, config=config, processes=THREE_RANKS)
+            done[config] = measured_run(root, tiny_assets, *THREE_RANK_ARGS, *THREE_RANK_RUNS[config], config=config,
+                                        processes=THREE_RANKS)
         return done[config]
 
     return run

@@ -25,6 +25,7 @@ from tests.conftest import (
     CONFIGS,
     LORA_STRATEGIES,
     THREE_RANK_CONFIGS,
+    THREE_RANK_RUNS,
     THREE_RANKS,
     strategy_as_launched,
 )
@@ -99,9 +100,10 @@ def test_bf16_phases_match_the_plan(config, bf16_run, tiny_assets):
 @pytest.mark.parametrize("config", THREE_RANK_CONFIGS)
 def test_three_rank_bf16_phases_match_the_plan(config, three_rank_run, tiny_assets):
     """ZeRO-1, -2 and -3 in bf16 on 3 ranks (conftest.three_rank_run: micro-batch 4), where partitions are
-    uneven and the three stages' gradient terms differ."""
-    compare(strategy_as_launched(config, "bf16"), tiny_assets, THREE_RANKS, False,
-            three_rank_run(config).parent / "memory")
+    uneven and the three stages' gradient terms differ; ZeRO-1 packed with recomputation, ZeRO-2 packed."""
+    extra = THREE_RANK_RUNS[config]
+    compare(strategy_as_launched(config, "bf16"), tiny_assets, THREE_RANKS, "--gradient_checkpointing" in extra,
+            three_rank_run(config).parent / "memory", packing="--packing" in extra)
 
 
 @pytest.mark.parametrize("config", LORA_STRATEGIES)
