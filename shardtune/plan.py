@@ -47,13 +47,13 @@ DS_NVME_PARAM_BUFFERS = (5, int(1e8))  # offload_param buffer_count, buffer_size
 DS_NVME_OPTIMIZER_BUFFERS = 4  # offload_optimizer buffer_count: pinned buffers of one sub-group each
 DS_NVME_MAX_IN_CPU = int(1e9)  # offload_param max_in_cpu: elements of a rank's partitions kept in host RAM
 
-# Fastest first: least sharding, then offload. Among offloads DeepSpeed's SIMD CPU Adam is faster than FSDP's
-# CPU-side torch AdamW step, and NVMe is slowest.
 # How the planner models each transformers attention implementation (shardtune.config.ATTENTION_PACKAGES): SDPA
 # and eager take a dense mask; the flash kernels (flash-attn's varlen kernels, flex attention's block mask) none.
 PLANNED_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash", "flash_attention_3": "flash",
                      "flex_attention": "flash"}
 
+# Fastest first: least sharding, then offload. Among offloads DeepSpeed's SIMD CPU Adam is faster than FSDP's
+# CPU-side torch AdamW step, and NVMe is slowest.
 SPEED_ORDER = (
     "ddp", "ds_zero1", "fsdp_shard_grad_op", "ds_zero2", "fsdp_full_shard", "ds_zero3",
     "ds_zero3_offload_optimizer", "ds_zero3_cpu_offload", "fsdp_full_shard_cpu_offload", "ds_zero3_nvme_offload",
@@ -484,34 +484,32 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
     low = 2 if strategy.mixed_precision in ("bf16", "fp16") else 4
     layer = shape.layer_params
     root = shape.params - shape.layers * layer
-    trainable = peft.trainable_params(shape) if peft else None
     if strategy.kind == "ddp":  # with LoRA only the adapters have gradients, and a 16-bit base needs no cast
-        cached = trainable if peft else shape.non_embedding_matmul_params
+        cached = peft.trainable_params(shape) if peft else shape.non_embedding_matmul_params
         return 2 * cached if activation_mode == "autocast" else 0
     if strategy.kind == "deepspeed":
         return deepspeed_buffers(strategy, shape, params, low, peft)
-    reducing = 4 * layer_gradient_elements(shape, trainable) + (4 * root if trainable in (None, params) else 0)
+    reducing = 4 * layer_gradient_elements(shape, peft) + (0 if peft else 4 * root)
     if strategy.shard >= 3:
         return (root + 2 * layer) * low + reducing
     return params * low + reducing
 
 
-def layer_gradient_elements(shape: ModelShape, trainable: int | None = None) -> float:
-    """Elements of one decoder layer's gradients: all its parameters, or its share of `trainable` (LoRA's
-    adapters, all in the layers)."""
-    return shape.layer_params if trainable in (None, shape.params) else trainable / shape.layers
+def layer_gradient_elements(shape: ModelShape, peft: Peft | None = None) -> float:
+    """Elements of one decoder layer's gradients: all its parameters, or under LoRA its adapters' (all adapters
+    are in the layers)."""
+    return peft.trainable_params(shape) / shape.layers if peft else shape.layer_params
 
 
 def freed_under_layer_gradients(strategy: Strategy, shape: ModelShape, batch: int, seq: int, mode: str,
-                                attn: str = "sdpa", masked: bool = True, trainable: int | None = None) -> float:
+                                attn: str = "sdpa", masked: bool = True, peft: Peft | None = None) -> float:
     """FSDP: a layer's unsharded fp32 gradients (in buffers()) grow while that layer's backward frees the
     activations it saved or recomputed, so they sit on top of the peak activations only by what exceeds one
     layer's activations (measured on CPU: counting both overshoots the forward/backward peak by 5-9%)."""
     if strategy.kind != "fsdp":
         return 0.0
-    frozen = trainable not in (None, shape.params)
-    activations = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
-    return float(min(4 * layer_gradient_elements(shape, trainable), activations))
+    activations = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen=peft is not None)
+    return float(min(4 * layer_gradient_elements(shape, peft), activations))
 
 
 def deepspeed_buffers(strategy: Strategy, shape: ModelShape, params: int, low: int, peft: Peft | None = None
@@ -561,9 +559,8 @@ def layer_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, a
 
     - Each RMSNorm: its input upcast to fp32 (4nh; the input itself when already fp32), the fp32 rstd (4n), the
       normalised x in the residual dtype (r·nh, for the weight gradient: not with a `frozen` base, LoRA's) and
-      its output as the next matmuls'
-      input in the compute dtype (c·nh; under autocast one 16-bit copy per consuming matmul: 3 for q, k, v and
-      2 for gate, up, as autocast caches only casts of leaf weights).
+      its output as the next matmuls' input in the compute dtype (c·nh; under autocast one 16-bit copy per
+      consuming matmul: 3 for q, k, v and 2 for gate, up, as autocast caches only casts of leaf weights).
     - Attention: RoPE saves only cos/sin (shared). SDPA saves q, k, v, its output (c·n·d each, where k and v are
       repeated to all heads when GQA meets a mask, since transformers then calls repeat_kv) and the fp32
       logsumexp (4·n·heads); o_proj reads the output in place. `masked` (a dense mask reaches the kernel: a
@@ -753,12 +750,11 @@ def eval_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, ma
     """The eval forward under no_grad (shardtune.evaluation): only what the running op needs is alive. Throughout,
     four n x h tensors of the residual stream (the embedding output, which the model's forward keeps, the layer's
     input, the residual and the normalised input), the additive mask (c·b·s², `masked`: SDPA and eager) and
-    RoPE's cos and sin (b·s·head_dim each). On top, the larger of the SwiGLU MLP (SiLU of gate, up and their product,
-    3·c·n·intermediate; measured with the profiler's allocator events; a LoRA adapter on up_proj adds its scaled
-    output and the sum, `result + lora_B(lora_A(x)) * scaling` in peft, while SiLU of gate is alive: 4) and the
-    head: the logits in the compute
-    dtype (c·n·vocab, kept for the whole batch) with one chunk of CHUNK_POSITIONS positions upcast to fp32 and
-    cross-entropy's log-softmax of it."""
+    RoPE's cos and sin (b·s·head_dim each). On top, the larger of the SwiGLU MLP (SiLU of gate, up and their
+    product, 3·c·n·intermediate; measured with the profiler's allocator events; a LoRA adapter on up_proj adds
+    its scaled output and the sum, `result + lora_B(lora_A(x)) * scaling` in peft, while SiLU of gate is alive:
+    4) and the head: the logits in the compute dtype (c·n·vocab, kept for the whole batch) with one chunk of
+    CHUNK_POSITIONS positions upcast to fp32 and cross-entropy's log-softmax of it."""
     compute, residual = _dtypes(mode)
     n = batch * seq
     mask = compute * batch * seq * seq if masked else 0
@@ -951,7 +947,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     final export (bf16, the Llama checkpoints' dtype, unless --save_dtype says otherwise). `foreach`: torch
     AdamW's CUDA default; False plans its per-tensor loop (the CPU default). Runs in microseconds: nothing is
     built or loaded. With `peft`, activations are the base model's (LoRA's rank-r intermediates and dropout
-    copies are not counted). `attn`: "sdpa", "eager" or "flash" (planned_attention). With `packing` a training
+    copies are not counted). `attn`: "sdpa", "eager" or "flash" (PLANNED_ATTENTION). With `packing` a training
     micro-batch is one row of micro_batch x seq tokens (DataCollatorWithFlattening); eval batches are padded."""
     params, world = shape.params, hardware.world_size
     mode = activation_mode(strategy)
@@ -960,8 +956,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     masked = attn != "flash"  # SDPA and eager get a dense mask: a padded batch's, or a packed row's block-diagonal
     acts = activation_bytes(shape, rows, length, mode, checkpointing, attn, masked, frozen=peft is not None)
     buffer = buffers(strategy, shape, params, world, mode, peft)
-    buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked,
-                                          peft.trainable_params(shape) if peft else None)
+    buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked, peft)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
                "activations": float(acts["total"]), "buffers": float(buffer)}
     # With recomputation peft makes the embedding output require grad (enable_input_require_grads): a leaf of the

@@ -90,14 +90,17 @@ def measurable_buffers(strategy: Strategy, shape, world: int) -> float:
 @pytest.mark.parametrize("config", THREE_RANK_CONFIGS)
 def test_bf16_on_3_ranks_holds_the_planned_states(config, three_rank_run, tiny_assets):
     """ZeRO-1, -2 and -3 in bf16 on 3 ranks (conftest.three_rank_run), where each stage's formulas differ: the
-    16-bit weights (partitioned by ZeRO-3 only), the fp32 master, m and v partitions, and the gradients: ZeRO-1 the
-    full fp32 accumulation (the trainer's dtype) until its partition is reduced, ZeRO-2 its fp32 partition, ZeRO-3
-    its fp32 partition plus one optimizer sub-group's fp32 gradient at a time, cut from the model's parameter
-    order as DeepSpeed cuts them (TINY_ZERO_SIZES: several sub-groups per rank)."""
+    16-bit weights (partitioned by ZeRO-3 only), the fp32 master, m and v partitions, and the gradients: ZeRO-1 at
+    its step one group's fp32 partition beside the whole 16-bit gradients of the parameters overlapping the rank's
+    partition (more than its full gradients on 3 ranks), ZeRO-2 its fp32 partition, ZeRO-3 its fp32 partition plus
+    one optimizer sub-group's fp32 gradient at a time, cut from the model's parameter order as DeepSpeed cuts them
+    (TINY_ZERO_SIZES: several sub-groups per rank)."""
     measured = held(three_rank_run(config))
     shape = resolve_model(tiny_assets[0])
     strategy = strategy_as_launched(config, "bf16")
     planned = model_states(strategy, shape.params, THREE_RANKS, shape)
+    if strategy.shard == 1:  # the overlapping parameters' gradients bind, not the full 16-bit gradients
+        assert planned.gradients > 2 * shape.params
     if strategy.shard >= 3:
         partition = shape.params / THREE_RANKS
         sub_group = largest_sub_group(strategy, shape, shape.params, THREE_RANKS)
