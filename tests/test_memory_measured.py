@@ -20,8 +20,9 @@ from shardtune.plan import Strategy, buffers, deepspeed_sizes, largest_sub_group
 from tests.conftest import CONFIGS, THREE_RANK_CONFIGS, THREE_RANKS, read_metrics, strategy_as_launched
 from tests.test_strategies import CONFIG_NAMES
 
-# The README's figures. Weights and optimizer states: exact up to Adam's step counters (4 bytes per tensor) and,
-# under ZeRO, how each parameter group's flat buffer splits over the ranks (-0.33% off the even share here).
+# The figures of docs/planner.md. Weights and optimizer states: exact up to Adam's step counters (4 bytes per
+# tensor) and, under ZeRO, how each parameter group's flat buffer splits over the ranks (-0.33% off the even share
+# here).
 EXACT_RTOL = 4e-3
 # Gradients: exact but for a few alignment elements of ZeRO's partitions (+0.03% here).
 GRADIENT_RTOL = 1e-3
@@ -72,7 +73,7 @@ def test_model_states_equal_the_bytes_each_rank_holds(config, reference_run, tin
         host = planned.host + (planned.nvme if "nvme" in config else 0)
         assert measured["host"] == pytest.approx(host, rel=EXACT_RTOL, abs=64)
         if config in BUFFERS_NOT_MEASURED:
-            assert measured["buffers"] == 0, f"{config} now measures its buffers: compare them, update the README"
+            assert measured["buffers"] == 0, f"{config} now measures its buffers: compare them, update docs/planner.md"
         else:
             assert measured["buffers"] == pytest.approx(measurable_buffers(strategy, shape, 2), rel=BUFFER_RTOL)
 

@@ -377,7 +377,7 @@ def test_activation_estimate_matches_measurement(overrides, batch, seq, mode, ch
     error = abs(estimate - measured) / measured
     print(f"{mode} ckpt={checkpointing} {attn} b={batch} s={seq}: measured {measured} estimate {estimate} "
           f"error {error:.2%}")
-    # The README's figure: within 0.01%. The formula is byte-exact up to the loss scalars (4-12 bytes here).
+    # The figure of docs/planner.md: within 0.01%. The formula is byte-exact up to the loss scalars (4-12 bytes here).
     assert error < 1e-4
     if mode == "autocast" and not checkpointing:  # every matmul weight cached in 16-bit: counted in buffers
         assert copies == 2 * shape_from_config(cfg).non_embedding_matmul_params
