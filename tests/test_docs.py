@@ -1,9 +1,10 @@
 """The README stays a short guide, and every page a reader can follow a link to is there: each relative link and
-image of the README and the docs resolves to a file, each #anchor to a heading of its page, and every page of
-docs/ is linked from the README."""
+image of the README and the docs resolves to a file, each #anchor to a heading of its page, every page of docs/
+is linked from the README, and every repository path and `shardtune.` module or name the pages give exists."""
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -18,6 +19,7 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*$", re.MULTILINE)
 # Backticked paths into the repository that name a file or folder (not a command line or a placeholder).
 TOP_FOLDERS = ("recipes/", "accelerate_configs/", "scripts/", "shardtune/", "tests/", "docs/")
+DOTTED = re.compile(r"\bshardtune(?:\.\w+)+")  # a module, or a name in one: shardtune.plan, shardtune.ranks.x
 
 
 def prose(page: Path) -> str:
@@ -78,4 +80,27 @@ def test_repository_paths_named_in_the_docs_exist():
                 if word.startswith(TOP_FOLDERS) and not re.search(r"[<*]|\.\.\.|/x\.py$", word):
                     if not (REPO / word.rstrip(",;:")).exists():
                         missing.append(f"{page.relative_to(REPO)}: {word}")
+    assert not missing, "\n".join(missing)
+
+
+def resolves(dotted: str) -> bool:
+    """Whether a dotted name is a module of the package or a name defined in one."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(found, name):
+                return False
+            found = getattr(found, name)
+        return True
+    return False
+
+
+def test_modules_named_in_the_docs_exist():
+    missing = sorted({f"{page.relative_to(REPO)}: {dotted}" for page in PAGES
+                      for span in INLINE_CODE.findall(page.read_text()) for dotted in DOTTED.findall(span)
+                      if not resolves(dotted)})
     assert not missing, "\n".join(missing)
