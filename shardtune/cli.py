@@ -12,7 +12,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
-from shardtune.checkpoint import resolve_resume
+from shardtune.checkpoint.markers import resolve_resume
 from shardtune.config import (
     RECIPE_CHECKS,
     BatchPlan,

@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, get_scheduler
 
-from shardtune.checkpoint import Checkpointer, durable
+from shardtune.checkpoint.durable import durable
+from shardtune.checkpoint.saver import Checkpointer
 from shardtune.config import BatchPlan, ConfigError, Recipe
 from shardtune.data import load_splits, make_collator
 from shardtune.distributed import exit_process, make_accelerator, reduction_dtypes, shut_down
