@@ -19,7 +19,10 @@ import pytest
 
 from shardtune.flops import resolve_model
 from shardtune.hardware import parse_hardware
-from shardtune.plan import PHASES, Peft, Strategy, optimizer_step_bytes, plan
+from shardtune.plan.phases import PHASES, optimizer_step_bytes
+from shardtune.plan.planner import plan
+from shardtune.plan.states import Peft
+from shardtune.plan.strategy import Strategy
 from tests.conftest import (
     BF16_CONFIGS,
     CONFIGS,
@@ -147,7 +150,7 @@ def test_adamw_step_transient_is_planned(foreach, tiny_assets):
 def test_json_lists_every_phase_and_the_total_is_the_largest(capsys):
     """The planner CLI's --json: each phase's parts and total, the peak phase named, per_gpu["total"] its total
     (no longer the sum of forward/backward's components and anything else)."""
-    from shardtune.plan import main as plan_main
+    from shardtune.plan.__main__ import main as plan_main
 
     code = plan_main(["--model", "llama-3.1-8b", "--hardware", "8xh100-80gb", "--config_file",
                       str(CONFIGS / "fsdp_full_shard.yaml"), "--json"])
