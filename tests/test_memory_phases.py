@@ -1,4 +1,4 @@
-"""The planner's peak per phase (shardtune.plan.phase_bytes) against the peak of live tensor bytes each rank
+"""The planner's peak per phase (shardtune.plan.phases.phase_bytes) against the peak of live tensor bytes each rank
 measured with the PyTorch profiler's allocator events (shardtune.profiling, SHARDTUNE_PROFILE_MEMORY): whole runs
 of steps of 2 or more micro-batches, then the final save and eval. Measured: every shipped config's 2-rank
 reference run (fp32, micro-batch 8, no recomputation; DeepSpeed with its buffers and sub-groups scaled to the
