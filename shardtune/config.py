@@ -657,7 +657,7 @@ RECIPE_CHECKS: tuple[Callable[[Recipe], None], ...] = (
 
 
 def check_recipe(recipe: Recipe, problems: Problems, has_gpu: bool,
-                 launch: tuple[int, bool] | None, nvme_offloaded: Sequence[str] = ()) -> BatchPlan | None:
+                 launch: tuple[int, bool] | None, nvme_offloaded: Sequence[str]) -> BatchPlan | None:
     """Run every check that needs no model and no data loaded, recording failures in `problems`. `has_gpu`: CUDA
     is available; `launch`: (world size, DeepSpeed?), None when the launch environment failed its own checks (the
     checks that depend on it are then skipped); `nvme_offloaded`: the launch's states offloaded to NVMe that take
@@ -677,7 +677,7 @@ def check_recipe(recipe: Recipe, problems: Problems, has_gpu: bool,
 
 
 def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: bool,
-             nvme_offloaded: Sequence[str] = ()) -> BatchPlan:
+             nvme_offloaded: Sequence[str]) -> BatchPlan:
     """Every check that needs no model and no data loaded. `has_gpu`: CUDA is available; `nvme_offloaded` as in
     check_recipe. Raises one ConfigError with every failure."""
     problems = Problems()

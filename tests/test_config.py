@@ -74,7 +74,7 @@ def test_good_recipe_passes_validation(tmp_path):
     recipe = Recipe(model_name_or_path="some/model", dataset=str(data), output_dir=str(tmp_path / "out"),
                     per_device_train_batch_size=4, global_batch_size=32, resume_from_checkpoint="auto",
                     use_cpu=True)
-    assert validate(recipe, world_size=8, uses_deepspeed=False, has_gpu=False) == BatchPlan(4, 1, 8)
+    assert validate(recipe, world_size=8, uses_deepspeed=False, has_gpu=False, nvme_offloaded=()) == BatchPlan(4, 1, 8)
     assert not (tmp_path / "out").exists()
 
 
