@@ -13,7 +13,9 @@ from pathlib import Path
 
 from shardtune.flops import recipe_fields, resolve_model
 from shardtune.hardware import parse_hardware
-from shardtune.plan import CONFIGS_DIR, Peft, Recommendation, fewest_nodes, recommend
+from shardtune.plan.search import Recommendation, fewest_nodes, recommend
+from shardtune.plan.states import Peft
+from shardtune.plan.strategy import CONFIGS_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE_DOC = REPO / "docs" / "plan-table.md"

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shardtune.flops import resolve_model
-from shardtune.plan import Peft, peft_states
+from shardtune.plan.states import Peft, peft_states
 from tests.conftest import (
     ENV,
     LORA_ARGS,
