@@ -74,8 +74,10 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
 
     import torch
 
-    from shardtune.config import launch_env, parse_recipe, validate
+    from shardtune.checks import validate
+    from shardtune.config import launch_env
     from shardtune.distributed import make_accelerator, shut_down
+    from shardtune.flags import parse_recipe
     from shardtune.ranks import check_ranks_agree, launch_fingerprint, watch_ranks
 
     spec = importlib.util.spec_from_file_location("bench_recipe", recipe_path)

@@ -25,8 +25,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tests.conftest as harness
-from shardtune import Recipe, main
 from shardtune.checkpoint import MARKER, WRITE_DELAY_ENV, damage
+from shardtune.cli import main
+from shardtune.config import Recipe
 from shardtune.preemption import PREEMPTED_EXIT_CODE
 from tests.conftest import REFERENCE_ARGS, REPO, run_recipe, start_recipe, train_losses
 

@@ -6,16 +6,9 @@ import os
 
 import pytest
 
-from shardtune.config import (
-    LR_SCHEDULERS,
-    BatchPlan,
-    ConfigError,
-    Recipe,
-    launch_env,
-    parse_recipe,
-    plan_batches,
-    validate,
-)
+from shardtune.checks import plan_batches, validate
+from shardtune.config import LR_SCHEDULERS, BatchPlan, ConfigError, Recipe, launch_env
+from shardtune.flags import parse_recipe
 
 
 def test_command_line_overrides_recipe_values():
