@@ -10,7 +10,8 @@ Tested: the trainer, configs and launch path on CPU with the tiny model (make te
 Override any field from the command line, e.g. --learning_rate 5e-6 --max_steps 500.
 """
 
-from shardtune import Recipe, main
+from shardtune.cli import main
+from shardtune.config import Recipe
 
 RECIPE = Recipe(
     name="llama1b",

@@ -74,8 +74,9 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
 
     import torch
 
-    from shardtune.config import parse_recipe, validate
+    from shardtune.checks import validate
     from shardtune.distributed import make_accelerator, shut_down
+    from shardtune.flags import parse_recipe
     from shardtune.launch import LaunchDescription
     from shardtune.ranks import check_ranks_agree, launch_fingerprint, watch_ranks
 
@@ -85,8 +86,7 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
     recipe = parse_recipe(module.RECIPE, [*recipe_args, "--overwrite_output_dir", "true"])
     launch = LaunchDescription.from_env()
     world_size = launch.world_size
-    plan = validate(recipe, world_size, launch.uses_deepspeed, has_gpu=torch.cuda.is_available(),
-                    nvme_offloaded=launch.nvme_offloaded)
+    plan = validate(recipe, launch, has_gpu=torch.cuda.is_available())
     accelerator = make_accelerator(recipe, plan, log_with=None)
     # The trainer's guards: ranks launched alike, start-up then step collective timeouts, the dead-rank watchdog,
     # and the teardown that cannot deadlock at exit.

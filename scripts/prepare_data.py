@@ -31,15 +31,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardtune.config import (
-    ConfigError,
-    Recipe,
+from shardtune.config import ConfigError, Recipe
+from shardtune.data_sources import (
     check_chat_template,
     check_dataset_num_proc,
     check_dataset_sources,
     check_dataset_weights,
-    parse_recipe,
 )
+from shardtune.flags import parse_recipe
 
 BATCH = 1000  # rows per call of the tokenizer in the baseline: datasets' own default batch size for `map`
 

@@ -10,28 +10,21 @@ import re
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING
 
-from shardtune.checkpoint.markers import resolve_resume
-from shardtune.config import (
+from shardtune.checks import (
     RECIPE_CHECKS,
-    BatchPlan,
-    ConfigError,
-    Problems,
-    Recipe,
     check_attention,
     check_checkpoints,
     check_inputs_named,
     check_output_dir,
     check_quantization,
     check_recipe,
-    parse_flags,
     plan_batches,
 )
+from shardtune.config import BatchPlan, ConfigError, Problems, Recipe
+from shardtune.flags import parse_flags
 from shardtune.launch import LaunchDescription
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+from shardtune.model_checks import check_model
 
 
 def main(recipe: Recipe, argv: list[str] | None = None) -> None:
@@ -39,6 +32,8 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
     (and in the launcher's error file), exit code 2."""
     try:
         recipe, world_size, plan = checked_launch(recipe, argv)
+        from shardtune.checkpoint.markers import resolve_resume  # after the checks, like everything heavier than them
+
         resume_path, start_step = resolve_resume(recipe.resume_from_checkpoint, recipe.resolved_output_dir, world_size)
         # DeepSpeed still calls these collectives by their old names, once per layer and step.
         warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
@@ -47,10 +42,9 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
         train(recipe, plan, resume_path, start_step)
     except ConfigError as error:
         refuse(error.messages)
-        import torch.distributed
-
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        distributed = sys.modules.get("torch.distributed")  # a refusal before any import of it has no group
+        if distributed is not None and distributed.is_initialized():
+            distributed.destroy_process_group()
         sys.exit(2)
 
 
@@ -70,9 +64,7 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int,
         sys.exit(dry_run(recipe, problems, launch))
     import torch  # after the flag checks: --help and typos answer at once
 
-    plan = check_recipe(recipe, problems, torch.cuda.is_available(),
-                        None if launch is None else (launch.world_size, launch.uses_deepspeed),
-                        () if launch is None else launch.nvme_offloaded)
+    plan = check_recipe(recipe, problems, torch.cuda.is_available(), launch)
     if recipe.model_name_or_path:
         problems.check(check_model, recipe)
         if launch is not None:  # the plan of the launched config, a refusal among the others if it does not fit
@@ -169,69 +161,6 @@ def reports_errors() -> bool:
         return not valid or int(os.environ.get("LOCAL_RANK", "0")) == 0
     except ValueError:
         return True
-
-
-# --- the model, from its config.json alone --------------------------------------------------------------------
-
-
-def check_model(recipe: Recipe) -> None:
-    """What the model's config.json (no weights) can tell: it exists and can be read, it has room for
-    --max_seq_length, and --lora_target_modules name some of its layers."""
-    config = read_model_config(recipe.model_name_or_path)
-    problems = Problems()
-    problems.check(check_context_length, recipe, config)
-    problems.check(check_lora_targets, recipe, config)
-    problems.raise_any()
-
-
-def read_model_config(name: str) -> PretrainedConfig:
-    """The model's config.json alone (shardtune.flops.read_config), a refusal when it cannot be had."""
-    from shardtune.flops import ModelError, read_config
-
-    try:
-        return read_config(name)
-    except ModelError as error:
-        raise ConfigError(str(error)) from None
-
-
-def check_context_length(recipe: Recipe, config: PretrainedConfig) -> None:
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit and recipe.max_seq_length > limit:
-        raise ConfigError(f"--max_seq_length {recipe.max_seq_length} is above the model's max_position_embeddings "
-                          f"{limit}: give --max_seq_length {limit} or less.")
-
-
-def check_lora_targets(recipe: Recipe, config: PretrainedConfig) -> None:
-    """Each --lora_target_modules name must match a linear or embedding layer as peft matches it (the full name or
-    its dotted suffix): peft refuses only when no name matches, and quietly drops a misspelt one otherwise."""
-    if not recipe.use_peft or recipe.lora_target_modules.strip() == "all-linear":
-        return
-    import torch
-    from peft import LoraConfig
-    from peft.tuners.tuners_utils import check_target_module_exists
-
-    layers = model_layers(config)
-    unknown = []
-    for target in recipe.lora_target_modules.split(","):
-        wanted = LoraConfig(target_modules=[target.strip()])
-        if not any(isinstance(module, torch.nn.Linear | torch.nn.Embedding)
-                   and check_target_module_exists(wanted, name) for name, module in layers.items()):
-            unknown.append(target.strip())
-    if unknown:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in layers.items()
-                         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")})
-        raise ConfigError(f"--lora_target_modules {', '.join(map(repr, unknown))} names no layer of the model: its "
-                          f"linear modules are {', '.join(linear)} (or give all-linear).")
-
-
-def model_layers(config: PretrainedConfig) -> dict:
-    """The model's modules by name, built on the meta device from its config: structure only, no memory."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
-    return dict(model.named_modules())
 
 
 def print_memory_plan(recipe: Recipe, launch: LaunchDescription, required: bool, config_file: str | None = None

@@ -14,15 +14,8 @@ import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
 
-from shardtune.config import (
-    DATA_FILE_TYPES,
-    ConfigError,
-    Recipe,
-    bundled_chat_templates,
-    chat_template_path,
-    dataset_sources,
-    dataset_weights,
-)
+from shardtune.config import DATA_FILE_TYPES, ConfigError, Recipe
+from shardtune.data_sources import bundled_chat_templates, chat_template_path, dataset_sources, dataset_weights
 
 IGNORE_INDEX = -100  # label of tokens that carry no loss (prompt, padding)
 logger = logging.getLogger(__name__)

@@ -186,7 +186,7 @@ def read_config(name: str) -> PretrainedConfig:
     A name that can only be a path and exists nowhere is "not found", never tried on the Hub."""
     from transformers import AutoConfig
 
-    from shardtune.config import looks_like_path
+    from shardtune.hub import first_line, hub_problem, looks_like_path
 
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
@@ -204,32 +204,6 @@ def read_config(name: str) -> PretrainedConfig:
         raise ModelError(hub_problem(name, error)) from None
     except ValueError as error:  # an unknown model_type, a config transformers cannot build
         raise ModelError(f"--model_name_or_path {name!r}: {first_line(error)}") from None
-
-
-def hub_problem(name: str, error: OSError) -> str:
-    """Why a name that is no local directory could not be had from the Hub, and what to do, from the
-    huggingface_hub error that transformers wraps in OSError."""
-    from huggingface_hub import errors
-    from huggingface_hub.constants import is_offline_mode
-
-    cause = error.__cause__
-    if isinstance(cause, errors.GatedRepoError):
-        return (f"{name!r} is a gated Hub model: accept its license at https://huggingface.co/{name}, then run "
-                "`hf auth login` (or set HF_TOKEN), or give a local model directory.")
-    if isinstance(cause, errors.RepositoryNotFoundError):
-        return (f"{name!r} is neither a local directory nor a Hub model id (if it is private, run "
-                "`hf auth login`): check --model_name_or_path.")
-    if is_offline_mode():
-        return (f"{name!r} is not a local directory and not in the Hugging Face cache, and HF_HUB_OFFLINE=1 keeps "
-                "the Hub out of reach: set HF_HUB_OFFLINE=0 where there is network (`hf auth login` for a "
-                "gated model), or give a local model directory.")
-    return (f"Cannot reach the Hugging Face Hub for {name!r} (no local directory of that name, not in the cache): "
-            "check the network or proxy, run `hf auth login` for a gated model, or give a local model "
-            f"directory. ({first_line(error)})")
-
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def resolve_model(model: str) -> ModelShape:

@@ -9,10 +9,13 @@ import random
 import shutil
 import string
 import tempfile
+from typing import TYPE_CHECKING
 
-import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+# torch, tokenizers and transformers' Llama are imported only where the assets are made, not by a recipe that finds
+# them made (every run after the first).
+if TYPE_CHECKING:
+    import torch
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = string.ascii_lowercase + string.digits + " =:>"
@@ -27,6 +30,9 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """One token per character; BOS prepended; decoding joins characters back."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -40,6 +46,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_llama_config(vocab_size: int, **overrides) -> LlamaConfig:
+    from transformers import LlamaConfig
+
     values = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -59,14 +67,18 @@ def reversal_examples(count: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_tiny_assets(root: str, num_examples: int = 4096, seed: int = 0, save_dtype: torch.dtype = torch.float32,
+def write_tiny_assets(root: str, num_examples: int = 4096, seed: int = 0, save_dtype: torch.dtype | None = None,
                       **config_overrides) -> None:
-    """Write `root/model` (config, random weights stored in `save_dtype`, tokenizer) and `root/data.jsonl`."""
+    """Write `root/model` (config, random weights stored in `save_dtype`, default fp32, tokenizer) and
+    `root/data.jsonl`."""
+    import torch
+    from transformers import LlamaForCausalLM
+
     os.makedirs(os.path.join(root, "model"))
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), **config_overrides))
-    model.to(save_dtype).save_pretrained(os.path.join(root, "model"))
+    model.to(save_dtype or torch.float32).save_pretrained(os.path.join(root, "model"))
     tokenizer.save_pretrained(os.path.join(root, "model"))
     with open(os.path.join(root, "data.jsonl"), "w") as file:
         for row in reversal_examples(num_examples, seed):

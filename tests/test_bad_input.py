@@ -11,7 +11,8 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 
-from shardtune import Recipe, main
+from shardtune.cli import main
+from shardtune.config import Recipe
 from tests.conftest import run_recipe
 
 

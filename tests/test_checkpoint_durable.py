@@ -25,9 +25,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tests.conftest as harness
-from shardtune import Recipe, main
 from shardtune.checkpoint.markers import MARKER, damage
 from shardtune.checkpoint.pending import WRITE_DELAY_ENV
+from shardtune.cli import main
+from shardtune.config import Recipe
 from shardtune.preemption import PREEMPTED_EXIT_CODE
 from tests.conftest import REFERENCE_ARGS, REPO, run_recipe, start_recipe, train_losses
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import get_scheduler
 
-from shardtune.config import ALIASES, Recipe, parse_recipe
+from shardtune.config import Recipe
+from shardtune.flags import ALIASES, parse_recipe
 
 SPELLINGS = [
     # (the recipe's own values, the command line, the values it must end with)

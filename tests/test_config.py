@@ -6,15 +6,9 @@ import os
 
 import pytest
 
-from shardtune.config import (
-    LR_SCHEDULERS,
-    BatchPlan,
-    ConfigError,
-    Recipe,
-    parse_recipe,
-    plan_batches,
-    validate,
-)
+from shardtune.checks import plan_batches, validate
+from shardtune.config import LR_SCHEDULERS, BatchPlan, ConfigError, Recipe
+from shardtune.flags import parse_recipe
 from shardtune.launch import LaunchDescription
 
 
@@ -74,7 +68,7 @@ def test_good_recipe_passes_validation(tmp_path):
     recipe = Recipe(model_name_or_path="some/model", dataset=str(data), output_dir=str(tmp_path / "out"),
                     per_device_train_batch_size=4, global_batch_size=32, resume_from_checkpoint="auto",
                     use_cpu=True)
-    assert validate(recipe, world_size=8, uses_deepspeed=False, has_gpu=False, nvme_offloaded=()) == BatchPlan(4, 1, 8)
+    assert validate(recipe, LaunchDescription(world_size=8), has_gpu=False) == BatchPlan(4, 1, 8)
     assert not (tmp_path / "out").exists()
 
 

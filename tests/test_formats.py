@@ -14,15 +14,14 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from shardtune.config import (
+from shardtune.config import ConfigError, Recipe
+from shardtune.data import IGNORE_INDEX, apply_chat_template_flag, load_splits
+from shardtune.data_sources import (
     CHAT_TEMPLATES_DIR,
-    ConfigError,
-    Recipe,
     check_chat_template,
     check_dataset_sources,
     check_dataset_weights,
 )
-from shardtune.data import IGNORE_INDEX, apply_chat_template_flag, load_splits
 from shardtune.tiny import CHAT_TEMPLATE
 from tests.conftest import grad_norms, start_recipe, train_losses
 
@@ -253,7 +252,7 @@ def load_prepare_script():
 def test_prepared_data_trains_without_tokenizing_again(tmp_path, tiny_assets, capsys):
     alpaca, sharegpt = mixture_files(tmp_path)
     recipe_file = tmp_path / "recipe.py"
-    recipe_file.write_text("from shardtune import Recipe\n"
+    recipe_file.write_text("from shardtune.config import Recipe\n"
                            f"RECIPE = Recipe(model_name_or_path={tiny_assets[0]!r}, max_seq_length=64)\n")
     out = tmp_path / "prepared"
     flags = ["--dataset", f"{alpaca},{sharegpt}", "--dataset_weights", "0.5,1", "--chat_template", "chatml"]

@@ -147,7 +147,8 @@ def test_accelerate_reads_the_json_as_the_planner_and_the_checks_do(config, monk
     bf16 is "auto": accelerate fills it from the run's precision."""
     from accelerate.utils import DeepSpeedPlugin
 
-    from shardtune.config import Recipe, check_nvme_path
+    from shardtune.checks import check_nvme_path
+    from shardtune.config import Recipe
     from shardtune.launch import LaunchDescription
     from shardtune.ranks import deepspeed_fingerprint
 

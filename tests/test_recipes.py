@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from shardtune.config import Recipe, parse_recipe
+from shardtune.config import Recipe
+from shardtune.flags import parse_recipe
 from tests.conftest import CONFIGS, REPO
 
 RECIPES = sorted(path for path in (REPO / "recipes").glob("*.py") if path.stem != "tiny")

@@ -12,7 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from shardtune.config import ConfigError, Recipe, check_attention
+from shardtune.checks import check_attention
+from shardtune.config import ConfigError, Recipe
 from shardtune.data import COUNTS, IGNORE_INDEX, make_collator
 from shardtune.evaluation import row_statistics
 from shardtune.metrics import step_vector

@@ -1,0 +1,266 @@
+"""The recipe's checks that need no model and no data read: values, choices, the packages they need, the output
+dir, the batch over the launched ranks. Each raises ConfigError; check_recipe runs them all and collects every
+failure."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Sequence
+
+from shardtune.config import (
+    ATTENTION_PACKAGES,
+    DATASET_FORMATS,
+    LR_SCHEDULERS,
+    MIXED_PRECISIONS,
+    SAVE_DTYPES,
+    BatchPlan,
+    ConfigError,
+    Problems,
+    Recipe,
+    below_lowest,
+)
+from shardtune.data_sources import (
+    check_chat_template,
+    check_dataset_num_proc,
+    check_dataset_sources,
+    check_dataset_weights,
+)
+from shardtune.launch import LaunchDescription
+
+
+def check_device(recipe: Recipe, has_cuda: bool) -> None:
+    """A node whose CUDA is broken must not train on CPU unnoticed: CPU mode is asked for, or there is a GPU."""
+    if not has_cuda and not recipe.use_cpu:
+        raise ConfigError("No CUDA GPU is visible (torch.cuda.is_available() is False): check the node's GPUs and "
+                          "driver (nvidia-smi, CUDA_VISIBLE_DEVICES), or pass --use_cpu true to train on CPU.")
+
+
+def check_attention(recipe: Recipe, on_gpu: bool) -> None:
+    name = recipe.attn_implementation
+    if name not in ATTENTION_PACKAGES:
+        raise ConfigError(f"--attn_implementation {name!r} is unknown: use one of {', '.join(ATTENTION_PACKAGES)}.")
+    package = ATTENTION_PACKAGES[name]
+    if package and not on_gpu:
+        raise ConfigError(f"--attn_implementation {name} runs on CUDA GPUs only: use sdpa on this machine.")
+    if package and importlib.util.find_spec(package) is None:
+        raise ConfigError(f"--attn_implementation {name} needs the {package} package, which is not installed: "
+                          f"install it (pip install {package.split('_interface')[0].replace('_', '-')}) or use "
+                          "sdpa or flex_attention.")
+    if name == "flex_attention" and not on_gpu:
+        raise ConfigError("--attn_implementation flex_attention has no backward pass on CPU in this torch: use sdpa "
+                          "on this machine (flex_attention trains on GPUs).")
+    if recipe.packing and on_gpu and name in ("sdpa", "eager"):
+        raise ConfigError(f"--packing true with --attn_implementation {name} builds a dense mask over the whole "
+                          "packed row (micro-batch x length squared) and leaves the flash kernel: use "
+                          "--attn_implementation flash_attention_2 (pip install flash-attn) or flex_attention.")
+
+
+def check_inputs_named(recipe: Recipe) -> None:
+    """A model and a dataset: every later step needs both. The dataset's sources are judged only when named."""
+    missing = [message for value, message in (
+        (recipe.model_name_or_path, "No model: set --model_name_or_path to a local model directory or a Hub model id."),
+        (recipe.dataset, "No dataset: set --dataset to a local .jsonl/.parquet/.csv file or a dataset directory."),
+    ) if not value]
+    if missing:
+        raise ConfigError(missing)
+    check_dataset_sources(recipe)
+
+
+def check_choice(flag: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{flag} must be one of {', '.join(choices)}; got {value!r}.")
+
+
+def check_choices(recipe: Recipe) -> None:
+    problems = Problems()
+    for flag, value, choices in (("--dataset_format", recipe.dataset_format, DATASET_FORMATS),
+                                 ("--truncation", recipe.truncation, ("truncate", "drop")),
+                                 ("--mixed_precision", recipe.mixed_precision, MIXED_PRECISIONS),
+                                 ("--lr_scheduler_type", recipe.lr_scheduler_type, LR_SCHEDULERS),
+                                 ("--report_to", recipe.report_to, ("wandb", "none"))):
+        problems.check(check_choice, flag, value, choices)
+    problems.raise_any()
+
+
+def check_quantization(recipe: Recipe, on_gpu: bool) -> None:
+    """QLoRA's prerequisites, in the order a user meets them (each later one matters only once the earlier holds)."""
+    if recipe.load_in_4bit and not recipe.use_peft:
+        raise ConfigError("--load_in_4bit true quantizes the frozen base for QLoRA: add --use_peft true.")
+    if recipe.load_in_4bit and not on_gpu:
+        raise ConfigError("--load_in_4bit needs a CUDA GPU: bitsandbytes' 4-bit kernels do not run on this machine. "
+                          "Use --use_peft true without --load_in_4bit (LoRA on a 16-bit base).")
+    if recipe.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
+
+
+def check_lora(recipe: Recipe) -> None:
+    if recipe.use_peft and (recipe.lora_r < 1 or recipe.lora_alpha < 1 or not 0 <= recipe.lora_dropout < 1):
+        raise ConfigError(f"LoRA needs --lora_r >= 1, --lora_alpha >= 1 and 0 <= --lora_dropout < 1; got "
+                          f"{recipe.lora_r}, {recipe.lora_alpha} and {recipe.lora_dropout}.")
+
+
+def check_loss_scaler(recipe: Recipe, on_gpu: bool, uses_deepspeed: bool) -> None:
+    if recipe.mixed_precision == "fp16" and not (on_gpu or uses_deepspeed):
+        raise ConfigError(
+            "--mixed_precision fp16 needs a loss scaler, and accelerate has none without a GPU: fp16 would train "
+            "unscaled (or silently in fp32). Use --mixed_precision bf16 or no."
+        )
+
+
+def check_numbers(recipe: Recipe) -> None:
+    """Hyper-parameters, step counts and timeouts within their ranges; every one out of range is reported."""
+    problems = Problems()
+    if not 0.0 < recipe.eval_fraction < 1.0:
+        problems.messages.append(f"--eval_fraction must be between 0 and 1 (exclusive), got {recipe.eval_fraction}.")
+    if not recipe.learning_rate > 0:  # also NaN
+        problems.messages.append(f"--learning_rate must be > 0, got {recipe.learning_rate}: give e.g. "
+                                 "--learning_rate 1e-5.")
+    if recipe.max_steps <= 0 and recipe.num_train_epochs <= 0:
+        problems.messages.append("Nothing to train: set --max_steps > 0 or --num_train_epochs > 0.")
+    problems.messages.extend(below_lowest((flag, getattr(recipe, flag[2:])) for flag in (
+        "--max_seq_length", "--per_device_eval_batch_size", "--gradient_checkpointing_interval", "--logging_steps",
+        "--eval_steps", "--save_steps", "--save_total_limit")))
+    for name in ("collective_timeout_minutes", "startup_timeout_minutes", "rank_timeout_s"):
+        if not getattr(recipe, name) > 0:
+            problems.messages.append(f"--{name} must be > 0, got {getattr(recipe, name)}.")
+    problems.check(check_warmup, recipe)
+    problems.raise_any()
+
+
+def check_warmup(recipe: Recipe) -> None:
+    if not 0.0 <= recipe.warmup_ratio <= 1.0:
+        raise ConfigError(f"--warmup_ratio is the share of steps spent warming up: between 0 and 1, got "
+                          f"{recipe.warmup_ratio}.")
+    if recipe.warmup_steps < 0:
+        raise ConfigError(f"--warmup_steps must be >= 0, got {recipe.warmup_steps}.")
+    if recipe.warmup_steps > 0 and recipe.warmup_ratio > 0:
+        raise ConfigError(f"--warmup_steps {recipe.warmup_steps} and --warmup_ratio {recipe.warmup_ratio} both set "
+                          "the warm-up: give one of them (--warmup_ratio 0 to count in steps).")
+
+
+def check_tracking(recipe: Recipe) -> None:
+    if recipe.report_to == "wandb" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--report_to wandb needs wandb, which is not installed: pip install wandb, or pass "
+                          "--report_to none.")
+
+
+def check_checkpoints(recipe: Recipe) -> None:
+    resume = recipe.resume_from_checkpoint
+    if recipe.save_only_model and resume == "auto":
+        raise ConfigError("--save_only_model true writes checkpoints without optimizer states, which cannot resume "
+                          "training: drop --resume_from_checkpoint auto or --save_only_model true.")
+    if recipe.save_only_model and recipe.use_peft:
+        raise ConfigError("--save_only_model true is for full fine-tuning; a LoRA checkpoint's optimizer states are "
+                          "small: drop --save_only_model true.")
+    if resume and resume != "auto" and not os.path.isdir(resume):
+        raise ConfigError(f"--resume_from_checkpoint {resume!r} is not a directory: give a checkpoint "
+                          "(<output_dir>/checkpoint-<step>), or `auto` for the newest complete one in --output_dir.")
+
+
+def check_output_dir(recipe: Recipe) -> None:
+    output_dir = recipe.resolved_output_dir
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ConfigError(f"--output_dir {output_dir!r} is a file; give a directory.")
+    occupied = os.path.isdir(output_dir) and any(not name.startswith(".") for name in os.listdir(output_dir))
+    if occupied and not (recipe.resume_from_checkpoint or recipe.overwrite_output_dir):
+        raise ConfigError(
+            f"--output_dir {output_dir!r} already holds files of another run. Resume it with "
+            "--resume_from_checkpoint auto, replace it with --overwrite_output_dir true, or pick another directory."
+        )
+
+
+def check_exports(recipe: Recipe) -> None:
+    problems = []
+    if recipe.generation_samples < 0:
+        problems.append(f"--generation_samples must be 0 (off) or a positive count of held-out prompts to answer at "
+                        f"each eval; got {recipe.generation_samples}.")
+    if recipe.save_dtype not in SAVE_DTYPES:
+        problems.append(f"--save_dtype {recipe.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)} (auto: the dtype "
+                        "the model's config.json states).")
+    if problems:
+        raise ConfigError(problems)
+
+
+def plan_batches(recipe: Recipe, world_size: int) -> BatchPlan:
+    """The micro-batch, accumulation and ranks that make --global_batch_size, or ConfigError when they cannot."""
+    micro, gas, total = recipe.per_device_train_batch_size, recipe.gradient_accumulation_steps, recipe.global_batch_size
+    too_small = below_lowest([("--per_device_train_batch_size", micro), ("--gradient_accumulation_steps", gas)])
+    if too_small:
+        raise ConfigError(too_small[0])
+    per_step = micro * world_size
+    if total is None:
+        return BatchPlan(micro, gas or 1, world_size)
+    if total % per_step:
+        raise ConfigError(
+            f"--global_batch_size {total} is not divisible by per_device_train_batch_size x processes "
+            f"= {micro} x {world_size} = {per_step}. Pick a global batch that is a multiple of {per_step}, "
+            "or change --per_device_train_batch_size."
+        )
+    if gas is not None and gas * per_step != total:
+        raise ConfigError(
+            f"--gradient_accumulation_steps {gas} disagrees with --global_batch_size {total}: "
+            f"{micro} x {gas} x {world_size} processes = {gas * per_step}. Give only one of the two."
+        )
+    return BatchPlan(micro, total // per_step, world_size)
+
+
+# Checks that need the recipe alone: no model, no data read, no launch environment. Each raises ConfigError (with
+# one message or several); all of them run and every failure is reported together. A new check goes here.
+RECIPE_CHECKS: tuple[Callable[[Recipe], None], ...] = (
+    check_inputs_named,
+    check_dataset_weights,
+    check_dataset_num_proc,
+    check_chat_template,
+    check_choices,
+    check_lora,
+    check_numbers,
+    check_tracking,
+    check_checkpoints,
+    check_exports,
+    check_output_dir,
+)
+
+
+def check_nvme_path(recipe: Recipe, nvme_offloaded: Sequence[str]) -> None:
+    """NVMe offload needs --offload_nvme_path, and the flag needs NVMe offload: accelerate launch does not pass a
+    YAML's nvme paths to the script, so DeepSpeed would write its swap files to ./none; the shipped JSON's
+    nvme_path is "auto", which accelerate fills from the path the trainer sets. `nvme_offloaded`: the states the
+    launch offloads to NVMe without a directory of their own (LaunchDescription.nvme_offloaded)."""
+    path = recipe.offload_nvme_path
+    if nvme_offloaded and not path:
+        raise ConfigError(f"The accelerate config offloads the {' and '.join(nvme_offloaded)} states to NVMe: pass "
+                          "--offload_nvme_path <directory on a local NVMe disk>.")
+    if path and not nvme_offloaded:
+        raise ConfigError("--offload_nvme_path is used only with NVMe offload (ds_zero3_nvme_offload.yaml): drop it "
+                          "or launch with that config.")
+    if path and not os.path.isdir(path):
+        raise ConfigError(f"--offload_nvme_path {path!r} is not a directory: create it on a local NVMe disk.")
+
+
+def check_recipe(recipe: Recipe, problems: Problems, has_gpu: bool,
+                 launch: LaunchDescription | None) -> BatchPlan | None:
+    """Run every check that needs no model and no data loaded, recording failures in `problems`. `has_gpu`: CUDA
+    is available; `launch`: None when the launch environment failed its own checks (the checks that depend on it
+    are then skipped). Returns the batch plan, or None if it could not be made."""
+    problems.check(check_device, recipe, has_gpu)
+    on_gpu = has_gpu and not recipe.use_cpu
+    problems.check(check_attention, recipe, on_gpu)
+    problems.check(check_quantization, recipe, on_gpu)
+    for check in RECIPE_CHECKS:
+        problems.check(check, recipe)
+    if launch is None:
+        return None
+    problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
+    problems.check(check_nvme_path, recipe, launch.nvme_offloaded)
+    return problems.check(plan_batches, recipe, launch.world_size)
+
+
+def validate(recipe: Recipe, launch: LaunchDescription, has_gpu: bool) -> BatchPlan:
+    """Every check that needs no model and no data loaded. `has_gpu`: CUDA is available. Raises one ConfigError
+    with every failure."""
+    problems = Problems()
+    plan = check_recipe(recipe, problems, has_gpu, launch)
+    problems.raise_any()
+    assert plan is not None  # no problems: plan_batches returned
+    return plan

@@ -1,0 +1,143 @@
+"""The command line of a recipe: every Recipe field as a flag, transformers' TrainingArguments spellings mapped onto
+them, and one message per flag problem."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+# hf_argparser alone: the transformers package without its models, so that a bad flag is refused at once.
+from transformers.hf_argparser import HfArgumentParser, string_to_bool
+
+from shardtune.config import ConfigError, Recipe
+
+
+class RecipeParser(HfArgumentParser):
+    """argparse's own errors (a bad value such as `--packing maybe`) as ConfigError: one line, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"Bad command line: {message.rstrip('.')}; see --help for the recipe's flags.")
+
+
+# transformers.TrainingArguments' spellings that map onto the recipe's own flags: parsed, never Recipe fields.
+ALIASES = {
+    "--bf16": "TrainingArguments' spelling of --mixed_precision bf16 (false: fp32 unless --fp16 true).",
+    "--fp16": "TrainingArguments' spelling of --mixed_precision fp16 (false: fp32 unless --bf16 true).",
+    "--gradient_checkpointing_kwargs": 'TrainingArguments\' spelling; only \'{"use_reentrant": false}\' maps: the '
+                                       "trainer always recomputes non-reentrantly.",
+}
+
+
+def parse_recipe(recipe: Recipe, argv: list[str] | None = None) -> Recipe:
+    """Apply command-line overrides (`--learning_rate 2e-5`, `--gradient_checkpointing false`) to a recipe.
+    Raises ConfigError naming every flag problem."""
+    overridden, problems = parse_flags(recipe, argv)
+    if problems:
+        raise ConfigError(problems)
+    return overridden
+
+
+def parse_flags(recipe: Recipe, argv: list[str] | None = None) -> tuple[Recipe, list[str]]:
+    """The recipe with the command line applied, and the flags' problems (unknown or conflicting flags), one
+    message each, so that the recipe's other checks still run. A value argparse cannot read raises at once."""
+    parser = RecipeParser(Recipe)
+    parser.allow_abbrev = False  # a typo such as --learning_rat must not pass as --learning_rate
+    group = parser.add_argument_group("TrainingArguments spellings")
+    for flag in ("--bf16", "--fp16"):  # as HfArgumentParser reads a bool field: `--bf16` alone means true
+        group.add_argument(flag, type=string_to_bool, nargs="?", const=True, default=None, metavar="true|false",
+                           help=ALIASES[flag])
+    group.add_argument("--gradient_checkpointing_kwargs", default=None, metavar="JSON",
+                       help=ALIASES["--gradient_checkpointing_kwargs"])
+    parser.set_defaults(**dataclasses.asdict(recipe))
+    args = sys.argv[1:] if argv is None else argv
+    overridden, aliases, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
+    problems = unknown_argument_problems(unknown)
+    for apply in (apply_precision_alias, apply_warmup_steps, check_checkpointing_kwargs):
+        try:
+            overridden = apply(overridden, aliases, args) or overridden
+        except ConfigError as error:
+            problems.extend(error.messages)
+    return overridden, problems
+
+
+def given(args: Sequence[str], flag: str) -> bool:
+    """Whether `flag` is on the command line (abbreviations are off, so only its exact spelling counts)."""
+    return any(arg == flag or arg.startswith(f"{flag}=") for arg in args)
+
+
+def unknown_argument_problems(unknown: Sequence[str]) -> list[str]:
+    """One message per flag the recipe does not know, naming the nearest known flag; a value that follows an
+    unknown flag is its value, not a problem of its own."""
+    known = [f"--{item.name}" for item in dataclasses.fields(Recipe)] + list(ALIASES)
+    problems, after_flag = [], False
+    for token in unknown:
+        if token.startswith("--") or (token.startswith("-") and not token[1:2].isdigit()):
+            flag = token.split("=", 1)[0]
+            nearest = difflib.get_close_matches(flag, known, n=1)
+            hint = f"did you mean {nearest[0]}?" if nearest else "see --help for the recipe's flags."
+            problems.append(f"Unknown argument {flag}: {hint}")
+            after_flag = "=" not in token
+        elif after_flag:
+            after_flag = False
+        else:
+            problems.append(f"Unexpected value {token!r} on the command line: every value follows its flag "
+                            "(--name value); see --help.")
+    return problems
+
+
+def apply_precision_alias(recipe: Recipe, aliases: argparse.Namespace, args: Sequence[str]) -> Recipe | None:
+    """--bf16 / --fp16 as --mixed_precision. False switches off only the precision it names, as in TrainingArguments
+    (whose default is fp32). An explicit --mixed_precision that disagrees is an error, not a silent override."""
+    bf16, fp16 = aliases.bf16, aliases.fp16
+    if bf16 is None and fp16 is None:
+        return None
+    spelled = " ".join(f"{flag} {str(value).lower()}" for flag, value in (("--bf16", bf16), ("--fp16", fp16))
+                       if value is not None)
+    if bf16 and fp16:
+        raise ConfigError(f"{spelled} ask for two precisions at once: give one, or --mixed_precision bf16, fp16 "
+                          "or no.")
+    current = recipe.mixed_precision
+    if bf16 or fp16:
+        wanted = "bf16" if bf16 else "fp16"
+    else:
+        switched_off = {name for name, value in (("bf16", bf16), ("fp16", fp16)) if value is False}
+        wanted = "no" if current in switched_off else current
+    if wanted != current and given(args, "--mixed_precision"):
+        raise ConfigError(f"{spelled} asks for {wanted}, --mixed_precision for {current}: give only one of them.")
+    return dataclasses.replace(recipe, mixed_precision=wanted)
+
+
+def apply_warmup_steps(recipe: Recipe, aliases: argparse.Namespace, args: Sequence[str]) -> Recipe | None:
+    """`--warmup_steps N` alone on the command line replaces the recipe's warm-up ratio; both given is an error
+    (check_warmup), as it would be ambiguous which one the scheduler follows."""
+    if recipe.warmup_steps > 0 and given(args, "--warmup_steps") and not given(args, "--warmup_ratio"):
+        return dataclasses.replace(recipe, warmup_ratio=0.0)
+    return None
+
+
+def check_checkpointing_kwargs(recipe: Recipe, aliases: argparse.Namespace, args: Sequence[str]) -> None:
+    """TrainingArguments' --gradient_checkpointing_kwargs: the trainer always passes use_reentrant=False, so that
+    is the one setting that maps; anything else would be silently ignored, so it is refused."""
+    text = aliases.gradient_checkpointing_kwargs
+    if text is None:
+        return
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError:
+        kwargs = None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"--gradient_checkpointing_kwargs {text!r} is not a JSON object: give "
+                          '\'{"use_reentrant": false}\' or leave it out.')
+    if kwargs.get("use_reentrant", False) is not False:
+        raise ConfigError("--gradient_checkpointing_kwargs use_reentrant true is not supported: the trainer recomputes "
+                          "with use_reentrant=False, PyTorch's recommended variant (the reentrant one gives no "
+                          "gradients when a layer's inputs need none, as with LoRA on a frozen base). Drop it.")
+    others = sorted(set(kwargs) - {"use_reentrant"})
+    if others:
+        raise ConfigError(f"--gradient_checkpointing_kwargs {', '.join(others)}: only use_reentrant (false) maps "
+                          "onto this trainer; drop the others.")
