@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from shardtune.config import PLANNED_ATTENTION
+from shardtune.config import PLANNED_ATTENTION, below_lowest
 from shardtune.flops import ModelError, recipe_fields, resolve_model
 from shardtune.hardware import HardwareError, parse_hardware
 from shardtune.plan.planner import plan
@@ -72,12 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_args(args: argparse.Namespace) -> list[str]:
     """Every impossible value, one line each, before anything is planned."""
-    problems = []
-    for name, lowest in (("per_device_train_batch_size", 1), ("global_batch_size", 1), ("max_seq_length", 2),
-                         ("lora_r", 1)):
-        value = getattr(args, name)
-        if value is not None and value < lowest:
-            problems.append(f"--{name} must be >= {lowest}, got {value}.")
+    problems = below_lowest((f"--{name}", getattr(args, name)) for name in
+                            ("per_device_train_batch_size", "global_batch_size", "max_seq_length", "lora_r"))
     if args.host_ram_gb is not None and not args.host_ram_gb > 0:
         problems.append(f"--host_ram_gb is host RAM per node in GB and must be > 0, got {args.host_ram_gb}.")
     peft_flags = [f"--{name}" for name in ("lora_r", "lora_target_modules", "load_in_4bit")
