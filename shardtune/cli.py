@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -62,9 +64,10 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int,
         problems.raise_any()
         assert launch is not None  # no problems: the launch was read
         sys.exit(dry_run(recipe, problems, launch))
-    import torch  # after the flag checks: --help and typos answer at once
-
-    plan = check_recipe(recipe, problems, torch.cuda.is_available(), launch)
+    plan = check_recipe(recipe, problems, cuda_available(), launch)
+    # The model's config and the memory plan need torch and transformers, seconds of imports: a command line that
+    # its own checks already refuse is refused now, and the model is judged once the command line is right.
+    problems.raise_any()
     if recipe.model_name_or_path:
         problems.check(check_model, recipe)
         if launch is not None:  # the plan of the launched config, a refusal among the others if it does not fit
@@ -72,6 +75,26 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int,
     problems.raise_any()
     assert launch is not None and plan is not None  # no problems: both checks returned
     return recipe, launch.world_size, plan
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch (seconds) on a build that has no GPU support: such a
+    build records no CUDA or ROCm version in torch/version.py."""
+    spec = importlib.util.find_spec("torch")
+    version_file = os.path.join(os.path.dirname(spec.origin), "version.py") if spec and spec.origin else None
+    if version_file and os.path.isfile(version_file):
+        builds = {}
+        with open(version_file) as file:
+            tree = ast.parse(file.read())
+        for node in tree.body:
+            if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Constant):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                builds.update({target.id: node.value.value for target in targets if isinstance(target, ast.Name)})
+        if builds.get("cuda") is None and builds.get("hip") is None:
+            return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 # --- --dry_run ---------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from shardtune.cli import main
 from shardtune.config import Recipe
-from tests.conftest import run_recipe
+from tests.conftest import REPO, run_recipe
 
 
 @dataclass(frozen=True)
@@ -163,13 +164,40 @@ def test_refused_before_loading(case, tiny_assets, tmp_path, capsys, monkeypatch
 
 
 def test_every_problem_reported_at_once(tiny_assets, tmp_path, capsys, monkeypatch):
-    """Three mistakes of three kinds (a flag, a data path, a value only the model's config can judge): one launch
-    names all three, one line each."""
+    """Mistakes of two kinds on the command line (a flag, a data path): one launch names both, one line each,
+    before anything heavy is imported. With the command line right, what only the model's config can judge is
+    refused the same way."""
     spec = Case(("--learning_rat", "1e-4", "--dataset", "{tmp}/data/train.jsonl", "--max_seq_length", "4096"), "")
     error_lines, stderr = refused(spec, tiny_assets, tmp_path, capsys, monkeypatch)
     assert [line.split(":")[2].strip() for line in error_lines] == [
-        "Unknown argument --learning_rat", "Dataset file not found", "--max_seq_length 4096 is above the model's "
-        "max_position_embeddings 256"], stderr[-2000:]
+        "Unknown argument --learning_rat", "Dataset file not found"], stderr[-2000:]
+    spec = Case(("--learning_rate", "1e-4", "--max_seq_length", "4096"), "")
+    error_lines, stderr = refused(spec, tiny_assets, tmp_path, capsys, monkeypatch)
+    assert [line.split(":")[2].strip() for line in error_lines] == [
+        "--max_seq_length 4096 is above the model's max_position_embeddings 256"], stderr[-2000:]
+
+
+HEAVY_MODULES = ("torch", "transformers.modeling_utils", "peft", "deepspeed", "wandb", "accelerate")
+
+
+@pytest.mark.parametrize("args", [("--no_such_flag", "1"), ("--learning_rate", "-1"), ("--packing", "maybe")])
+def test_a_bad_command_line_is_refused_before_heavy_imports(args, tiny_assets, tmp_path):
+    """A typo or an impossible value is refused from the command line alone: no torch, transformers model code,
+    peft, DeepSpeed, W&B or accelerate imported (their imports are most of a launch's start-up)."""
+    model_dir, data_file = tiny_assets
+    (tmp_path / "assets").symlink_to(Path(model_dir).parents[1])  # the recipe's own assets/tiny: made already
+    recipe = str(REPO / "recipes" / "tiny.py")
+    probe = ("import atexit, runpy, sys\n"
+             f"atexit.register(lambda: print('heavy:', [m for m in {HEAVY_MODULES!r} if m in sys.modules]))\n"
+             "sys.argv = ['tiny.py', *sys.argv[1:]]\n"
+             f"runpy.run_path({recipe!r}, run_name='__main__')\n")
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("ACCELERATE_", "FSDP_"))
+           and name not in LAUNCH_VARIABLES}
+    result = subprocess.run([sys.executable, "-c", probe, "--model_name_or_path", model_dir, "--dataset", data_file,
+                             "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", *args],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and "shardtune: error:" in result.stderr, result.stderr[-2000:]
+    assert "heavy: []" in result.stdout, result.stdout[-2000:]
 
 
 def refused(spec: Case, tiny_assets, tmp_path: Path, capsys, monkeypatch) -> tuple[list[str], str]:
