@@ -27,7 +27,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
 
 from shardtune.checkpoint import MARKER, damage, durable, fsync_path
-from shardtune.trainer import EXPORT_DTYPES, cast_floating
+from shardtune.export import EXPORT_DTYPES, cast_floating
 
 MAX_SHARD_SIZE = "5GB"
 DCP_PREFIX = "model."  # accelerate's save_fsdp_model nests the model state under "model"
