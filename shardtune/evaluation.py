@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from shardtune.data import COUNTS, IGNORE_INDEX
+from shardtune.batches import COUNTS
+from shardtune.data import IGNORE_INDEX
 
 CHUNK_POSITIONS = 1024
 
