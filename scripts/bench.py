@@ -74,16 +74,19 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
 
     import torch
 
-    from shardtune.config import launch_env, parse_recipe, validate
+    from shardtune.config import parse_recipe, validate
     from shardtune.distributed import make_accelerator, shut_down
+    from shardtune.launch import LaunchDescription
     from shardtune.ranks import check_ranks_agree, launch_fingerprint, watch_ranks
 
     spec = importlib.util.spec_from_file_location("bench_recipe", recipe_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     recipe = parse_recipe(module.RECIPE, [*recipe_args, "--overwrite_output_dir", "true"])
-    world_size, uses_deepspeed, _ = launch_env()
-    plan = validate(recipe, world_size, uses_deepspeed, has_gpu=torch.cuda.is_available())
+    launch = LaunchDescription.from_env()
+    world_size = launch.world_size
+    plan = validate(recipe, world_size, launch.uses_deepspeed, has_gpu=torch.cuda.is_available(),
+                    nvme_offloaded=launch.nvme_offloaded)
     accelerator = make_accelerator(recipe, plan, log_with=None)
     # The trainer's guards: ranks launched alike, start-up then step collective timeouts, the dead-rank watchdog,
     # and the teardown that cannot deadlock at exit.

@@ -62,7 +62,8 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
     from transformers import LlamaForCausalLM
 
-    from shardtune.checkpoint import Checkpointer, complete_checkpoints, read_marker
+    from shardtune.checkpoint.markers import complete_checkpoints, read_marker
+    from shardtune.checkpoint.saver import Checkpointer
     from shardtune.config import BatchPlan, Recipe
     from shardtune.distributed import make_accelerator
 

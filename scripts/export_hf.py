@@ -23,10 +23,14 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardtune.checkpoint import MARKER, damage, durable, fsync_path
+from shardtune.checkpoint.durable import durable, fsync_path
+from shardtune.checkpoint.markers import MARKER, damage
 from shardtune.export import EXPORT_DTYPES, cast_floating
 
 MAX_SHARD_SIZE = "5GB"
@@ -50,6 +54,7 @@ def export(checkpoint: Path, output: Path, dtype: torch.dtype | None = None) -> 
     elif fsdp_state.is_dir():
         export_fsdp(fsdp_state, output, dtype)
     elif (checkpoint / "pytorch_model").is_dir():
+        # DeepSpeed takes seconds to import and only ZeRO checkpoints need it.
         from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
 
         # The fp32 master weights, assembled from the ZeRO partitions and cast shard by shard.
@@ -76,8 +81,6 @@ def export_single(source: Path, target: Path, dtype: torch.dtype | None) -> None
 
 def written_dtype(output: Path) -> torch.dtype | None:
     """The floating-point dtype of the weights in the export (read from the safetensors headers)."""
-    from safetensors import safe_open
-
     for path in sorted(output.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as file:
             for key in file.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -101,9 +104,6 @@ def write_config_dtype(output: Path, dtype: torch.dtype | None) -> None:
 
 def export_fsdp(state_dir: Path, output: Path, dtype: torch.dtype | None = None) -> None:
     """Read a torch.distributed.checkpoint model state one output shard at a time, cast to `dtype`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     metadata = dcp.FileSystemReader(str(state_dir)).read_metadata()
     shapes = {key: meta for key, meta in metadata.state_dict_metadata.items()
               if isinstance(meta, TensorStorageMetadata)}

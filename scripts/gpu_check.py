@@ -98,7 +98,8 @@ def planned_peak(config: str, packing: bool) -> float:
 
     from shardtune.flops import shape_from_config
     from shardtune.hardware import Hardware
-    from shardtune.plan import plan, read_accelerate_config
+    from shardtune.plan.planner import plan
+    from shardtune.plan.strategy import read_accelerate_config
 
     shape = shape_from_config(LlamaConfig(**MODEL), "llama-1.2b (random)")
     hardware = Hardware(1, 1, torch.cuda.get_device_properties(0).total_memory, name="1 GPU")

@@ -1,8 +1,8 @@
-"""The planner's figures wherever the repository states them: the README's plan table, and each recipe header's
-plan for the hardware it names. Written from shardtune.plan, checked by tests/test_plan_launch.py.
+"""The planner's figures wherever the repository states them: the plan table of docs/plan-table.md, and each
+recipe header's plan for the hardware it names. Written from shardtune.plan, checked by tests/test_plan_launch.py.
 
-    python scripts/plan_table.py            # print the README table and every recipe's plan
-    python scripts/plan_table.py --write    # rewrite them in README.md and recipes/*.py
+    python scripts/plan_table.py            # print the table and every recipe's plan
+    python scripts/plan_table.py --write    # rewrite them in docs/plan-table.md and recipes/*.py
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from pathlib import Path
 
 from shardtune.flops import recipe_fields, resolve_model
 from shardtune.hardware import parse_hardware
-from shardtune.plan import CONFIGS_DIR, Peft, Recommendation, fewest_nodes, recommend
+from shardtune.plan.search import Recommendation, fewest_nodes, recommend
+from shardtune.plan.states import Peft
+from shardtune.plan.strategy import CONFIGS_DIR
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+TABLE_DOC = REPO / "docs" / "plan-table.md"
 MODELS = {  # built-in name -> the global batch of its recipe
     "llama-3.2-1b": 64, "llama-3.2-3b": 64, "llama-3.1-8b": 64, "mistral-7b": 64, "qwen2.5-7b": 64,
     "llama-3.1-70b": 64, "llama-3.1-405b": 128,
@@ -45,9 +47,10 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def readme_with_table(readme: str) -> str:
+def doc_with_table(doc: str) -> str:
+    """The page with the generated table between its markers replaced by the current one."""
     start, end = "<!-- plan-table -->\n", "<!-- /plan-table -->"
-    head, rest = readme.split(start)
+    head, rest = doc.split(start)
     return head + start + table() + "\n" + end + rest.split(end)[1]
 
 
@@ -92,7 +95,7 @@ def recipe_with_plan(path: Path) -> str:
 if __name__ == "__main__":
     write = "--write" in sys.argv
     if write:
-        README.write_text(readme_with_table(README.read_text()))
+        TABLE_DOC.write_text(doc_with_table(TABLE_DOC.read_text()))
     else:
         print(table())
     for recipe in model_recipes():

@@ -12,7 +12,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
-from shardtune.checkpoint import resolve_resume
+from shardtune.checkpoint.markers import resolve_resume
 from shardtune.config import (
     RECIPE_CHECKS,
     BatchPlan,
@@ -25,10 +25,10 @@ from shardtune.config import (
     check_output_dir,
     check_quantization,
     check_recipe,
-    launch_env,
     parse_flags,
     plan_batches,
 )
+from shardtune.launch import LaunchDescription
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -63,20 +63,23 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int,
     problems.messages.extend(flag_problems)
     if os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true":  # use_cpu: true in the accelerate config
         recipe = dataclasses.replace(recipe, use_cpu=True)
-    launch = problems.check(launch_env)
+    launch = problems.check(LaunchDescription.from_env)
     if recipe.dry_run:  # plans for --hardware, not this machine: no torch needed
         problems.raise_any()
-        sys.exit(dry_run(recipe, problems))
+        assert launch is not None  # no problems: the launch was read
+        sys.exit(dry_run(recipe, problems, launch))
     import torch  # after the flag checks: --help and typos answer at once
 
-    plan = check_recipe(recipe, problems, torch.cuda.is_available(), None if launch is None else launch[:2])
+    plan = check_recipe(recipe, problems, torch.cuda.is_available(),
+                        None if launch is None else (launch.world_size, launch.uses_deepspeed),
+                        () if launch is None else launch.nvme_offloaded)
     if recipe.model_name_or_path:
         problems.check(check_model, recipe)
         if launch is not None:  # the plan of the launched config, a refusal among the others if it does not fit
-            problems.check(print_memory_plan, recipe, bool(recipe.hardware))
+            problems.check(print_memory_plan, recipe, launch, bool(recipe.hardware))
     problems.raise_any()
     assert launch is not None and plan is not None  # no problems: both checks returned
-    return recipe, launch[0], plan
+    return recipe, launch.world_size, plan
 
 
 # --- --dry_run ---------------------------------------------------------------------------------------------------
@@ -85,7 +88,7 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int,
 NOT_IN_DRY_RUN = (check_inputs_named, check_checkpoints, check_output_dir)
 
 
-def dry_run(recipe: Recipe, problems: Problems) -> int:
+def dry_run(recipe: Recipe, problems: Problems, launch: LaunchDescription) -> int:
     """--dry_run: every check that concerns the plan (values, choices, the batch over the planned GPUs, the
     attention and precision as on GPUs), all reported together, then the plan. Outside `accelerate launch` it
     plans --config_file or the config the recipe's launch line names; under it, the launched config."""
@@ -110,7 +113,7 @@ def dry_run(recipe: Recipe, problems: Problems) -> int:
         elif not os.path.isfile(config_file):
             problems.messages.append(f"--config_file {config_file!r} does not exist: give an accelerate config YAML.")
     problems.raise_any()
-    return print_memory_plan(recipe, required=True, config_file=config_file)
+    return print_memory_plan(recipe, launch, required=True, config_file=config_file)
 
 
 def planned_hardware(spec: str):
@@ -231,16 +234,19 @@ def model_layers(config: PretrainedConfig) -> dict:
     return dict(model.named_modules())
 
 
-def print_memory_plan(recipe: Recipe, required: bool, config_file: str | None = None) -> int:
+def print_memory_plan(recipe: Recipe, launch: LaunchDescription, required: bool, config_file: str | None = None
+                      ) -> int:
     """Plan this launch's memory per GPU (under `config_file` instead of the launched config, for a dry run)
     before any weight loads; raise ConfigError if it does not fit. Without --hardware and without GPUs there is
     nothing to plan against (returns 0)."""
     from shardtune.flops import ModelError, resolve_model
     from shardtune.hardware import HardwareError
-    from shardtune.plan import PlanError, format_plan, launch_hardware, plan_launch
+    from shardtune.plan.launched import launch_hardware, launch_strategy, plan_launch
+    from shardtune.plan.report import format_plan
+    from shardtune.plan.strategy import PlanError
 
     try:
-        hardware = launch_hardware(recipe.hardware)
+        hardware = launch_hardware(recipe.hardware, launch)
         if hardware is None:
             if required:
                 raise ConfigError("--dry_run needs --hardware (e.g. 8xh100-80gb) on a machine without GPUs.")
@@ -252,7 +258,7 @@ def print_memory_plan(recipe: Recipe, required: bool, config_file: str | None = 
         print(f"shardtune: no memory plan: {error}", file=sys.stderr)
         return 0
     try:
-        chosen, alternative = plan_launch(shape, hardware, recipe, config_file)
+        chosen, alternative = plan_launch(shape, hardware, recipe, launch_strategy(recipe, launch, config_file))
     except PlanError as error:  # a config file or LoRA target the planner cannot use
         raise ConfigError(str(error)) from None
     if int(os.environ.get("RANK", "0")) == 0:  # flushed: the launcher may stop this rank when another exits first

@@ -29,8 +29,14 @@ ZERO_STAGES = ("1", "2", "3")
 # transformers' attention implementations for training, and the package each needs beyond torch.
 ATTENTION_PACKAGES = {"sdpa": None, "eager": None, "flex_attention": None, "flash_attention_2": "flash_attn",
                       "flash_attention_3": "flash_attn_interface"}
+# How the memory planner models each of them (the same names, in the planner CLI's order): SDPA and eager take a
+# dense mask; the flash kernels (flash-attn's varlen kernels, flex attention's block mask) none.
+PLANNED_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash", "flash_attention_3": "flash",
+                     "flex_attention": "flash"}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 SAVE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+# Positions of the eval's logits upcast to fp32 at once (shardtune.evaluation), as the planner counts them.
+EVAL_CHUNK_POSITIONS = 1024
 
 
 class ConfigError(ValueError):
@@ -204,114 +210,16 @@ class BatchPlan:
         return self.micro_batch * self.accumulation * self.world_size
 
 
-def launch_env() -> tuple[int, bool, bool]:
-    """(world size, DeepSpeed?, FSDP?) as `accelerate launch` set them, readable before any process group.
-    Raises ConfigError for a launch environment in which the ranks could not meet or the trainer could not run."""
-    world_size = env_int("WORLD_SIZE", 1)
-    rank = env_int("RANK", 0)
-    if world_size < 1:
-        raise ConfigError(f"WORLD_SIZE is {world_size}; unset it and start the run with accelerate launch, "
-                          "which sets it to the number of processes.")
-    if not 0 <= rank < world_size:
-        raise ConfigError(
-            f"RANK {rank} does not fit WORLD_SIZE {world_size} (ranks run from 0 to {world_size - 1}): relaunch "
-            "with accelerate launch, giving every node the same --num_machines and --num_processes and its own "
-            "--machine_rank."
-        )
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if world_size > 1 and not os.environ.get(name)]
-    if missing:
-        raise ConfigError(
-            f"WORLD_SIZE is {world_size} but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
-            "set, so the ranks cannot find each other: launch every node with accelerate launch --num_machines N "
-            "--machine_rank R --main_process_ip <rank-0 node address> --main_process_port <free port>."
-        )
-    uses_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    uses_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if uses_deepspeed:
-        check_deepspeed_env()
-    if uses_fsdp:
-        check_fsdp_env()
-    return world_size, uses_deepspeed, uses_fsdp
-
-
-def env_int(name: str, default: int) -> int:
-    """An integer launch variable; unset or empty gives `default`."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"{name}={text!r} is not a whole number; unset it and start the run with accelerate "
-                          "launch, which sets it.") from None
-
-
-def check_deepspeed_env() -> None:
-    """The DeepSpeed settings of the launch, read where DeepSpeed reads them: the JSON file the accelerate config
-    names (deepspeed_config_file; accelerate then exports no stage or offload variables), else the variables
-    `accelerate launch` exported from the YAML's deepspeed_config."""
-    if importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError("The accelerate config uses DeepSpeed, which is not installed: pip install deepspeed, "
-                          "or launch with an FSDP or DDP config.")
-    from shardtune.plan import PlanError, launch_deepspeed_settings
-
-    try:
-        settings = launch_deepspeed_settings()
-    except PlanError as error:
-        raise ConfigError(f"{error} Fix deepspeed_config_file in the accelerate config.") from error
-    source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config's deepspeed_config"
-    stage = str(settings["stage"]).strip()
-    if stage not in ZERO_STAGES:
-        raise ConfigError(f"{source} sets zero_stage {stage!r}; shardtune trains with ZeRO stage 1, 2 or 3: set one "
-                          "of these (zero_optimization.stage in a JSON file), or use ddp.yaml for no sharding.")
-    for kind in ("optimizer", "param"):
-        device = settings[f"offload_{kind}"]
-        if device not in OFFLOAD_DEVICES:
-            raise ConfigError(f"{source} sets the offload_{kind} device {device!r}; set it to one of "
-                              f"{', '.join(OFFLOAD_DEVICES)}.")
-        # Below ZeRO-3, DeepSpeed ignores parameter offload and keeps an NVMe optimizer offload in CPU RAM.
-        if stage != "3" and (kind == "param" or device == "nvme") and device != "none":
-            raise ConfigError(f"offload_{kind}_device {device} needs ZeRO stage 3 and {source} sets zero_stage "
-                              f"{stage}: set ZeRO stage 3 or offload_{kind} device none.")
-
-
-def check_fsdp_env() -> None:
-    """The FSDP settings `accelerate launch` exported from the config's fsdp_config: the trainer runs FSDP2."""
-    version = os.environ.get("FSDP_VERSION", "1").strip()  # accelerate's own default is FSDP1
-    if version != "2":
-        raise ConfigError(f"The accelerate config runs FSDP version {version} and shardtune's trainer is written "
-                          "for FSDP2: set fsdp_version: 2 in its fsdp_config.")
-    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").strip().lower()
-    if reshard not in ("true", "false"):
-        raise ConfigError(f"fsdp_reshard_after_forward {reshard.upper()!r} is an FSDP1 strategy; FSDP2 takes true "
-                          "(like FULL_SHARD) or false (like SHARD_GRAD_OP): set one of these in the fsdp_config.")
-    strategy = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").strip().upper()
-    if strategy not in ("FULL_SHARD", "1"):  # `accelerate launch` exports FULL_SHARD unless the config says more
-        raise ConfigError(f"fsdp_sharding_strategy {strategy} is an FSDP1 setting that FSDP2 ignores (the run would "
-                          "fully shard): remove it, and set fsdp_reshard_after_forward: false for SHARD_GRAD_OP.")
-
-
-def check_nvme_path(recipe: Recipe, uses_deepspeed: bool) -> None:
+def check_nvme_path(recipe: Recipe, nvme_offloaded: Sequence[str]) -> None:
     """NVMe offload needs --offload_nvme_path, and the flag needs NVMe offload: accelerate launch does not pass a
     YAML's nvme paths to the script, so DeepSpeed would write its swap files to ./none; the shipped JSON's
-    nvme_path is "auto", which accelerate fills from the path the trainer sets. The offload devices are read as
-    check_deepspeed_env reads them (the JSON file, else the exported variables)."""
-    offloaded = []
-    if uses_deepspeed:
-        from shardtune.plan import PlanError, launch_deepspeed_settings
-
-        try:
-            settings = launch_deepspeed_settings()
-        except PlanError as error:
-            raise ConfigError(f"{error} Fix deepspeed_config_file in the accelerate config.") from error
-        # A JSON file may name its own swap directory; "auto" (the shipped one) or none takes the flag's.
-        offloaded = [kind for kind in ("optimizer", "param") if settings[f"offload_{kind}"] == "nvme"
-                     and settings.get("nvme_path", {}).get(kind) in (None, "auto", "none")]
+    nvme_path is "auto", which accelerate fills from the path the trainer sets. `nvme_offloaded`: the states the
+    launch offloads to NVMe without a directory of their own (shardtune.launch.LaunchDescription.nvme_offloaded)."""
     path = recipe.offload_nvme_path
-    if offloaded and not path:
-        raise ConfigError(f"The accelerate config offloads the {' and '.join(offloaded)} states to NVMe: pass "
+    if nvme_offloaded and not path:
+        raise ConfigError(f"The accelerate config offloads the {' and '.join(nvme_offloaded)} states to NVMe: pass "
                           "--offload_nvme_path <directory on a local NVMe disk>.")
-    if path and not offloaded:
+    if path and not nvme_offloaded:
         raise ConfigError("--offload_nvme_path is used only with NVMe offload (ds_zero3_nvme_offload.yaml): drop it "
                           "or launch with that config.")
     if path and not os.path.isdir(path):
@@ -749,10 +657,11 @@ RECIPE_CHECKS: tuple[Callable[[Recipe], None], ...] = (
 
 
 def check_recipe(recipe: Recipe, problems: Problems, has_gpu: bool,
-                 launch: tuple[int, bool] | None) -> BatchPlan | None:
+                 launch: tuple[int, bool] | None, nvme_offloaded: Sequence[str]) -> BatchPlan | None:
     """Run every check that needs no model and no data loaded, recording failures in `problems`. `has_gpu`: CUDA
     is available; `launch`: (world size, DeepSpeed?), None when the launch environment failed its own checks (the
-    checks that depend on it are then skipped). Returns the batch plan, or None if it could not be made."""
+    checks that depend on it are then skipped); `nvme_offloaded`: the launch's states offloaded to NVMe that take
+    --offload_nvme_path. Returns the batch plan, or None if it could not be made."""
     problems.check(check_device, recipe, has_gpu)
     on_gpu = has_gpu and not recipe.use_cpu
     problems.check(check_attention, recipe, on_gpu)
@@ -763,15 +672,16 @@ def check_recipe(recipe: Recipe, problems: Problems, has_gpu: bool,
         return None
     world_size, uses_deepspeed = launch
     problems.check(check_loss_scaler, recipe, on_gpu, uses_deepspeed)
-    problems.check(check_nvme_path, recipe, uses_deepspeed)
+    problems.check(check_nvme_path, recipe, nvme_offloaded)
     return problems.check(plan_batches, recipe, world_size)
 
 
-def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: bool) -> BatchPlan:
-    """Every check that needs no model and no data loaded. `has_gpu`: CUDA is available. Raises one ConfigError
-    with every failure."""
+def validate(recipe: Recipe, world_size: int, uses_deepspeed: bool, has_gpu: bool,
+             nvme_offloaded: Sequence[str]) -> BatchPlan:
+    """Every check that needs no model and no data loaded. `has_gpu`: CUDA is available; `nvme_offloaded` as in
+    check_recipe. Raises one ConfigError with every failure."""
     problems = Problems()
-    plan = check_recipe(recipe, problems, has_gpu, (world_size, uses_deepspeed))
+    plan = check_recipe(recipe, problems, has_gpu, (world_size, uses_deepspeed), nvme_offloaded)
     problems.raise_any()
     assert plan is not None  # no problems: plan_batches returned
     return plan

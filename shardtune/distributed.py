@@ -23,18 +23,19 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from shardtune.config import BatchPlan, ConfigError, Recipe, launch_env
-from shardtune.plan import resolve_deepspeed_json
+from shardtune.config import BatchPlan, ConfigError, Recipe
+from shardtune.launch import LaunchDescription
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> Accelerator:
-    world_size, uses_deepspeed, uses_fsdp = launch_env()
+    launch = LaunchDescription.from_env()
+    world_size, uses_deepspeed, uses_fsdp = launch.world_size, launch.uses_deepspeed, launch.uses_fsdp
     on_cpu = recipe.use_cpu
     plugin = fsdp_plugin(recipe.mixed_precision, on_cpu) if uses_fsdp else None
     if uses_deepspeed:
-        deepspeed_launch_env(recipe)
+        deepspeed_launch_env(recipe, launch)
     accelerator = Accelerator(
         # On CPU, accelerate would start N unconnected single processes for DDP/FSDP configs: ask for
         # MULTI_CPU over gloo. DeepSpeed ignores `cpu=True`; it gets gloo through the process-group kwargs.
@@ -87,15 +88,14 @@ def fsdp_plugin(mixed_precision: str, on_cpu: bool) -> FullyShardedDataParallelP
     return plugin
 
 
-def deepspeed_launch_env(recipe: Recipe) -> None:
+def deepspeed_launch_env(recipe: Recipe, launch: LaunchDescription) -> None:
     """What accelerate's DeepSpeed plugin reads from the environment, set before it is built. The JSON file as
     the planner and the checks found it: accelerate opens the YAML's relative deepspeed_config_file from the
     working directory, so a launch from outside the repository would not find accelerate_configs/deepspeed/.
     The NVMe swap directory: the plugin fills a JSON nvme_path of "auto" (and a YAML-only config's) from these
     variables, which `accelerate launch` never sets from a config file."""
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if path:
-        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = resolve_deepspeed_json(path)
+    if launch.deepspeed_config_file:
+        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = launch.deepspeed_config_file
     if recipe.offload_nvme_path:
         for kind in ("OPTIMIZER", "PARAM"):
             os.environ[f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind}_NVME_PATH"] = recipe.offload_nvme_path

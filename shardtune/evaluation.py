@@ -13,12 +13,11 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from shardtune.batches import COUNTS
+from shardtune.config import EVAL_CHUNK_POSITIONS
 from shardtune.data import IGNORE_INDEX
 
-CHUNK_POSITIONS = 1024
 
-
-def row_statistics(logits: torch.Tensor, labels: torch.Tensor, chunk: int = CHUNK_POSITIONS) -> torch.Tensor:
+def row_statistics(logits: torch.Tensor, labels: torch.Tensor, chunk: int = EVAL_CHUNK_POSITIONS) -> torch.Tensor:
     """Per row: [sum of target-token losses, targets, correct next-token predictions], fp32, on the logits'
     device. Position t predicts label t + 1, as the causal LM loss compares them."""
     rows = []

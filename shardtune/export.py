@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from shardtune.checkpoint import durable
+from shardtune.checkpoint.durable import durable
 from shardtune.config import Recipe
 
 # --save_dtype (shardtune.config.SAVE_DTYPES, less auto) as torch dtypes.

@@ -22,6 +22,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 
 from shardtune.config import BatchPlan, ConfigError, Recipe
+from shardtune.launch import LaunchDescription
 
 PEER_LOST_EXIT_CODE = 4
 # What `accelerate launch` exports from the accelerate config (distributed type, ZeRO stage and offload, FSDP
@@ -52,7 +53,7 @@ def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan
         **{f"recipe.{key}": value for key, value in dataclasses.asdict(recipe).items()},
     }
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        fingerprint.update(deepspeed_fingerprint())
+        fingerprint.update(deepspeed_fingerprint(LaunchDescription.from_env()))
     packages = ["torch", "transformers", "accelerate", "datasets", "shardtune"]
     packages += ["deepspeed"] if accelerator.distributed_type == DistributedType.DEEPSPEED else []
     packages += ["peft"] if recipe.use_peft else []
@@ -64,20 +65,16 @@ def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan
     return {key: str(value) for key, value in fingerprint.items()}
 
 
-def deepspeed_fingerprint() -> dict[str, str]:
-    """The DeepSpeed settings every machine must share, read as the start-up checks and the planner read them:
-    from the JSON file `accelerate launch` names, which it exports no stage or offload variables for. Stage,
-    offload devices and precision by name (for the message); every other value through a digest of the file
-    (its path and NVMe swap directories may differ per machine, its contents may not)."""
-    from shardtune.plan import deepspeed_settings, launch_deepspeed_settings, resolve_deepspeed_json
-
-    settings = launch_deepspeed_settings()
+def deepspeed_fingerprint(launch: LaunchDescription) -> dict[str, str]:
+    """The DeepSpeed settings every machine must share, as the start-up checks and the planner read them (the
+    launch's): from the JSON file `accelerate launch` names, which it exports no stage or offload variables for.
+    Stage, offload devices and precision by name (for the message); every other value through a digest of the
+    file (its path and NVMe swap directories may differ per machine, its contents may not)."""
+    settings = launch.deepspeed_settings
     fingerprint = {f"deepspeed.{key}": str(settings.get(key)) for key in
                    ("stage", "offload_optimizer", "offload_param", "mixed_precision")}
-    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if config_file:
-        path = resolve_deepspeed_json(config_file)
-        deepspeed_settings(path)  # readable, with a zero_optimization section
+    path = launch.deepspeed_config_file
+    if path:  # read when the launch was: readable, with a zero_optimization section
         with open(path) as file:
             config = json.load(file)
         for kind in ("offload_optimizer", "offload_param"):

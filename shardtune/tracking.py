@@ -83,19 +83,21 @@ def accelerate_config(accelerator: Accelerator) -> dict:
 
 
 def memory_plan(recipe: Recipe) -> tuple[dict | None, str | None]:
-    """shardtune.plan's per-GPU plan of this launch (as the start-up line prints it), or None and why."""
+    """The planner's per-GPU plan of this launch (as the start-up line prints it), or None and why."""
     from shardtune.flops import ModelError, resolve_model
     from shardtune.hardware import HardwareError
-    from shardtune.plan import launch_hardware, plan_launch
+    from shardtune.launch import LaunchDescription
+    from shardtune.plan.launched import launch_hardware, plan_launch
 
+    launch = LaunchDescription.from_env()
     try:
-        hardware = launch_hardware(recipe.hardware)
+        hardware = launch_hardware(recipe.hardware, launch)
         if hardware is None:
             return None, "no GPU visible and no --hardware given: nothing to plan against"
         shape = resolve_model(recipe.model_name_or_path)
     except (HardwareError, ModelError) as error:
         return None, str(error)
-    return plan_launch(shape, hardware, recipe)[0].to_json(), None
+    return plan_launch(shape, hardware, recipe, launch.strategy(recipe.mixed_precision))[0].to_json(), None
 
 
 def truncate_metrics(output_dir: str, after_step: int) -> None:

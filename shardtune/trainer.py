@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.batches import counted_steps, global_batches, make_collator
-from shardtune.checkpoint import Checkpointer
+from shardtune.checkpoint.saver import Checkpointer
 from shardtune.config import BatchPlan, ConfigError, Recipe
 from shardtune.data import load_splits
 from shardtune.distributed import exit_process, make_accelerator, reduction_dtypes, shut_down

@@ -440,7 +440,7 @@ def tiny_deepspeed_json(config: str) -> Path:
 
 def strategy_as_launched(config: str, mixed_precision: str = "no"):
     """The planner's Strategy for `config` as the tests launch it (DeepSpeed: with tiny_deepspeed_json)."""
-    from shardtune.plan import read_accelerate_config
+    from shardtune.plan.strategy import read_accelerate_config
 
     json_file = str(tiny_deepspeed_json(config)) if config.startswith("ds_") else None
     return read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision, json_file)

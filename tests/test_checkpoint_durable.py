@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM
 
 import tests.conftest as harness
 from shardtune import Recipe, main
-from shardtune.checkpoint import MARKER, WRITE_DELAY_ENV, damage
+from shardtune.checkpoint.markers import MARKER, damage
+from shardtune.checkpoint.pending import WRITE_DELAY_ENV
 from shardtune.preemption import PREEMPTED_EXIT_CODE
 from tests.conftest import REFERENCE_ARGS, REPO, run_recipe, start_recipe, train_losses
 
@@ -315,7 +316,7 @@ def test_streamed_safetensors_is_safetensors_own_file(tmp_path):
     """The background writer streams model.safetensors itself: byte for byte the file safetensors writes."""
     from safetensors.torch import save_file
 
-    from shardtune.checkpoint import write_safetensors
+    from shardtune.checkpoint.tensor_files import write_safetensors
 
     torch.manual_seed(0)
     state = {"w": torch.randn(4, 3), "bf16": torch.randn(3, 3).to(torch.bfloat16), "f64": torch.randn(2).double(),
@@ -330,7 +331,7 @@ def test_streamed_safetensors_is_safetensors_own_file(tmp_path):
 def test_auto_skips_what_cannot_resume(tmp_path, capsys):
     """`auto` walks back over damaged and model-only checkpoints, one warning line each, and starts fresh when
     none can resume; a marker written before markers listed files is trusted."""
-    from shardtune.checkpoint import describe_files, resolve_resume, write_marker
+    from shardtune.checkpoint.markers import describe_files, resolve_resume, write_marker
 
     def checkpoint(step: int, model_only: bool = False, listed: bool = True) -> Path:
         path = tmp_path / f"checkpoint-{step}"

@@ -11,11 +11,11 @@ from shardtune.config import (
     BatchPlan,
     ConfigError,
     Recipe,
-    launch_env,
     parse_recipe,
     plan_batches,
     validate,
 )
+from shardtune.launch import LaunchDescription
 
 
 def test_command_line_overrides_recipe_values():
@@ -62,9 +62,10 @@ def test_good_launch_environments_pass(env, monkeypatch):
             monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    world_size, uses_deepspeed, uses_fsdp = launch_env()
-    assert world_size == int(env.get("WORLD_SIZE", 1))
-    assert (uses_deepspeed, uses_fsdp) == ("ACCELERATE_USE_DEEPSPEED" in env, "ACCELERATE_USE_FSDP" in env)
+    launch = LaunchDescription.from_env()
+    assert launch.world_size == int(env.get("WORLD_SIZE", 1))
+    assert (launch.uses_deepspeed, launch.uses_fsdp) == ("ACCELERATE_USE_DEEPSPEED" in env,
+                                                         "ACCELERATE_USE_FSDP" in env)
 
 
 def test_good_recipe_passes_validation(tmp_path):
@@ -73,7 +74,7 @@ def test_good_recipe_passes_validation(tmp_path):
     recipe = Recipe(model_name_or_path="some/model", dataset=str(data), output_dir=str(tmp_path / "out"),
                     per_device_train_batch_size=4, global_batch_size=32, resume_from_checkpoint="auto",
                     use_cpu=True)
-    assert validate(recipe, world_size=8, uses_deepspeed=False, has_gpu=False) == BatchPlan(4, 1, 8)
+    assert validate(recipe, world_size=8, uses_deepspeed=False, has_gpu=False, nvme_offloaded=()) == BatchPlan(4, 1, 8)
     assert not (tmp_path / "out").exists()
 
 

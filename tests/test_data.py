@@ -16,6 +16,7 @@ from shardtune.batches import make_collator
 from shardtune.config import ConfigError, Recipe
 from shardtune.data import IGNORE_INDEX, load_splits
 from shardtune.tiny import reversal_examples
+from tests.conftest import REPO
 
 ROWS = reversal_examples(64, seed=1)
 
@@ -185,8 +186,10 @@ def token_utilization(dataset, tokenizer, packing: bool, micro_batch: int = 16) 
 
 
 def test_packing_wastes_no_token_on_the_demo_data(tiny_assets, tokenizer):
-    """The README's table, to its three decimals."""
+    """The table of docs/data.md, to its three decimals."""
     train, _ = load_splits(recipe(tiny_assets[1]), tokenizer)
     padded, packed = token_utilization(train, tokenizer, False), token_utilization(train, tokenizer, True)
     print(f"token utilization on the demo data, micro-batch 16: padded {padded:.3f}, packed {packed:.3f}")
     assert (f"{padded:.3f}", f"{packed:.3f}") == ("0.785", "1.000")
+    page = (REPO / "docs" / "data.md").read_text()
+    assert f"| padded | {padded:.3f} |" in page and f"| packed | {packed:.3f} |" in page, "update docs/data.md"

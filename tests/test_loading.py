@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardtune.flops import resolve_model
-from shardtune.plan import checkpoint_page_cache_bytes, loading_host_bytes
+from shardtune.plan.host import checkpoint_page_cache_bytes, loading_host_bytes
 from shardtune.tiny import write_tiny_assets
 from tests.conftest import read_metrics, run_recipe, strategy_as_launched
 

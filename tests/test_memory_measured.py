@@ -16,12 +16,15 @@ import pytest
 from shardtune.config import ConfigError
 from shardtune.flops import resolve_model
 from shardtune.memory import COMPONENTS
-from shardtune.plan import Strategy, buffers, deepspeed_sizes, largest_sub_group, model_states, read_accelerate_config
+from shardtune.plan.buffers import buffers
+from shardtune.plan.states import deepspeed_sizes, largest_sub_group, model_states
+from shardtune.plan.strategy import Strategy, read_accelerate_config
 from tests.conftest import CONFIGS, THREE_RANK_CONFIGS, THREE_RANKS, read_metrics, strategy_as_launched
 from tests.test_strategies import CONFIG_NAMES
 
-# The README's figures. Weights and optimizer states: exact up to Adam's step counters (4 bytes per tensor) and,
-# under ZeRO, how each parameter group's flat buffer splits over the ranks (-0.33% off the even share here).
+# The figures of docs/planner.md. Weights and optimizer states: exact up to Adam's step counters (4 bytes per
+# tensor) and, under ZeRO, how each parameter group's flat buffer splits over the ranks (-0.33% off the even share
+# here).
 EXACT_RTOL = 4e-3
 # Gradients: exact but for a few alignment elements of ZeRO's partitions (+0.03% here).
 GRADIENT_RTOL = 1e-3
@@ -72,7 +75,7 @@ def test_model_states_equal_the_bytes_each_rank_holds(config, reference_run, tin
         host = planned.host + (planned.nvme if "nvme" in config else 0)
         assert measured["host"] == pytest.approx(host, rel=EXACT_RTOL, abs=64)
         if config in BUFFERS_NOT_MEASURED:
-            assert measured["buffers"] == 0, f"{config} now measures its buffers: compare them, update the README"
+            assert measured["buffers"] == 0, f"{config} now measures its buffers: compare them, update docs/planner.md"
         else:
             assert measured["buffers"] == pytest.approx(measurable_buffers(strategy, shape, 2), rel=BUFFER_RTOL)
 
@@ -144,8 +147,8 @@ def test_accelerate_reads_the_json_as_the_planner_and_the_checks_do(config, monk
     bf16 is "auto": accelerate fills it from the run's precision."""
     from accelerate.utils import DeepSpeedPlugin
 
-    from shardtune.config import Recipe, check_deepspeed_env, check_nvme_path
-    from shardtune.plan import strategy_from_launch_env
+    from shardtune.config import Recipe, check_nvme_path
+    from shardtune.launch import LaunchDescription
     from shardtune.ranks import deepspeed_fingerprint
 
     launch = accelerate_launch_env(config, monkeypatch)
@@ -153,23 +156,23 @@ def test_accelerate_reads_the_json_as_the_planner_and_the_checks_do(config, monk
     plugin = DeepSpeedPlugin()
     plugin.set_mixed_precision("bf16")
     planned = read_accelerate_config(str(CONFIGS / f"{config}.yaml"))
-    assert strategy_from_launch_env("bf16") == dataclasses.replace(planned, name=f"DeepSpeed ZeRO-{planned.shard}")
+    launched = LaunchDescription.from_env()  # the start-up checks pass
+    assert launched.strategy("bf16") == dataclasses.replace(planned, name=f"DeepSpeed ZeRO-{planned.shard}")
     assert (plugin.zero_stage, plugin.offload_optimizer_device, plugin.offload_param_device) == (
         planned.shard, planned.offload_optimizer, planned.offload_params)
     # ZeRO-3 gathers the 16-bit weights for the Hugging Face export (ZeRO-1/2 hold them whole anyway).
     assert plugin.zero3_init_flag == planned.ram_efficient_loading == plugin.zero3_save_16bit_model == (
         planned.shard == 3)
     assert plugin.deepspeed_config["bf16"]["enabled"] is True and planned.mixed_precision == "bf16"
-    check_deepspeed_env()
-    fingerprint = deepspeed_fingerprint()
+    fingerprint = deepspeed_fingerprint(launched)
     assert fingerprint["deepspeed.stage"] == str(planned.shard)
     nvme = "nvme" in config
     if nvme:  # the flag fills the JSON's nvme_path "auto"; without it the run is refused
         with pytest.raises(ConfigError, match="pass --offload_nvme_path"):
-            check_nvme_path(Recipe(), uses_deepspeed=True)
-        check_nvme_path(Recipe(offload_nvme_path=str(tmp_path)), uses_deepspeed=True)
+            check_nvme_path(Recipe(), launched.nvme_offloaded)
+        check_nvme_path(Recipe(offload_nvme_path=str(tmp_path)), launched.nvme_offloaded)
     else:
-        check_nvme_path(Recipe(), uses_deepspeed=True)
+        check_nvme_path(Recipe(), launched.nvme_offloaded)
     # A mixed_precision in the YAML beside deepspeed_config_file is refused by accelerate itself.
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", os.environ["ACCELERATE_CONFIG_DS_FIELDS"] + ",mixed_precision")
     with pytest.raises(ValueError, match="deepspeed_config_file"):
@@ -177,7 +180,7 @@ def test_accelerate_reads_the_json_as_the_planner_and_the_checks_do(config, monk
 
 
 def test_the_checks_read_a_bad_stage_or_offload_from_the_json(monkeypatch, tmp_path):
-    from shardtune.config import check_deepspeed_env
+    from shardtune.launch import LaunchDescription
 
     accelerate_launch_env("ds_zero2", monkeypatch)
     for zero, message in (({"stage": 4}, "sets zero_stage '4'"),
@@ -187,4 +190,4 @@ def test_the_checks_read_a_bad_stage_or_offload_from_the_json(monkeypatch, tmp_p
         path.write_text(json.dumps({"zero_optimization": zero}))
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
         with pytest.raises(ConfigError, match=message):
-            check_deepspeed_env()
+            LaunchDescription.from_env()

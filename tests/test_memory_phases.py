@@ -1,4 +1,4 @@
-"""The planner's peak per phase (shardtune.plan.phase_bytes) against the peak of live tensor bytes each rank
+"""The planner's peak per phase (shardtune.plan.phases.phase_bytes) against the peak of live tensor bytes each rank
 measured with the PyTorch profiler's allocator events (shardtune.profiling, SHARDTUNE_PROFILE_MEMORY): whole runs
 of steps of 2 or more micro-batches, then the final save and eval. Measured: every shipped config's 2-rank
 reference run (fp32, micro-batch 8, no recomputation; DeepSpeed with its buffers and sub-groups scaled to the
@@ -19,7 +19,10 @@ import pytest
 
 from shardtune.flops import resolve_model
 from shardtune.hardware import parse_hardware
-from shardtune.plan import PHASES, Peft, Strategy, optimizer_step_bytes, plan
+from shardtune.plan.phases import PHASES, optimizer_step_bytes
+from shardtune.plan.planner import plan
+from shardtune.plan.states import Peft
+from shardtune.plan.strategy import Strategy
 from tests.conftest import (
     BF16_CONFIGS,
     CONFIGS,
@@ -147,7 +150,7 @@ def test_adamw_step_transient_is_planned(foreach, tiny_assets):
 def test_json_lists_every_phase_and_the_total_is_the_largest(capsys):
     """The planner CLI's --json: each phase's parts and total, the peak phase named, per_gpu["total"] its total
     (no longer the sum of forward/backward's components and anything else)."""
-    from shardtune.plan import main as plan_main
+    from shardtune.plan.__main__ import main as plan_main
 
     code = plan_main(["--model", "llama-3.1-8b", "--hardware", "8xh100-80gb", "--config_file",
                       str(CONFIGS / "fsdp_full_shard.yaml"), "--json"])

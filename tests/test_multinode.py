@@ -12,8 +12,8 @@ import torch.distributed
 from shardtune.ranks import from_a_collective
 from tests.conftest import machine_log, start_machines, wait_all
 
-CONFIG_EXIT_CODE = 2  # the README's code for a run refused at start-up (shardtune.cli)
-# The README's figure: the machines' launchers exit within this of each other (both ranks stop at the same
+CONFIG_EXIT_CODE = 2  # docs/errors.md's code for a run refused at start-up (shardtune.cli)
+# The figure of docs/multinode.md: the machines' launchers exit within this of each other (both ranks stop at the same
 # fingerprint exchange; the rest is each launcher noticing its rank's exit).
 STOP_SPREAD_S = 5
 

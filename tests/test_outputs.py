@@ -24,7 +24,8 @@ from shardtune.config import Recipe
 from shardtune.data import IGNORE_INDEX
 from shardtune.flops import resolve_model
 from shardtune.generation import generate_samples, held_out_prompts
-from shardtune.plan import launch_hardware, plan_launch
+from shardtune.launch import LaunchDescription
+from shardtune.plan.launched import launch_hardware, plan_launch
 from shardtune.tiny import build_tokenizer, write_tiny_assets
 from shardtune.tracking import json_values, memory_plan
 from tests.conftest import read_metrics, run_recipe
@@ -122,7 +123,9 @@ def test_run_config_holds_the_memory_plan_given_hardware(tiny_assets):
                     per_device_train_batch_size=16)
     plan, why_none = memory_plan(recipe)
     shape = resolve_model(tiny_assets[0])
-    expected = plan_launch(shape, launch_hardware("8xh100-80gb"), recipe)[0].to_json()
+    launch = LaunchDescription.from_env()
+    strategy = launch.strategy(recipe.mixed_precision)
+    expected = plan_launch(shape, launch_hardware("8xh100-80gb", launch), recipe, strategy)[0].to_json()
     assert why_none is None and plan == json_values(expected) and plan["params"] == shape.params
     assert plan["per_gpu"]["total"] > 0 and plan["micro_batch"] == 16 and plan["max_seq_length"] == 64
     assert memory_plan(dataclasses.replace(recipe, hardware="")) == (

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shardtune.flops import resolve_model
-from shardtune.plan import Peft, peft_states
+from shardtune.plan.states import Peft, peft_states
 from tests.conftest import (
     ENV,
     LORA_ARGS,
@@ -31,8 +31,8 @@ from tests.conftest import (
 )
 
 STRATEGIES = tuple(LORA_STRATEGIES)
-# The saved adapters of the three strategies agree to this (the README's figure): the ranks change only the order
-# of float sums (observed: 5e-8 after eight AdamW steps, the runs now take four).
+# The saved adapters of the three strategies agree to this (the figure of docs/training.md): the ranks change only
+# the order of float sums (observed: 5e-8 after eight AdamW steps, the runs now take four).
 ADAPTER_MAX_DIFFERENCE = 1e-6
 # The documented layout, checked on every strategy: the frozen base in bf16, the adapters in fp32.
 BF16_LORA_ARGS = (*LORA_ARGS, "--mixed_precision", "bf16")

@@ -20,18 +20,12 @@ from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from shardtune.flops import BUILTIN_MODELS, builtin_configs, resolve_model, shape_from_config
 from shardtune.flops import main as flops_main
 from shardtune.hardware import Hardware, HardwareError, nominal_gpu_memory, parse_hardware
-from shardtune.plan import (
-    CONFIGS_DIR,
-    Peft,
-    activation_bytes,
-    layer_activation_bytes,
-    main,
-    plan,
-    read_accelerate_config,
-    recommend,
-    saved_activation_bytes,
-    usable_capacity,
-)
+from shardtune.plan.__main__ import main
+from shardtune.plan.activations import activation_bytes, layer_activation_bytes, saved_activation_bytes
+from shardtune.plan.planner import plan, usable_capacity
+from shardtune.plan.search import recommend
+from shardtune.plan.states import Peft
+from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
 from shardtune.tiny import tiny_llama_config
 from tests.conftest import REPO
 
@@ -266,8 +260,7 @@ def test_a_frozen_base_saves_no_inputs_for_weight_gradients(checkpointing):
 
 
 def test_the_planner_takes_every_attention_implementation_the_recipe_does():
-    from shardtune.config import ATTENTION_PACKAGES
-    from shardtune.plan import PLANNED_ATTENTION
+    from shardtune.config import ATTENTION_PACKAGES, PLANNED_ATTENTION
 
     assert PLANNED_ATTENTION.keys() == ATTENTION_PACKAGES.keys()
     shape, hardware = resolve_model("llama-3.1-8b"), parse_hardware("8xh100-80gb")
@@ -377,7 +370,7 @@ def test_activation_estimate_matches_measurement(overrides, batch, seq, mode, ch
     error = abs(estimate - measured) / measured
     print(f"{mode} ckpt={checkpointing} {attn} b={batch} s={seq}: measured {measured} estimate {estimate} "
           f"error {error:.2%}")
-    # The README's figure: within 0.01%. The formula is byte-exact up to the loss scalars (4-12 bytes here).
+    # The figure of docs/planner.md: within 0.01%. The formula is byte-exact up to the loss scalars (4-12 bytes here).
     assert error < 1e-4
     if mode == "autocast" and not checkpointing:  # every matmul weight cached in 16-bit: counted in buffers
         assert copies == 2 * shape_from_config(cfg).non_embedding_matmul_params

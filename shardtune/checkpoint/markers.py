@@ -1,0 +1,155 @@
+"""A checkpoint's completion marker (`checkpoint_complete.json`: step, world size, every file with its size and
+the small ones' checksums), and finding a checkpoint to resume from against it.
+
+Neither torch nor accelerate is imported here: the command line resolves --resume_from_checkpoint, and reports a
+bad one, before it imports them (seconds)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+
+from shardtune.checkpoint.durable import fsync_path
+from shardtune.config import ConfigError
+
+MARKER = "checkpoint_complete.json"
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+CHECKSUM_MAX_BYTES = 1 << 20  # small files (configs, RNG and scheduler states) are cheap to checksum
+
+
+# ---------------------------------------------------------------------------------------------------- marking
+
+
+def describe_files(checkpoint: str) -> dict[str, dict]:
+    """Every file of a checkpoint but its marker: size, and sha256 where the file is small."""
+    files = {}
+    for directory, _, names in os.walk(checkpoint):
+        for name in names:
+            path = os.path.join(directory, name)
+            relative = os.path.relpath(path, checkpoint)
+            if relative in (MARKER, MARKER + ".tmp") or os.path.islink(path):
+                continue
+            size = os.path.getsize(path)
+            files[relative] = {"bytes": size, **({"sha256": sha256(path)} if size <= CHECKSUM_MAX_BYTES else {})}
+    return dict(sorted(files.items()))
+
+
+def sha256(path: str) -> str:
+    with open(path, "rb") as file:
+        return hashlib.sha256(file.read()).hexdigest()
+
+
+def write_marker(checkpoint: str, content: dict) -> None:
+    path = os.path.join(checkpoint, MARKER)
+    with open(path + ".tmp", "w") as file:
+        json.dump(content, file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+    os.rename(path + ".tmp", path)
+    fsync_path(checkpoint)
+
+
+def read_marker(checkpoint: str) -> dict:
+    with open(os.path.join(checkpoint, MARKER)) as file:
+        return json.load(file)
+
+
+# ------------------------------------------------------------------------------------------ finding and checking
+
+
+def checkpoint_step(path: str) -> int:
+    match = CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else -1
+
+
+def complete_checkpoints(output_dir: str) -> list[str]:
+    """Complete (marked) checkpoints in `output_dir`, oldest first. Marked is not yet checked: see `damage`."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = CHECKPOINT_NAME.match(name)
+        if match and os.path.isfile(os.path.join(output_dir, name, MARKER)):
+            found.append((int(match.group(1)), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found)]
+
+
+def damage(checkpoint: str) -> str | None:
+    """Why a marked checkpoint cannot be trusted (a file missing, of another size or checksum than its marker
+    records), or None. Markers written before files were listed are trusted as they are."""
+    try:
+        files = read_marker(checkpoint).get("files")
+    except (OSError, ValueError) as error:
+        return f"its {MARKER} cannot be read ({error})"
+    problems = []
+    for name, expected in (files or {}).items():
+        path = os.path.join(checkpoint, name)
+        if not os.path.isfile(path):
+            problems.append(f"{name} is missing")
+        elif os.path.getsize(path) != expected["bytes"]:
+            problems.append(f"{name} has {os.path.getsize(path):,} bytes, {expected['bytes']:,} when saved")
+        elif "sha256" in expected and sha256(path) != expected["sha256"]:
+            problems.append(f"{name} differs from what was saved (sha256)")
+    if not problems:
+        return None
+    return problems[0] + (f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else "")
+
+
+def warn(message: str) -> None:
+    """One line on stderr from the first rank of each machine, so that each machine's log says it once."""
+    if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+        print(f"shardtune: warning: {message}", file=sys.stderr, flush=True)
+
+
+def newest_usable(output_dir: str) -> str | None:
+    """The newest complete checkpoint that matches its marker and can resume training; each one skipped is
+    named in one warning line."""
+    skipped = False
+    for checkpoint in reversed(complete_checkpoints(output_dir)):
+        problem = damage(checkpoint)
+        if problem:
+            warn(f"{checkpoint} is damaged: {problem}; resuming from the checkpoint before it.")
+        elif read_marker(checkpoint).get("model_only"):
+            warn(f"{checkpoint} was saved with --save_only_model true and cannot resume training; skipped.")
+        else:
+            return checkpoint
+        skipped = True
+    if skipped:
+        warn(f"no checkpoint in {output_dir} can resume training: starting from step 0.")
+    return None
+
+
+def resolve_resume(resume_from: str, output_dir: str, world_size: int) -> tuple[str | None, int]:
+    """(checkpoint path, step) to resume from; (None, 0) to start fresh. Raises ConfigError before any loading."""
+    if not resume_from:
+        return None, 0
+    if resume_from == "auto":
+        checkpoint = newest_usable(output_dir)
+        if checkpoint is None:
+            return None, 0
+    else:
+        checkpoint = resume_from
+        if not os.path.isfile(os.path.join(checkpoint, MARKER)):
+            raise ConfigError(
+                f"--resume_from_checkpoint {checkpoint!r} is not a complete checkpoint (no {MARKER}): "
+                "its save did not finish. Give an earlier checkpoint, or `auto` for the newest complete one."
+            )
+        problem = damage(checkpoint)
+        if problem:
+            raise ConfigError(f"--resume_from_checkpoint {checkpoint!r} is damaged: {problem}. Give an earlier "
+                              "checkpoint, or `auto` for the newest undamaged one.")
+        if read_marker(checkpoint).get("model_only"):
+            raise ConfigError(f"--resume_from_checkpoint {checkpoint!r} was saved with --save_only_model true: it "
+                              "holds no optimizer state to resume from. Export it with scripts/export_hf.py and "
+                              "start a new run from the export.")
+    marker = read_marker(checkpoint)
+    if marker["world_size"] != world_size:
+        raise ConfigError(
+            f"Checkpoint {checkpoint!r} was saved by {marker['world_size']} processes and this run has "
+            f"{world_size}: sharded optimizer states and the data order depend on it. Resume with "
+            f"--num_processes {marker['world_size']}, or export it with scripts/export_hf.py and start a new run."
+        )
+    return checkpoint, marker["step"]

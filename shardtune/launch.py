@@ -1,0 +1,199 @@
+"""The launch as `accelerate launch` describes it to each process: its environment variables and the DeepSpeed
+JSON file it names, read once into a LaunchDescription and checked before any process group exists. The start-up
+checks, the Accelerator, the launch-time memory plan and the cross-rank fingerprint all read it from here."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from shardtune.config import OFFLOAD_DEVICES, ZERO_STAGES, ConfigError
+from shardtune.plan.strategy import (
+    PlanError,
+    Strategy,
+    deepspeed_settings,
+    deepspeed_strategy,
+    deepspeed_yaml_settings,
+    fsdp_strategy,
+    resolve_deepspeed_json,
+)
+
+ON = "true"  # how `accelerate launch` exports a boolean
+
+
+@dataclass(frozen=True)
+class LaunchDescription:
+    """One process's launch. DeepSpeed's settings are deepspeed_settings of the JSON file (deepspeed_config_file,
+    resolved as accelerate_configs' YAMLs name it), else of the variables accelerate exports for a YAML-only
+    deepspeed_config; FSDP's are the FSDP_* variables it exports from the fsdp_config."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+    uses_deepspeed: bool = False
+    uses_fsdp: bool = False
+    deepspeed_config_file: str | None = None
+    deepspeed_settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    zero3_init: bool = False
+    fsdp_version: str = "1"  # accelerate's own default is FSDP1
+    fsdp_reshard_after_forward: bool = True
+    fsdp_offload_params: bool = False
+    fsdp_cpu_ram_efficient_loading: bool = False
+
+    @classmethod
+    def from_env(cls) -> LaunchDescription:
+        """This process's launch, from os.environ. Raises ConfigError for a launch environment in which the ranks
+        could not meet or the trainer could not run."""
+        world_size = env_int("WORLD_SIZE", 1)
+        rank = env_int("RANK", 0)
+        check_ranks(world_size, rank)
+        uses_deepspeed = env_flag("ACCELERATE_USE_DEEPSPEED", "false")
+        uses_fsdp = env_flag("ACCELERATE_USE_FSDP", "false")
+        settings = checked_deepspeed_settings() if uses_deepspeed else {}
+        if uses_fsdp:
+            check_fsdp_env()
+        config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if uses_deepspeed else None
+        return cls(
+            world_size=world_size, rank=rank, local_rank=env_int("LOCAL_RANK", 0),
+            local_world_size=env_int("LOCAL_WORLD_SIZE", 1), uses_deepspeed=uses_deepspeed, uses_fsdp=uses_fsdp,
+            deepspeed_config_file=resolve_deepspeed_json(config_file) if config_file else None,
+            deepspeed_settings=MappingProxyType(settings),
+            zero3_init=env_flag("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false"),
+            fsdp_version=os.environ.get("FSDP_VERSION", "1").strip(),
+            fsdp_reshard_after_forward=env_flag("FSDP_RESHARD_AFTER_FORWARD", ON),
+            fsdp_offload_params=env_flag("FSDP_OFFLOAD_PARAMS", "false"),
+            fsdp_cpu_ram_efficient_loading=env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"),
+        )
+
+    @property
+    def kind(self) -> str:
+        """"deepspeed", "fsdp" or "ddp" (also one process)."""
+        return "deepspeed" if self.uses_deepspeed else "fsdp" if self.uses_fsdp else "ddp"
+
+    @property
+    def num_machines(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+    @property
+    def nvme_offloaded(self) -> tuple[str, ...]:
+        """The states ("optimizer", "param") DeepSpeed offloads to NVMe into the directory --offload_nvme_path
+        gives: a JSON file may name its own; "auto" (the shipped one's) or none takes the flag's."""
+        if not self.uses_deepspeed:
+            return ()
+        settings = self.deepspeed_settings
+        return tuple(kind for kind in ("optimizer", "param") if settings[f"offload_{kind}"] == "nvme"
+                     and settings.get("nvme_path", {}).get(kind) in (None, "auto", "none"))
+
+    def strategy(self, mixed_precision: str) -> Strategy:
+        """The planner's Strategy of this launch under the run's precision (a DeepSpeed JSON's own bf16/fp16
+        setting wins where it sets one)."""
+        if self.kind == "deepspeed":
+            settings = dict(self.deepspeed_settings)
+            precision = settings.pop("mixed_precision") or mixed_precision
+            return deepspeed_strategy(f"DeepSpeed ZeRO-{settings['stage']}", settings, self.zero3_init, precision)
+        if self.kind == "fsdp":
+            reshard = self.fsdp_reshard_after_forward
+            offload = "cpu" if self.fsdp_offload_params else "none"
+            return fsdp_strategy(f"FSDP {'FULL_SHARD' if reshard else 'SHARD_GRAD_OP'}", reshard, offload,
+                                 self.fsdp_cpu_ram_efficient_loading, mixed_precision)
+        return Strategy("DDP", "ddp", 0, mixed_precision=mixed_precision)
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer launch variable; unset or empty gives `default`."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a whole number; unset it and start the run with accelerate "
+                          "launch, which sets it.") from None
+
+
+def env_flag(name: str, default: str) -> bool:
+    """A boolean `accelerate launch` exports as true or false."""
+    return os.environ.get(name, default).lower() == ON
+
+
+def check_ranks(world_size: int, rank: int) -> None:
+    """The ranks can meet: a world of at least one, this rank in it, and a rendezvous address beyond one."""
+    if world_size < 1:
+        raise ConfigError(f"WORLD_SIZE is {world_size}; unset it and start the run with accelerate launch, "
+                          "which sets it to the number of processes.")
+    if not 0 <= rank < world_size:
+        raise ConfigError(
+            f"RANK {rank} does not fit WORLD_SIZE {world_size} (ranks run from 0 to {world_size - 1}): relaunch "
+            "with accelerate launch, giving every node the same --num_machines and --num_processes and its own "
+            "--machine_rank."
+        )
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if world_size > 1 and not os.environ.get(name)]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE is {world_size} but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+            "set, so the ranks cannot find each other: launch every node with accelerate launch --num_machines N "
+            "--machine_rank R --main_process_ip <rank-0 node address> --main_process_port <free port>."
+        )
+
+
+def launch_deepspeed_settings() -> dict:
+    """deepspeed_settings of this launch: the JSON file `accelerate launch` names in ACCELERATE_DEEPSPEED_CONFIG_FILE
+    (resolved as accelerate_configs' YAMLs name it), else the ACCELERATE_DEEPSPEED_* variables it exports for a
+    YAML-only deepspeed_config. A JSON file that cannot be used raises ConfigError."""
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path:
+        try:
+            return deepspeed_settings(resolve_deepspeed_json(path))
+        except PlanError as error:
+            raise ConfigError(f"{error} Fix deepspeed_config_file in the accelerate config.") from error
+    env = os.environ.get
+    return deepspeed_yaml_settings({
+        "zero_stage": env("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"),
+        "offload_optimizer_device": env("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none"),
+        "offload_param_device": env("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")})
+
+
+def checked_deepspeed_settings() -> dict:
+    """The DeepSpeed settings of the launch, read where DeepSpeed reads them: the JSON file the accelerate config
+    names (deepspeed_config_file; accelerate then exports no stage or offload variables), else the variables
+    `accelerate launch` exported from the YAML's deepspeed_config; refused where shardtune cannot train them."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("The accelerate config uses DeepSpeed, which is not installed: pip install deepspeed, "
+                          "or launch with an FSDP or DDP config.")
+    settings = launch_deepspeed_settings()
+    source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the accelerate config's deepspeed_config"
+    stage = str(settings["stage"]).strip()
+    if stage not in ZERO_STAGES:
+        raise ConfigError(f"{source} sets zero_stage {stage!r}; shardtune trains with ZeRO stage 1, 2 or 3: set one "
+                          "of these (zero_optimization.stage in a JSON file), or use ddp.yaml for no sharding.")
+    for kind in ("optimizer", "param"):
+        device = settings[f"offload_{kind}"]
+        if device not in OFFLOAD_DEVICES:
+            raise ConfigError(f"{source} sets the offload_{kind} device {device!r}; set it to one of "
+                              f"{', '.join(OFFLOAD_DEVICES)}.")
+        # Below ZeRO-3, DeepSpeed ignores parameter offload and keeps an NVMe optimizer offload in CPU RAM.
+        if stage != "3" and (kind == "param" or device == "nvme") and device != "none":
+            raise ConfigError(f"offload_{kind}_device {device} needs ZeRO stage 3 and {source} sets zero_stage "
+                              f"{stage}: set ZeRO stage 3 or offload_{kind} device none.")
+    return settings
+
+
+def check_fsdp_env() -> None:
+    """The FSDP settings `accelerate launch` exported from the config's fsdp_config: the trainer runs FSDP2."""
+    version = os.environ.get("FSDP_VERSION", "1").strip()  # accelerate's own default is FSDP1
+    if version != "2":
+        raise ConfigError(f"The accelerate config runs FSDP version {version} and shardtune's trainer is written "
+                          "for FSDP2: set fsdp_version: 2 in its fsdp_config.")
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").strip().lower()
+    if reshard not in ("true", "false"):
+        raise ConfigError(f"fsdp_reshard_after_forward {reshard.upper()!r} is an FSDP1 strategy; FSDP2 takes true "
+                          "(like FULL_SHARD) or false (like SHARD_GRAD_OP): set one of these in the fsdp_config.")
+    strategy = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").strip().upper()
+    if strategy not in ("FULL_SHARD", "1"):  # `accelerate launch` exports FULL_SHARD unless the config says more
+        raise ConfigError(f"fsdp_sharding_strategy {strategy} is an FSDP1 setting that FSDP2 ignores (the run would "
+                          "fully shard): remove it, and set fsdp_reshard_after_forward: false for SHARD_GRAD_OP.")

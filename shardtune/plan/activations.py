@@ -1,0 +1,130 @@
+"""Activation memory of a Llama-class decoder: what autograd saves for backward (calibrated against
+torch.autograd.graph.saved_tensors_hooks in tests/test_plan.py), the transient on top of it, and the eval
+forward's live tensors."""
+
+from __future__ import annotations
+
+from shardtune.config import EVAL_CHUNK_POSITIONS
+from shardtune.flops import ModelShape
+from shardtune.plan.strategy import Strategy
+
+
+def activation_mode(strategy: Strategy) -> str:
+    """"fp32" (mixed_precision no); "half": 16-bit weights and compute (DeepSpeed converts the module, FSDP2's
+    MixedPrecisionPolicy gathers 16-bit parameters); "autocast": fp32 weights and residual stream, 16-bit matmuls
+    (accelerate's native AMP under DDP)."""
+    if strategy.mixed_precision == "no":
+        return "fp32"
+    return "autocast" if strategy.kind == "ddp" else "half"
+
+
+def dtype_bytes(mode: str) -> tuple[int, int]:
+    """(compute bytes, residual-stream bytes) of an activation_mode."""
+    return {"fp32": (4, 4), "half": (2, 2), "autocast": (2, 4)}[mode]
+
+
+def layer_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, attn: str = "sdpa",
+                           masked: bool = True, frozen: bool = False) -> int:
+    """Bytes one Llama decoder layer saves for backward without recomputation (n = batch x seq tokens,
+    c = compute bytes, r = residual bytes; the layer input itself is saved by the first norm).
+
+    - Each RMSNorm: its input upcast to fp32 (4nh; the input itself when already fp32), the fp32 rstd (4n), the
+      normalised x in the residual dtype (r·nh, for the weight gradient: not with a `frozen` base, LoRA's) and
+      its output as the next matmuls' input in the compute dtype (c·nh; under autocast one 16-bit copy per
+      consuming matmul: 3 for q, k, v and 2 for gate, up, as autocast caches only casts of leaf weights).
+    - Attention: RoPE saves only cos/sin (shared). SDPA saves q, k, v, its output (c·n·d each, where k and v are
+      repeated to all heads when GQA meets a mask, since transformers then calls repeat_kv) and the fp32
+      logsumexp (4·n·heads); o_proj reads the output in place. `masked` (a dense mask reaches the kernel: a
+      padded batch, or a packed row's block-diagonal mask under SDPA or eager): each layer also saves its own copy
+      of the mask in the compute dtype (c·b·s², measured on CPU SDPA). The flash kernels ("flash":
+      flash_attention_2/3, flex_attention) take no dense mask and save what unmasked SDPA saves. Eager saves q,
+      repeated k and v, the fp32 softmax (4·b·heads·s²) and its 16-bit copy, and the contiguous o_proj input.
+    - SwiGLU MLP: gate output, SiLU output, up output and their product (4·c·n·intermediate).
+    Residual adds save nothing."""
+    compute, residual = dtype_bytes(mode)
+    n, h, inter = batch * seq, shape.hidden, shape.intermediate
+    q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    # Autocast casts a matmul input once per matmul (only leaf weights are cached): q, k, v and gate, up.
+    attn_inputs, mlp_inputs = (3, 2) if mode == "autocast" else (1, 1)
+    norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h)
+    norms = 2 * norm + (attn_inputs + mlp_inputs) * compute * n * h
+    if attn == "eager":
+        scores = batch * shape.heads * seq * seq
+        attention = 4 * compute * n * q_dim + 4 * scores + (compute * scores if compute != 4 else 0)
+    else:
+        key = value = kv_dim
+        if masked and shape.kv_heads != shape.heads:  # repeat_kv copies, except one kv head: a reshape view
+            key = value = q_dim if shape.kv_heads > 1 else kv_dim
+            key = q_dim if mode == "autocast" else key  # autocast's cast to 16-bit materialises the view
+        attention = compute * n * (2 * q_dim + key + value) + 4 * n * shape.heads
+        if masked:  # each layer's SDPA call saves its own converted copy of the additive mask
+            attention += batch * seq * seq * compute
+    return norms + attention + 4 * compute * n * inter
+
+
+def shared_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, attn: str = "sdpa",
+                            masked: bool = True) -> int:
+    """Saved once for all layers: RoPE cos and sin (1 x s x head_dim each, residual dtype)."""
+    _, residual = dtype_bytes(mode)
+    return 2 * seq * shape.head_dim * residual
+
+
+def head_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, frozen: bool = False) -> int:
+    """Outside the layers: input ids (int64, for the embedding's weight gradient), the final RMSNorm (as in a
+    layer), the fp32 log-probabilities saved by cross-entropy (4·n·vocab: the upcast logits' log_softmax) and the
+    int64 targets. A `frozen` base saves neither the ids nor lm_head's input, nor the norm's normalised x."""
+    compute, residual = dtype_bytes(mode)
+    n, h = batch * seq, shape.hidden
+    norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h + compute * n * h)
+    return (0 if frozen else 8 * n) + norm + 4 * n * shape.vocab + 8 * n
+
+
+def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
+                           attn: str = "sdpa", masked: bool = True, frozen: bool = False) -> int:
+    """Everything saved for backward at the end of the forward (what saved_tensors_hooks see). With full
+    recomputation (non-reentrant) a layer saves only its input (r·n·h); masks and RoPE tables are then held by
+    the recompute closure, not the graph, and are counted in the transient peak instead."""
+    _, residual = dtype_bytes(mode)
+    head = head_activation_bytes(shape, batch, seq, mode, frozen)
+    if checkpointing:
+        return shape.layers * residual * batch * seq * shape.hidden + head
+    per_layer = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
+    return shape.layers * per_layer + shared_activation_bytes(shape, batch, seq, mode, attn, masked) + head
+
+
+def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
+                     attn: str = "sdpa", masked: bool = True, frozen: bool = False) -> dict[str, int]:
+    """Peak activation memory = saved + the largest transient on top of it:
+    - the loss: the forward holds the logits (c·n·vocab) and their fp32 upcast (4·n·vocab); its backward holds
+      two fp32 n x vocab gradients (d log-probs, d logits) - the larger, 8·n·vocab, is taken;
+    - with recomputation, one layer's full activations while it is recomputed in backward;
+    - the MLP backward's two intermediate-size gradients (2·c·n·intermediate)."""
+    compute, _ = dtype_bytes(mode)
+    n = batch * seq
+    saved = saved_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen)
+    logits = max(compute * n * shape.vocab + (4 * n * shape.vocab if compute != 4 else 0), 8 * n * shape.vocab)
+    recompute = 0
+    if checkpointing:
+        recompute = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
+        recompute += shared_activation_bytes(shape, batch, seq, mode, attn, masked)
+    transient = max(logits, recompute) + 2 * compute * n * shape.intermediate
+    return {"saved": saved, "transient": transient, "total": saved + transient}
+
+
+def eval_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, masked: bool = True,
+                          adapted_up: bool = False) -> float:
+    """The eval forward under no_grad (shardtune.evaluation): only what the running op needs is alive. Throughout,
+    four n x h tensors of the residual stream (the embedding output, which the model's forward keeps, the layer's
+    input, the residual and the normalised input), the additive mask (c·b·s², `masked`: SDPA and eager) and
+    RoPE's cos and sin (b·s·head_dim each). On top, the larger of the SwiGLU MLP (SiLU of gate, up and their
+    product, 3·c·n·intermediate; measured with the profiler's allocator events; a LoRA adapter on up_proj adds
+    its scaled output and the sum, `result + lora_B(lora_A(x)) * scaling` in peft, while SiLU of gate is alive:
+    4) and the head: the logits in the compute dtype (c·n·vocab, kept for the whole batch) with one chunk of
+    EVAL_CHUNK_POSITIONS positions upcast to fp32 and cross-entropy's log-softmax of it."""
+    compute, residual = dtype_bytes(mode)
+    n = batch * seq
+    mask = compute * batch * seq * seq if masked else 0
+    stream = 4 * residual * n * shape.hidden + mask + 2 * residual * n * shape.head_dim
+    upcasts = 2 if compute != 4 else 1  # the chunk's fp32 copy (none when fp32 already) and its log-softmax
+    head = compute * n * shape.vocab + 4 * min(seq, EVAL_CHUNK_POSITIONS) * shape.vocab * upcasts
+    return float(stream + max(head, (4 if adapted_up else 3) * compute * n * shape.intermediate))

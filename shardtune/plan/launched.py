@@ -1,0 +1,54 @@
+"""The plan of a recipe as launched: under the launch's strategy, on the hardware named or found, with the
+fastest plan that fits when it does not."""
+
+from __future__ import annotations
+
+from shardtune.config import PLANNED_ATTENTION, Recipe
+from shardtune.flops import ModelShape
+from shardtune.hardware import Hardware, nominal_gpu_memory, parse_hardware
+from shardtune.launch import LaunchDescription
+from shardtune.plan.planner import MemoryPlan, plan
+from shardtune.plan.search import recommend
+from shardtune.plan.states import Peft
+from shardtune.plan.strategy import Strategy, read_accelerate_config
+
+
+def launch_hardware(spec: str, launch: LaunchDescription) -> Hardware | None:
+    """`--hardware NAME`, or the GPUs this process sees (nodes from the launch's world size over its local world
+    size) with this node's RAM, each GPU's memory read by the CLI's rule (nominal_gpu_memory)."""
+    if spec:
+        return parse_hardware(spec)
+    import psutil
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    per_node, nodes = launch.local_world_size, launch.num_machines
+    name = torch.cuda.get_device_name(0)
+    memory = nominal_gpu_memory(torch.cuda.get_device_properties(0).total_memory)
+    return Hardware(nodes, per_node, memory, name, f"{nodes}x{per_node}x {name} ({memory / 1e9:.0f} GB)",
+                    float(psutil.virtual_memory().total))
+
+
+def launch_strategy(recipe: Recipe, launch: LaunchDescription, config_file: str | None = None) -> Strategy:
+    """The launch's strategy under the recipe's precision, or `config_file`'s, for a dry run outside
+    `accelerate launch`."""
+    if config_file:
+        return read_accelerate_config(config_file, recipe.mixed_precision)
+    return launch.strategy(recipe.mixed_precision)
+
+
+def plan_launch(shape: ModelShape, hardware: Hardware, recipe: Recipe, strategy: Strategy
+                ) -> tuple[MemoryPlan, str | None]:
+    """The plan of a recipe under `strategy` (launch_strategy); with the fastest plan that fits this hardware
+    when it does not (None when it does)."""
+    peft = Peft(recipe.lora_r, recipe.lora_target_modules, recipe.load_in_4bit) if recipe.use_peft else None
+    attn = PLANNED_ATTENTION[recipe.attn_implementation]
+    chosen = plan(shape, hardware, strategy, recipe.per_device_train_batch_size, recipe.max_seq_length,
+                  recipe.gradient_checkpointing, attn, peft=peft, packing=recipe.packing, async_save=recipe.async_save,
+                  save_only_model=recipe.save_only_model, eval_batch=recipe.per_device_eval_batch_size)
+    if chosen.fits:
+        return chosen, None
+    found = recommend(shape, hardware, recipe.global_batch_size, recipe.max_seq_length, recipe.mixed_precision,
+                      attn=attn, peft=peft, packing=recipe.packing)
+    return chosen, f"The fastest plan that fits: {found.message}" if found.plan else found.message

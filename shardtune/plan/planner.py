@@ -1,0 +1,141 @@
+"""The memory plan of one run: per GPU the largest of its phases, per node the host RAM, against what the
+hardware leaves usable. All sizes are bytes; GB in output is 1e9 bytes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from shardtune.flops import ModelShape
+from shardtune.hardware import Hardware
+from shardtune.plan.activations import activation_bytes, activation_mode, dtype_bytes
+from shardtune.plan.buffers import buffers, freed_under_layer_gradients
+from shardtune.plan.host import checkpoint_page_cache_bytes, loading_host_bytes, staging_host_bytes, swap_buffer_bytes
+from shardtune.plan.phases import PHASES, phase_bytes
+from shardtune.plan.states import Peft, model_states, peft_states
+from shardtune.plan.strategy import Strategy
+
+GiB = 1024**3
+# Headroom kept free on every GPU: the CUDA context and NCCL's communicator buffers (about 0.5-1 GiB each on an
+# 8-GPU node), and the caching allocator's fragmentation (reserved minus allocated: typically 5-10% of a training
+# step's peak). A plan fits when its peak of live tensor bytes stays below what is left.
+GPU_FIXED_RESERVE = 2 * GiB
+GPU_HEADROOM_FRACTION = 0.10
+# Host RAM kept free on every node: the OS, the page cache that loading reads through, dataloader workers.
+HOST_HEADROOM_FRACTION = 0.10
+
+
+def usable_capacity(hardware: Hardware) -> int:
+    """Bytes per GPU a plan may use: the GPU's memory less GPU_FIXED_RESERVE and GPU_HEADROOM_FRACTION. The
+    planner CLI and a launch read a GPU's memory by one rule (hardware.nominal_gpu_memory)."""
+    return int(hardware.gpu_memory * (1 - GPU_HEADROOM_FRACTION) - GPU_FIXED_RESERVE)
+
+
+def usable_host_ram(hardware: Hardware) -> float:
+    """Host RAM per node a plan may use: the node's RAM less HOST_HEADROOM_FRACTION."""
+    return hardware.host_ram_per_node * (1 - HOST_HEADROOM_FRACTION)
+
+
+def gb(value: float) -> str:
+    return f"{value / 1e9:,.1f} GB"
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    hardware: str
+    config: str
+    params: int
+    trainable_params: int
+    world_size: int
+    micro_batch: int
+    max_seq_length: int
+    gradient_checkpointing: bool
+    mixed_precision: str
+    activation_mode: str
+    per_gpu: dict[str, float]
+    host_ram_per_node: float
+    host_ram: dict[str, float]
+    nvme_per_node: float
+    capacity: int
+    gpu_fits: bool
+    host_ram_capacity: float
+    host_ram_fits: bool
+    notes: list[str] = field(default_factory=list)
+    # Per GPU, each phase's parts and "total" (see phase_bytes); per_gpu["total"] is the largest, this one's.
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    peak_phase: str = "forward_backward"
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_fits and self.host_ram_fits
+
+    def binding_limit(self) -> str:
+        """What stops this plan, as a phrase: '' when it fits."""
+        limits = []
+        if not self.gpu_fits:
+            limits.append(f"GPU memory ({gb(self.per_gpu['total'])} planned per GPU, {gb(self.capacity)} usable)")
+        if not self.host_ram_fits:
+            limits.append(f"host RAM ({gb(self.host_ram_per_node)} planned per node, "
+                          f"{gb(self.host_ram_capacity)} usable)")
+        return " and ".join(limits)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "fits": self.fits}
+
+
+def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch: int = 1, seq: int = 4096,
+         checkpointing: bool = True, attn: str = "sdpa", peft: Peft | None = None,
+         packing: bool = False, async_save: bool = False, save_only_model: bool = False, eval_batch: int = 8,
+         foreach: bool = True, export_bytes: int = 2) -> MemoryPlan:
+    """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
+    `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
+    headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
+    final export (bf16, the Llama checkpoints' dtype, unless --save_dtype says otherwise). `foreach`: torch
+    AdamW's CUDA default; False plans its per-tensor loop (the CPU default). Runs in microseconds: nothing is
+    built or loaded. With `peft`, activations are the base model's (LoRA's rank-r intermediates and dropout
+    copies are not counted). `attn`: "sdpa", "eager" or "flash" (config.PLANNED_ATTENTION). With `packing` a
+    training micro-batch is one row of micro_batch x seq tokens (DataCollatorWithFlattening); eval batches are
+    padded."""
+    params, world = shape.params, hardware.world_size
+    mode = activation_mode(strategy)
+    states = peft_states(strategy, shape, world, peft) if peft else model_states(strategy, params, world, shape)
+    rows, length = (1, micro_batch * seq) if packing else (micro_batch, seq)
+    masked = attn != "flash"  # SDPA and eager get a dense mask: a padded batch's, or a packed row's block-diagonal
+    acts = activation_bytes(shape, rows, length, mode, checkpointing, attn, masked, frozen=peft is not None)
+    buffer = buffers(strategy, shape, params, world, mode, peft)
+    buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked, peft)
+    per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
+               "activations": float(acts["total"]), "buffers": float(buffer)}
+    # With recomputation peft makes the embedding output require grad (enable_input_require_grads): a leaf of the
+    # loss's graph, which then holds it and its gradient; accelerate steps DeepSpeed's engine inside backward, while
+    # that graph is alive (the trainer drops it before stepping any other strategy).
+    graph = 2.0 * dtype_bytes(mode)[1] * rows * length * shape.hidden \
+        if peft and checkpointing and strategy.kind == "deepspeed" else 0.0
+    phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch, seq, peft, foreach, states.host,
+                         export_bytes, attn, graph)
+    peak_phase = max(PHASES, key=lambda name: phases[name]["total"])
+    per_gpu["total"] = phases[peak_phase]["total"]
+    offloaded = states.host * hardware.gpus_per_node
+    swap_buffers = swap_buffer_bytes(strategy, shape, peft.trainable_params(shape) if peft else params, world)
+    swap_buffers *= hardware.gpus_per_node
+    loading = loading_host_bytes(strategy, params, hardware.gpus_per_node, peft)
+    staging = (staging_host_bytes(strategy, params, world, hardware.gpus_per_node, save_only_model)
+               if async_save else 0.0)
+    host = {"offloaded_states": offloaded, "swap_buffers": swap_buffers, "model_loading": loading,
+            "checkpoint_page_cache": checkpoint_page_cache_bytes(params), "checkpoint_staging": staging}
+    training_host = offloaded + swap_buffers + staging  # held while training; loading comes before
+    capacity = usable_capacity(hardware)
+    notes = []
+    if strategy.kind == "ddp" and mode == "autocast":
+        notes.append("DDP autocast: 16-bit weight copies cached during forward are counted in buffers")
+    return MemoryPlan(
+        model=shape.name, hardware=hardware.name, config=strategy.name, params=params,
+        trainable_params=peft.trainable_params(shape) if peft else params, world_size=world,
+        micro_batch=micro_batch, max_seq_length=seq, gradient_checkpointing=checkpointing,
+        mixed_precision=strategy.mixed_precision, activation_mode=mode, per_gpu=per_gpu,
+        host_ram_per_node=max(training_host, loading), host_ram=host,
+        nvme_per_node=states.nvme * hardware.gpus_per_node,
+        capacity=capacity, gpu_fits=per_gpu["total"] <= capacity, host_ram_capacity=usable_host_ram(hardware),
+        host_ram_fits=max(training_host, loading) <= usable_host_ram(hardware), notes=notes,
+        phases=phases, peak_phase=peak_phase,
+    )

@@ -1,0 +1,208 @@
+"""What an accelerate config means for memory: the Strategy, read from an accelerate config YAML and the DeepSpeed
+JSON file it names. The one reader of those files, for the planner, the start-up checks and the cross-rank
+fingerprint; light (no torch, no transformers), since the runtime imports it before anything loads."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS_DIR = os.path.join(REPO, "accelerate_configs")
+
+# DeepSpeed's defaults (deepspeed/runtime/zero/config.py), for a DeepSpeed config without a JSON file. The shipped
+# configs set their own in accelerate_configs/deepspeed/*.json, read into the Strategy (deepspeed_settings).
+DS_REDUCE_BUCKET = int(5e8)  # elements; gradients are reduced through a flat bucket of this size
+DS_PREFETCH_BUCKET = int(5e7)  # elements; ZeRO-3 prefetches up to this many parameters ahead
+DS_SUB_GROUP = int(1e9)  # elements of a rank's ZeRO-3 partition that the optimizer steps at once
+DS_PERSISTENCE_THRESHOLD = int(1e5)  # ZeRO-3 keeps parameters of at most this many elements whole on every rank
+DS_MAX_LIVE_PARAMETERS = int(1e9)  # elements of gathered ZeRO-3 parameters alive at once
+DS_NVME_PARAM_BUFFERS = (5, int(1e8))  # offload_param buffer_count, buffer_size: pinned host staging for NVMe
+DS_NVME_OPTIMIZER_BUFFERS = 4  # offload_optimizer buffer_count: pinned buffers of one sub-group each
+DS_NVME_MAX_IN_CPU = int(1e9)  # offload_param max_in_cpu: elements of a rank's partitions kept in host RAM
+HALF_PRECISIONS = ("bf16", "fp16")
+
+
+class PlanError(ValueError):
+    """A config file or option the planner cannot use."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    kind: str  # "ddp" (also single GPU), "fsdp" or "deepspeed"
+    shard: int  # ZeRO stage equivalent: 0 none, 1 optimizer, 2 + gradients, 3 + parameters
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_params: str = "none"
+    ram_efficient_loading: bool = False
+    mixed_precision: str = "bf16"
+    # DeepSpeed's buffers and chunks in elements: the JSON's zero_optimization, DeepSpeed's defaults without one;
+    # None where the JSON says "auto" (accelerate derives it from hidden_size: see states.deepspeed_sizes).
+    reduce_bucket: int | None = DS_REDUCE_BUCKET
+    overlap_comm: bool = False  # ZeRO-1/2 then allocate a second reduce bucket (ZeRO-3 overlaps by default)
+    prefetch_bucket: int | None = DS_PREFETCH_BUCKET
+    sub_group: int | None = DS_SUB_GROUP
+    persistence_threshold: int | None = DS_PERSISTENCE_THRESHOLD
+    max_live_parameters: int | None = DS_MAX_LIVE_PARAMETERS
+    # NVMe offload's pinned host buffers (only where the device is nvme): parameter buffers (count, elements
+    # each) and the optimizer swapper's buffer count.
+    nvme_param_buffers: tuple[int, int] = DS_NVME_PARAM_BUFFERS
+    nvme_optimizer_buffers: int = DS_NVME_OPTIMIZER_BUFFERS
+    nvme_max_in_cpu: int = DS_NVME_MAX_IN_CPU
+
+    @property
+    def half_precision(self) -> bool:
+        """bf16 or fp16: DeepSpeed converts the module, FSDP2 gathers 16-bit parameters, DDP autocasts."""
+        return self.mixed_precision in HALF_PRECISIONS
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of the 16-bit module (DeepSpeed's weights and gradients, FSDP's gathered
+        parameters, communication buffers): 2 in bf16 and fp16, 4 in fp32."""
+        return 2 if self.half_precision else 4
+
+    @property
+    def offloads(self) -> bool:
+        return self.offload_optimizer != "none" or self.offload_params != "none"
+
+
+def read_accelerate_config(path: str, mixed_precision: str | None = None,
+                           deepspeed_config_file: str | None = None) -> Strategy:
+    """Any accelerate config YAML: distributed_type, fsdp_config, deepspeed_config (and the DeepSpeed JSON file it
+    names, or `deepspeed_config_file` in its place, as `accelerate launch --deepspeed_config_file` overrides it),
+    mixed_precision. The GPU count comes from --hardware, not from num_processes."""
+    try:
+        with open(path) as file:
+            config = yaml.safe_load(file) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise PlanError(f"Cannot read accelerate config {path!r}: {error}") from error
+    name = os.path.splitext(os.path.basename(path))[0]
+    kind = str(config.get("distributed_type", "NO")).upper()
+    if kind == "DEEPSPEED":
+        ds = config.get("deepspeed_config") or {}
+        json_file = deepspeed_config_file or ds.get("deepspeed_config_file")
+        if json_file:
+            settings = deepspeed_settings(resolve_deepspeed_json(str(json_file), path))
+        else:
+            settings = deepspeed_yaml_settings(ds)
+        # A JSON's bf16/fp16 "auto" takes the run's precision: the recipe's, bf16 unless it says otherwise.
+        precision = settings.pop("mixed_precision") or mixed_precision or config.get("mixed_precision") or "bf16"
+        return deepspeed_strategy(name, settings, bool(ds.get("zero3_init_flag", False)), _precision(path, precision))
+    precision = _precision(path, mixed_precision or config.get("mixed_precision") or "no")
+    if kind == "FSDP":
+        fsdp = config.get("fsdp_config") or {}
+        reshard = fsdp.get("fsdp_reshard_after_forward", fsdp.get("fsdp_sharding_strategy", True))
+        if isinstance(reshard, str):  # FSDP1 names, also accepted by accelerate for FSDP2
+            reshard = {"FULL_SHARD": True, "1": True, "SHARD_GRAD_OP": False, "2": False}.get(reshard.upper(), True)
+        offload = "cpu" if fsdp.get("fsdp_offload_params") else "none"
+        return fsdp_strategy(name, bool(reshard), offload, bool(fsdp.get("fsdp_cpu_ram_efficient_loading", False)),
+                             precision)
+    if kind in ("MULTI_GPU", "NO", "MULTI_CPU"):
+        return Strategy(name, "ddp", 0, mixed_precision=precision)
+    raise PlanError(f"{path}: distributed_type {kind!r} is not planned (use NO, MULTI_GPU, FSDP or DEEPSPEED).")
+
+
+def _precision(path: str, precision: str) -> str:
+    if precision not in ("bf16", "fp16", "no"):
+        raise PlanError(f"{path}: mixed_precision {precision!r} is not bf16, fp16 or no.")
+    return precision
+
+
+def resolve_deepspeed_json(path: str, accelerate_config: str | None = None) -> str:
+    """A YAML's deepspeed_config_file as accelerate opens it (relative to the working directory), else relative to
+    the repository or to the YAML's folder's parent: the shipped YAMLs name accelerate_configs/deepspeed/*.json,
+    which resolves from the repository root and from anywhere else as well."""
+    if os.path.isabs(path):
+        return path
+    bases = [os.getcwd(), REPO] + ([os.path.dirname(os.path.dirname(os.path.abspath(accelerate_config)))]
+                                   if accelerate_config else [])
+    for base in bases:
+        candidate = os.path.join(base, path)
+        if os.path.isfile(candidate):
+            return os.path.abspath(candidate)
+    return path
+
+
+def _size(zero: dict, key: str, default: int) -> int | None:
+    """An element count of zero_optimization; None where it is "auto" (accelerate derives it from hidden_size)."""
+    value = zero.get(key, default)
+    if value == "auto":
+        return None
+    try:
+        return int(float(value))
+    except (TypeError, ValueError) as error:
+        raise PlanError(f"zero_optimization.{key} {value!r} is not a number of elements or \"auto\".") from error
+
+
+def deepspeed_settings(path: str) -> dict:
+    """What a DeepSpeed JSON file sets for memory, with DeepSpeed's defaults for what it leaves out: the one source
+    of the stage, offload devices, precision and buffer sizes for the start-up checks, the cross-rank fingerprint
+    and the planner. mixed_precision is None where bf16/fp16 are "auto" (accelerate fills them from the run)."""
+    try:
+        with open(path) as file:
+            config = json.load(file)
+    except (OSError, ValueError) as error:
+        raise PlanError(f"Cannot read the DeepSpeed config file {path!r}: {error}") from error
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict):
+        raise PlanError(f"The DeepSpeed config file {path!r} has no zero_optimization section.")
+    stage = zero.get("stage", 0)
+    precision = None
+    enabled = {dtype: str((config.get(dtype) or {}).get("enabled", "auto")).lower() for dtype in ("bf16", "fp16")}
+    if "true" in enabled.values():
+        precision = "bf16" if enabled["bf16"] == "true" else "fp16"
+    elif set(enabled.values()) == {"false"}:
+        precision = "no"
+    offload_optimizer, offload_param = (zero.get("offload_optimizer") or {}), (zero.get("offload_param") or {})
+    return {
+        "stage": stage,
+        "offload_optimizer": str(offload_optimizer.get("device", "none")).lower(),
+        "offload_param": str(offload_param.get("device", "none")).lower(),
+        "nvme_path": {kind: (zero.get(f"offload_{kind}") or {}).get("nvme_path") for kind in ("optimizer", "param")},
+        "mixed_precision": precision,
+        "reduce_bucket": _size(zero, "reduce_bucket_size", DS_REDUCE_BUCKET),
+        "overlap_comm": bool(zero.get("overlap_comm", str(stage) == "3")),
+        "prefetch_bucket": _size(zero, "stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET),
+        "sub_group": _size(zero, "sub_group_size", DS_SUB_GROUP),
+        "persistence_threshold": _size(zero, "stage3_param_persistence_threshold", DS_PERSISTENCE_THRESHOLD),
+        "max_live_parameters": _size(zero, "stage3_max_live_parameters", DS_MAX_LIVE_PARAMETERS),
+        "nvme_param_buffers": (int(offload_param.get("buffer_count", DS_NVME_PARAM_BUFFERS[0])),
+                               int(float(offload_param.get("buffer_size", DS_NVME_PARAM_BUFFERS[1])))),
+        "nvme_optimizer_buffers": int(offload_optimizer.get("buffer_count", DS_NVME_OPTIMIZER_BUFFERS)),
+        "nvme_max_in_cpu": int(float(offload_param.get("max_in_cpu", DS_NVME_MAX_IN_CPU))),
+    }
+
+
+def deepspeed_yaml_settings(ds: dict) -> dict:
+    """A YAML's deepspeed_config without a JSON file (or the ACCELERATE_DEEPSPEED_* variables `accelerate launch`
+    exports from it): accelerate builds the config from these keys alone, so every buffer size is DeepSpeed's
+    default."""
+    stage = ds.get("zero_stage", 2)  # accelerate's default stage
+    return {"stage": stage, "offload_optimizer": str(ds.get("offload_optimizer_device") or "none").lower(),
+            "offload_param": str(ds.get("offload_param_device") or "none").lower(), "mixed_precision": None,
+            "overlap_comm": str(stage) == "3"}
+
+
+def deepspeed_strategy(name: str, settings: dict, zero3_init: bool, precision: str) -> Strategy:
+    """The Strategy of deepspeed_settings (or deepspeed_yaml_settings) without their mixed_precision, which the
+    caller resolves against the run's."""
+    try:
+        stage = int(settings["stage"])
+    except (TypeError, ValueError) as error:
+        raise PlanError(f"{name}: ZeRO stage {settings['stage']!r} is not 1, 2 or 3.") from error
+    sizes = {key: settings[key] for key in ("reduce_bucket", "overlap_comm", "prefetch_bucket", "sub_group",
+                                            "persistence_threshold", "max_live_parameters", "nvme_param_buffers",
+                                            "nvme_optimizer_buffers", "nvme_max_in_cpu") if key in settings}
+    return Strategy(name, "deepspeed", stage, settings["offload_optimizer"], settings["offload_param"],
+                    zero3_init and stage == 3, precision, **sizes)
+
+
+def fsdp_strategy(name: str, reshard_after_forward: bool, offload: str, ram_efficient_loading: bool,
+                  precision: str) -> Strategy:
+    """FSDP2: FULL_SHARD (reshard after forward) shards like ZeRO-3, SHARD_GRAD_OP like ZeRO-2; CPU offload moves
+    weights, gradients and optimizer states together."""
+    return Strategy(name, "fsdp", 3 if reshard_after_forward else 2, offload, offload, ram_efficient_loading,
+                    precision)
