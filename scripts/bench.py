@@ -99,10 +99,10 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
 def bare_steps(accelerator, recipe, plan, steps: int, warmup: int, world_size: int) -> None:
     import torch
 
-    from shardtune.data import COUNTS, load_splits, make_collator
+    from shardtune.batches import COUNTS, global_batches, make_collator
+    from shardtune.data import load_splits
     from shardtune.model import load_model, load_tokenizer
     from shardtune.ranks import set_collective_timeout
-    from shardtune.trainer import global_batches
 
     tokenizer = load_tokenizer(recipe)
     with accelerator.main_process_first():

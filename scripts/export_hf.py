@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardtune.checkpoint.durable import durable, fsync_path
 from shardtune.checkpoint.markers import MARKER, damage
-from shardtune.trainer import EXPORT_DTYPES, cast_floating
+from shardtune.export import EXPORT_DTYPES, cast_floating
 
 MAX_SHARD_SIZE = "5GB"
 DCP_PREFIX = "model."  # accelerate's save_fsdp_model nests the model state under "model"

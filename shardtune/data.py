@@ -1,7 +1,7 @@
 """Fine-tuning data through `datasets`: local json/jsonl/parquet/csv files, `save_to_disk` directories or Hub
 datasets, one source or a weighted mixture; `text`, `prompt`/`completion`, chat `messages`, Alpaca or ShareGPT
 rows, or rows tokenized before (scripts/prepare_data.py); tokenized once per node (cached by `datasets`), with
-the loss on completion / assistant tokens only; padded or packed (padding-free) micro-batches."""
+the loss on completion / assistant tokens only. Their micro-batches: shardtune.batches."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import re
 
 import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
-from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from shardtune.config import DATA_FILE_TYPES, ConfigError, Recipe
 from shardtune.data_sources import bundled_chat_templates, chat_template_path, dataset_sources, dataset_weights
@@ -481,48 +481,3 @@ def load_splits(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[Dat
                           "(train and eval).")
     splits = train.train_test_split(test_size=recipe.eval_fraction, seed=recipe.seed)
     return splits["train"], splits["test"]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Batches.
-
-
-COUNTS = "counts"  # batch key of the collator's host-side counts; taken out before the batch reaches the model
-FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
-
-
-def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False, attn_implementation: str = "sdpa"
-                  ) -> CountingCollator:
-    """Padded: each micro-batch padded to its longest row (padded labels IGNORE_INDEX). Packed (padding-free):
-    the micro-batch's sequences concatenated into one row with position ids restarting at every sequence and
-    the first label of each sequence masked. Flash attention gets the sequence boundaries from the collator
-    (`cu_seq_lens`, computed on the host: no device sync in every layer); flex attention, SDPA and eager derive
-    per-sequence attention from the position ids (SDPA and eager through a dense mask, see config.py)."""
-    if packing:
-        inner = DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX,
-                                           return_flash_attn_kwargs=attn_implementation in FLASH_ATTENTION)
-    else:
-        inner = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX,
-                                       return_tensors="pt")
-    return CountingCollator(inner)
-
-
-class CountingCollator:
-    """Adds, under COUNTS, what the trainer needs to know of a micro-batch as plain integers counted on the host
-    while the batch is built: the step never reads them back from the device.
-    targets: tokens that carry loss (labels shifted by one, as the causal LM loss compares them);
-    tokens: sequence tokens (not padding); processed: tokens the model runs on; sequences: rows before packing."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def __call__(self, features: list[dict]) -> dict:
-        batch = self.inner(features)
-        lengths = [len(feature["input_ids"]) for feature in features]
-        batch[COUNTS] = {
-            "targets": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()),
-            "tokens": sum(lengths),
-            "processed": batch["input_ids"].numel(),
-            "sequences": len(features),
-        }
-        return batch

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from shardtune.batches import COUNTS
 from shardtune.config import EVAL_CHUNK_POSITIONS
-from shardtune.data import COUNTS, IGNORE_INDEX
+from shardtune.data import IGNORE_INDEX
 
 
 def row_statistics(logits: torch.Tensor, labels: torch.Tensor, chunk: int = EVAL_CHUNK_POSITIONS) -> torch.Tensor:

@@ -7,10 +7,14 @@ FSDP2 parameters are DTensors (their local shard counts), ZeRO-3 parameters keep
 The measurement is taken right after the innermost optimizer's first step, when everything coexists: the
 weights, the gradients the step consumed, and the optimizer states it has just created. Under DeepSpeed the
 inner optimizer steps on fp32 master partitions; the ZeRO optimizer's reduce buckets and the ZeRO-3 parameters
-still gathered count as buffers, every other tensor it holds (16-bit and fp32 gradient partitions) as gradients."""
+still gathered count as buffers, every other tensor it holds (16-bit and fp32 gradient partitions) as gradients.
+
+Beside them, the process's own figures: its resident set size (host RAM, read from /proc) and, per logged row,
+its peak memory."""
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Iterator
 
 import torch
@@ -206,3 +210,44 @@ class ModelStateProbe:
     def _observe(self) -> None:
         for key, value in held_model_states(self.model, self.optimizer).items():
             self.held[key] = max(self.held[key], value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The process: resident set size (host RAM) and peak memory.
+
+
+def reset_peak_rss() -> None:
+    """Start this process's peak resident set size (VmHWM) afresh from the current size (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+    except OSError:  # not Linux: the peak then counts from the start of the process
+        pass
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (VmRSS; 0 where /proc is missing)."""
+    return _proc_status_bytes("VmRSS:") or 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size since the last `reset_peak_rss` (VmHWM; where /proc is missing, the
+    peak since the process started)."""
+    peak = _proc_status_bytes("VmHWM:")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as file:
+            return next(int(line.split()[1]) * 1024 for line in file if line.startswith(field))
+    except OSError:
+        return None
+
+
+def peak_memory_gb(device: torch.device) -> dict[str, float]:
+    """Peak allocated GPU memory on CUDA; the process's peak resident set size on CPU (since the process started:
+    getrusage's, which `reset_peak_rss` does not reset)."""
+    if device.type == "cuda":
+        return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+    return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

@@ -3,7 +3,8 @@
 Every rank must learn at once whether any rank saw a non-finite loss or a stop signal, so one small reduce per
 step is needed anyway; it also carries the loss, the gradient norm, the host-side token counts and the next
 step's target count (the global loss divisor), so that neither the loss nor a logging step costs an extra
-collective or an extra sync.
+collective or an extra sync. `TrainMetrics` owns that look-ahead: `global_targets` hands each step the divisor
+that the previous step's reduce brought (the first step reduces its own), `after_step` reduces the next one's.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from dataclasses import dataclass
 import torch
 from accelerate import Accelerator
 
+from shardtune.batches import COUNT_KEYS, StepBatch
 from shardtune.config import BatchPlan
 from shardtune.flops import ModelShape, flops_per_token, mfu
-from shardtune.step import COUNT_KEYS, StepOutput
-from shardtune.tracking import peak_memory_gb
+from shardtune.memory import peak_memory_gb
+from shardtune.step import StepOutput
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,7 @@ class StepSummary:
     grad_norm: float
 
 
-def step_vector(out: StepOutput, stop_requested: bool, is_main_process: bool, next_targets: int = 0
-                ) -> torch.Tensor:
+def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main_process: bool) -> torch.Tensor:
     """[non-finite, stop, loss share, gradient norm, *counts, next step's targets] on the loss's device, to be
     summed over ranks. The norm is global (the same on every rank): only the main process adds it, so the sum is
     exact; so are the counts (integers far below 2**53)."""
@@ -44,35 +45,38 @@ def step_vector(out: StepOutput, stop_requested: bool, is_main_process: bool, ne
         torch.full((), float(stop_requested), dtype=torch.float64, device=device),
         out.loss.to(torch.float64),
         norm.to(torch.float64) * float(is_main_process),
-        *(torch.full((), float(out.counts[key]), dtype=torch.float64, device=device) for key in COUNT_KEYS),
-        torch.full((), float(next_targets), dtype=torch.float64, device=device),
+        *(torch.full((), float(batch.counts[key]), dtype=torch.float64, device=device) for key in COUNT_KEYS),
+        torch.full((), float(batch.next_targets), dtype=torch.float64, device=device),
     ])
 
 
 class TrainMetrics:
-    """Sums the steps of the current logging window on the host; `window` turns them into the logged row."""
+    """Sums the steps of the current logging window on the host; `window` turns them into the logged row. Keeps
+    the first and the last loss logged, for the run's closing line."""
 
-    def __init__(self, accelerator: Accelerator, plan: BatchPlan, steps_per_epoch: int, shape: ModelShape,
+    def __init__(self, accelerator: Accelerator, batching: BatchPlan, steps_per_epoch: int, shape: ModelShape,
                  peak_flops_per_gpu: float | None) -> None:
-        self.accelerator, self.plan, self.steps_per_epoch = accelerator, plan, steps_per_epoch
+        self.accelerator, self.batching, self.steps_per_epoch = accelerator, batching, steps_per_epoch
         self.shape, self.peak_flops_per_gpu = shape, peak_flops_per_gpu
         self._next_targets: torch.Tensor | None = None
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
         self._reset()
 
-    def global_targets(self, counts: dict[str, int]) -> torch.Tensor:
+    def global_targets(self, batch: StepBatch) -> torch.Tensor:
         """The step's target count over all ranks, on the device: summed with the previous step's vector, or
         (the first step) by an all-reduce of its own."""
         if self._next_targets is not None:
             return self._next_targets
-        local = torch.full((), counts["targets"], dtype=torch.long, device=self.accelerator.device)
+        local = torch.full((), batch.counts["targets"], dtype=torch.long, device=self.accelerator.device)
         return self.accelerator.reduce(local, "sum")
 
     def _reset(self) -> None:
         self.started, self.steps, self.loss = time.perf_counter(), 0, 0.0
         self.counts = dict.fromkeys(COUNT_KEYS, 0.0)
 
-    def after_step(self, out: StepOutput, stop_requested: bool, next_counts: dict[str, int]) -> StepSummary:
-        vector = step_vector(out, stop_requested, self.accelerator.is_main_process, next_counts["targets"])
+    def after_step(self, out: StepOutput, batch: StepBatch, stop_requested: bool) -> StepSummary:
+        vector = step_vector(out, batch, stop_requested, self.accelerator.is_main_process)
         summed = self.accelerator.reduce(vector, "sum")  # the step's one collective
         self._next_targets = summed[-1].to(torch.long)  # stays on the device: the next step's loss divisor
         non_finite, stop, loss, grad_norm, *counts, _ = summed.tolist()  # the step's one device-to-host sync
@@ -85,7 +89,7 @@ class TrainMetrics:
     def window(self, step: int, last: StepSummary, lr: float) -> dict[str, float]:
         """The row logged at `step`, over the steps since the previous one; starts the next window."""
         elapsed, tokens = time.perf_counter() - self.started, self.counts["tokens"]
-        world = self.plan.world_size
+        world = self.batching.world_size
         row = {
             "loss": self.loss / self.steps,
             "lr": lr,
@@ -101,5 +105,7 @@ class TrainMetrics:
             per_token = flops_per_token(self.shape, seq_len=round(tokens / self.counts["sequences"]))
             row["tflops_per_gpu"] = tokens / elapsed * per_token / world / 1e12
             row["mfu"] = mfu(tokens / elapsed, per_token, world, self.peak_flops_per_gpu)
+        self.first_loss = row["loss"] if self.first_loss is None else self.first_loss
+        self.last_loss = row["loss"]
         self._reset()
         return row

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import init_empty_weights
-from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from shardtune.config import Recipe
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 
 def load_tokenizer(recipe: Recipe) -> PreTrainedTokenizerBase:
@@ -39,6 +42,8 @@ def load_model(recipe: Recipe, main_process: bool = True) -> PreTrainedModel:
     if recipe.gradient_checkpointing:
         enable_gradient_checkpointing(model, recipe.gradient_checkpointing_interval)
     if recipe.use_peft:
+        from peft import get_peft_model  # --use_peft only: importing peft costs every rank about 3 s
+
         model = get_peft_model(model, lora_config(recipe), autocast_adapter_dtype=True)  # adapters in fp32
     return model
 
@@ -61,6 +66,8 @@ def empty_model(recipe: Recipe, dtype: torch.dtype) -> PreTrainedModel:
 
 
 def lora_config(recipe: Recipe) -> LoraConfig:
+    from peft import LoraConfig
+
     targets = recipe.lora_target_modules
     return LoraConfig(
         r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout, task_type="CAUSAL_LM",

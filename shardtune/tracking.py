@@ -6,10 +6,8 @@ import dataclasses
 import json
 import math
 import os
-import resource
 import uuid
 
-import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
@@ -135,9 +133,3 @@ def log_samples(accelerator: Accelerator, output_dir: str, step: int, samples: l
         accelerator.get_tracker("wandb").log_table(
             "samples", columns=columns, data=[[step, *sample.values()] for sample in samples], step=step)
 
-
-def peak_memory_gb(device: torch.device) -> dict[str, float]:
-    """Peak allocated GPU memory on CUDA; the process's peak resident set size on CPU."""
-    if device.type == "cuda":
-        return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30}
-    return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

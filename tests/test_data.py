@@ -12,8 +12,9 @@ from datasets import Dataset, DatasetDict
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from shardtune.batches import make_collator
 from shardtune.config import ConfigError, Recipe
-from shardtune.data import IGNORE_INDEX, load_splits, make_collator
+from shardtune.data import IGNORE_INDEX, load_splits
 from shardtune.tiny import reversal_examples
 from tests.conftest import REPO
 

@@ -12,12 +12,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from shardtune.batches import COUNT_KEYS, COUNTS, StepBatch, counted_steps, make_collator, take_counts
 from shardtune.checks import check_attention
 from shardtune.config import ConfigError, Recipe
-from shardtune.data import COUNTS, IGNORE_INDEX, make_collator
+from shardtune.data import IGNORE_INDEX
 from shardtune.evaluation import row_statistics
 from shardtune.metrics import step_vector
-from shardtune.step import COUNT_KEYS, StepOutput, norm_on_device, take_counts, with_counts
+from shardtune.step import StepOutput, norm_on_device
 
 META = torch.device("meta")
 
@@ -86,9 +87,10 @@ def test_step_pieces_stay_on_the_device(tiny_assets, tokenizer, attn, packing):
     assert loss.device == META
     for grad_norm in (torch.ones((), device=META), 1.5, float("inf"), None):
         norm = norm_on_device(grad_norm, META)
-        out = StepOutput(loss=loss.detach(), grad_norm=norm, counts=counts)
+        out = StepOutput(loss=loss.detach(), grad_norm=norm)
         for is_main in (True, False):
-            vector = step_vector(out, stop_requested=True, is_main_process=is_main, next_targets=7)
+            vector = step_vector(out, StepBatch(micro_batches, counts, next_targets=7), stop_requested=True,
+                                 is_main_process=is_main)
             assert vector.device == META and vector.shape == (5 + len(COUNT_KEYS),)
 
 
@@ -96,13 +98,14 @@ def test_step_vector_sums_to_what_every_rank_must_know():
     """Over two ranks: any rank's non-finite loss or stop flag, the global loss, one copy of the global norm, and
     the next step's global target count."""
     counts = {"targets": 10, "tokens": 30, "processed": 40, "sequences": 4}
-    ranks = [StepOutput(torch.tensor(1.25), torch.tensor(3.0), counts),
-             StepOutput(torch.tensor(float("nan")), torch.tensor(3.0), counts)]
-    summed = sum(step_vector(out, stop_requested=index == 0, is_main_process=index == 0, next_targets=11 + index)
+    ranks = [StepOutput(torch.tensor(1.25), torch.tensor(3.0)),
+             StepOutput(torch.tensor(float("nan")), torch.tensor(3.0))]
+    summed = sum(step_vector(out, StepBatch([], counts, next_targets=11 + index), stop_requested=index == 0,
+                             is_main_process=index == 0)
                  for index, out in enumerate(ranks))
     non_finite, stop, _, grad_norm, *totals, next_targets = summed.tolist()
     assert (non_finite, stop, grad_norm, totals, next_targets) == (1.0, 1.0, 3.0, [20.0, 60.0, 80.0, 8.0], 23.0)
-    finite = step_vector(StepOutput(torch.tensor(2.0), None, counts), False, True).tolist()
+    finite = step_vector(StepOutput(torch.tensor(2.0), None), StepBatch([], counts, 0), False, True).tolist()
     assert finite[0] == 0.0 and finite[2] == 2.0  # no norm reported (DeepSpeed without one) is not an error
 
 
@@ -178,11 +181,11 @@ def test_flex_attention_forward_equals_padded_sdpa_on_packed_rows(tiny_assets, t
 
 
 def test_each_step_sees_its_own_counts_and_the_next_steps():
-    """The next step's target count rides in this step's all-reduce: `with_counts` hands both over, in order,
+    """The next step's target count rides in this step's all-reduce: `counted_steps` hands both over, in order,
     and takes the counts out of the batches the model will see."""
     steps = [[{"input_ids": step, COUNTS: {key: step * 10 + micro for key in COUNT_KEYS}} for micro in (1, 2)]
              for step in range(1, 5)]
-    seen = list(with_counts(iter(steps)))
-    assert [counts["targets"] for _, counts, _ in seen] == [23, 43, 63]  # (s*10+1) + (s*10+2)
-    assert [upcoming["targets"] for _, _, upcoming in seen] == [43, 63, 83]
-    assert all(COUNTS not in batch for micro_batches, _, _ in seen for batch in micro_batches)
+    seen = list(counted_steps(iter(steps)))
+    assert [batch.counts["targets"] for batch in seen] == [23, 43, 63]  # (s*10+1) + (s*10+2)
+    assert [batch.next_targets for batch in seen] == [43, 63, 83]
+    assert all(COUNTS not in micro_batch for batch in seen for micro_batch in batch.micro_batches)

@@ -1,0 +1,106 @@
+"""Micro-batches and optimizer steps: the collator that pads or packs rows and counts their tokens on the host,
+and this rank's micro-batches of each optimizer step with those counts (the loss divisor among them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
+
+from shardtune.config import BatchPlan
+from shardtune.data import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+
+COUNTS = "counts"  # batch key of the collator's host-side counts; taken out before the batch reaches the model
+COUNT_KEYS = ("targets", "tokens", "processed", "sequences")  # what CountingCollator counts, in this order
+FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False, attn_implementation: str = "sdpa"
+                  ) -> CountingCollator:
+    """Padded: each micro-batch padded to its longest row (padded labels IGNORE_INDEX). Packed (padding-free):
+    the micro-batch's sequences concatenated into one row with position ids restarting at every sequence and
+    the first label of each sequence masked. Flash attention gets the sequence boundaries from the collator
+    (`cu_seq_lens`, computed on the host: no device sync in every layer); flex attention, SDPA and eager derive
+    per-sequence attention from the position ids (SDPA and eager through a dense mask, see config.py)."""
+    if packing:
+        inner = DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX,
+                                           return_flash_attn_kwargs=attn_implementation in FLASH_ATTENTION)
+    else:
+        inner = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX,
+                                       return_tensors="pt")
+    return CountingCollator(inner)
+
+
+class CountingCollator:
+    """Adds, under COUNTS, what the trainer needs to know of a micro-batch as plain integers counted on the host
+    while the batch is built: the step never reads them back from the device.
+    targets: tokens that carry loss (labels shifted by one, as the causal LM loss compares them);
+    tokens: sequence tokens (not padding); processed: tokens the model runs on; sequences: rows before packing."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.inner(features)
+        lengths = [len(feature["input_ids"]) for feature in features]
+        batch[COUNTS] = {
+            "targets": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()),
+            "tokens": sum(lengths),
+            "processed": batch["input_ids"].numel(),
+            "sequences": len(features),
+        }
+        return batch
+
+
+def take_counts(micro_batches: list[dict]) -> dict[str, int]:
+    """Remove the collator's counts from the batches (the model must not see them) and add them up."""
+    counts = [batch.pop(COUNTS) for batch in micro_batches]
+    return {key: sum(count[key] for count in counts) for key in COUNT_KEYS}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Optimizer steps.
+
+
+def global_batches(loader: DataLoader, batching: BatchPlan, steps_per_epoch: int, start_step: int = 0
+                   ) -> Iterator[list[dict]]:
+    """This rank's micro-batches of each optimizer step after `start_step`. The prepared loader deals
+    micro-batches to ranks in turn, so one step covers `global_batch` consecutive rows of the epoch's seeded
+    shuffle on any split. The epoch's tail that does not fill a global batch is skipped. A resumed run
+    re-seeds the same epoch and skips the micro-batches already trained on, so it sees the same data."""
+    epoch, done_in_epoch = divmod(start_step, steps_per_epoch)
+    while True:
+        loader.set_epoch(epoch)
+        micro_batches = iter(loader)
+        for _ in range(done_in_epoch * batching.accumulation):
+            next(micro_batches)
+        for _ in range(steps_per_epoch - done_in_epoch):
+            yield [next(micro_batches) for _ in range(batching.accumulation)]
+        epoch, done_in_epoch = epoch + 1, 0
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step's data on this rank: its micro-batches (counts taken out), their host-side counts, and
+    the next step's target count (shardtune.metrics sums it over ranks in this step's all-reduce)."""
+
+    micro_batches: list[dict]
+    counts: dict[str, int]
+    next_targets: int
+
+
+def counted_steps(batches: Iterator[list[dict]]) -> Iterator[StepBatch]:
+    """Each step's micro-batches with their counts, one step ahead: a step is handed out once the next one's
+    batches are loaded, so that its `next_targets` is known."""
+    current = next(batches)
+    counts = take_counts(current)
+    for upcoming in batches:
+        upcoming_counts = take_counts(upcoming)
+        yield StepBatch(current, counts, upcoming_counts["targets"])
+        current, counts = upcoming, upcoming_counts
