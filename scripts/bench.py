@@ -86,17 +86,17 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
     recipe = parse_recipe(module.RECIPE, [*recipe_args, "--overwrite_output_dir", "true"])
     launch = LaunchDescription.from_env()
     world_size = launch.world_size
-    plan = validate(recipe, launch, has_gpu=torch.cuda.is_available())
-    accelerator = make_accelerator(recipe, plan, log_with=None)
+    batching = validate(recipe, launch, has_gpu=torch.cuda.is_available())
+    accelerator = make_accelerator(recipe, batching, log_with=None)
     # The trainer's guards: ranks launched alike, start-up then step collective timeouts, the dead-rank watchdog,
     # and the teardown that cannot deadlock at exit.
-    machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, plan, 0))
+    machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, batching, 0))
     with watch_ranks(accelerator, recipe, machines):
-        bare_steps(accelerator, recipe, plan, steps, warmup, world_size)
+        bare_steps(accelerator, recipe, batching, steps, warmup, world_size)
     shut_down(accelerator)
 
 
-def bare_steps(accelerator, recipe, plan, steps: int, warmup: int, world_size: int) -> None:
+def bare_steps(accelerator, recipe, batching, steps: int, warmup: int, world_size: int) -> None:
     import torch
 
     from shardtune.batches import COUNTS, global_batches, make_collator
@@ -109,11 +109,11 @@ def bare_steps(accelerator, recipe, plan, steps: int, warmup: int, world_size: i
         train_set, _ = load_splits(recipe, tokenizer)
     model = load_model(recipe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
-    loader = torch.utils.data.DataLoader(train_set, batch_size=plan.micro_batch, shuffle=True, drop_last=True,
+    loader = torch.utils.data.DataLoader(train_set, batch_size=batching.micro_batch, shuffle=True, drop_last=True,
                                          collate_fn=make_collator(tokenizer))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     set_collective_timeout(recipe.collective_timeout_minutes)  # start-up is over: a long wait now is a hang
-    batches = global_batches(loader, plan, len(train_set) // plan.global_batch)
+    batches = global_batches(loader, batching, len(train_set) // batching.global_batch)
     times, tokens = [], []
     for step in range(1, steps + 1):
         started = time.perf_counter()  # data loading counts, as it does in the trainer's tokens/s

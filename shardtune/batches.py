@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
 
-from shardtune.config import BatchPlan
+from shardtune.config import BatchSizes
 from shardtune.data import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def take_counts(micro_batches: list[dict]) -> dict[str, int]:
 # Optimizer steps.
 
 
-def global_batches(loader: DataLoader, batching: BatchPlan, steps_per_epoch: int, start_step: int = 0
+def global_batches(loader: DataLoader, batching: BatchSizes, steps_per_epoch: int, start_step: int = 0
                    ) -> Iterator[list[dict]]:
     """This rank's micro-batches of each optimizer step after `start_step`. The prepared loader deals
     micro-batches to ranks in turn, so one step covers `global_batch` consecutive rows of the epoch's seeded

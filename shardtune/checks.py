@@ -14,7 +14,7 @@ from shardtune.config import (
     LR_SCHEDULERS,
     MIXED_PRECISIONS,
     SAVE_DTYPES,
-    BatchPlan,
+    BatchSizes,
     ConfigError,
     Problems,
     Recipe,
@@ -182,7 +182,7 @@ def check_exports(recipe: Recipe) -> None:
         raise ConfigError(problems)
 
 
-def plan_batches(recipe: Recipe, world_size: int) -> BatchPlan:
+def batch_sizes(recipe: Recipe, world_size: int) -> BatchSizes:
     """The micro-batch, accumulation and ranks that make --global_batch_size, or ConfigError when they cannot."""
     micro, gas, total = recipe.per_device_train_batch_size, recipe.gradient_accumulation_steps, recipe.global_batch_size
     too_small = below_lowest([("--per_device_train_batch_size", micro), ("--gradient_accumulation_steps", gas)])
@@ -190,7 +190,7 @@ def plan_batches(recipe: Recipe, world_size: int) -> BatchPlan:
         raise ConfigError(too_small[0])
     per_step = micro * world_size
     if total is None:
-        return BatchPlan(micro, gas or 1, world_size)
+        return BatchSizes(micro, gas or 1, world_size)
     if total % per_step:
         raise ConfigError(
             f"--global_batch_size {total} is not divisible by per_device_train_batch_size x processes "
@@ -202,7 +202,7 @@ def plan_batches(recipe: Recipe, world_size: int) -> BatchPlan:
             f"--gradient_accumulation_steps {gas} disagrees with --global_batch_size {total}: "
             f"{micro} x {gas} x {world_size} processes = {gas * per_step}. Give only one of the two."
         )
-    return BatchPlan(micro, total // per_step, world_size)
+    return BatchSizes(micro, total // per_step, world_size)
 
 
 # Checks that need the recipe alone: no model, no data read, no launch environment. Each raises ConfigError (with
@@ -239,10 +239,10 @@ def check_nvme_path(recipe: Recipe, nvme_offloaded: Sequence[str]) -> None:
 
 
 def check_recipe(recipe: Recipe, problems: Problems, has_gpu: bool,
-                 launch: LaunchDescription | None) -> BatchPlan | None:
+                 launch: LaunchDescription | None) -> BatchSizes | None:
     """Run every check that needs no model and no data loaded, recording failures in `problems`. `has_gpu`: CUDA
     is available; `launch`: None when the launch environment failed its own checks (the checks that depend on it
-    are then skipped). Returns the batch plan, or None if it could not be made."""
+    are then skipped). Returns the batch sizes, or None if it could not be made."""
     problems.check(check_device, recipe, has_gpu)
     on_gpu = has_gpu and not recipe.use_cpu
     problems.check(check_attention, recipe, on_gpu)
@@ -253,14 +253,14 @@ def check_recipe(recipe: Recipe, problems: Problems, has_gpu: bool,
         return None
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
     problems.check(check_nvme_path, recipe, launch.nvme_offloaded)
-    return problems.check(plan_batches, recipe, launch.world_size)
+    return problems.check(batch_sizes, recipe, launch.world_size)
 
 
-def validate(recipe: Recipe, launch: LaunchDescription, has_gpu: bool) -> BatchPlan:
+def validate(recipe: Recipe, launch: LaunchDescription, has_gpu: bool) -> BatchSizes:
     """Every check that needs no model and no data loaded. `has_gpu`: CUDA is available. Raises one ConfigError
     with every failure."""
     problems = Problems()
-    plan = check_recipe(recipe, problems, has_gpu, launch)
+    batching = check_recipe(recipe, problems, has_gpu, launch)
     problems.raise_any()
-    assert plan is not None  # no problems: plan_batches returned
-    return plan
+    assert batching is not None  # no problems: batch_sizes returned
+    return batching

@@ -15,17 +15,18 @@ import warnings
 
 from shardtune.checks import (
     RECIPE_CHECKS,
+    batch_sizes,
     check_attention,
     check_checkpoints,
     check_inputs_named,
     check_output_dir,
     check_quantization,
     check_recipe,
-    plan_batches,
 )
-from shardtune.config import BatchPlan, ConfigError, Problems, Recipe
+from shardtune.config import BatchSizes, ConfigError, Problems, Recipe
 from shardtune.flags import parse_flags
 from shardtune.launch import LaunchDescription
+from shardtune.local_rank import first_on_machine
 from shardtune.model_checks import check_model
 
 
@@ -33,7 +34,7 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
     """Parse overrides, check everything that needs no weights, train. Bad input: one line per problem on stderr
     (and in the launcher's error file), exit code 2."""
     try:
-        recipe, world_size, plan = checked_launch(recipe, argv)
+        recipe, world_size, batching = checked_launch(recipe, argv)
         from shardtune.checkpoint.markers import resolve_resume  # after the checks, like everything heavier than them
 
         resume_path, start_step = resolve_resume(recipe.resume_from_checkpoint, recipe.resolved_output_dir, world_size)
@@ -41,7 +42,7 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
         warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
         from shardtune.trainer import train
 
-        train(recipe, plan, resume_path, start_step)
+        train(recipe, batching, resume_path, start_step)
     except ConfigError as error:
         refuse(error.messages)
         distributed = sys.modules.get("torch.distributed")  # a refusal before any import of it has no group
@@ -50,8 +51,8 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
         sys.exit(2)
 
 
-def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int, BatchPlan]:
-    """(the recipe as the command line sets it, world size, batch plan) once every check that needs no weights
+def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int, BatchSizes]:
+    """(the recipe as the command line sets it, world size, batch sizes) once every check that needs no weights
     passed: flags, launch environment, recipe values, the model's config, the memory plan. Raises one ConfigError
     listing every failure. --dry_run stops here, after the flag and launch checks, with the memory plan."""
     problems = Problems()
@@ -64,7 +65,7 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int,
         problems.raise_any()
         assert launch is not None  # no problems: the launch was read
         sys.exit(dry_run(recipe, problems, launch))
-    plan = check_recipe(recipe, problems, cuda_available(), launch)
+    batching = check_recipe(recipe, problems, cuda_available(), launch)
     # The model's config and the memory plan need torch and transformers, seconds of imports: a command line that
     # its own checks already refuse is refused now, and the model is judged once the command line is right.
     problems.raise_any()
@@ -73,8 +74,8 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int,
         if launch is not None:  # the plan of the launched config, a refusal among the others if it does not fit
             problems.check(print_memory_plan, recipe, launch, bool(recipe.hardware))
     problems.raise_any()
-    assert launch is not None and plan is not None  # no problems: both checks returned
-    return recipe, launch.world_size, plan
+    assert launch is not None and batching is not None  # no problems: both checks returned
+    return recipe, launch.world_size, batching
 
 
 def cuda_available() -> bool:
@@ -118,7 +119,7 @@ def dry_run(recipe: Recipe, problems: Problems, launch: LaunchDescription) -> in
     if hardware is None and not recipe.hardware:
         problems.messages.append("--dry_run needs --hardware (e.g. 8xh100-80gb): the hardware to plan for.")
     if hardware is not None:
-        problems.check(plan_batches, recipe, hardware.world_size)
+        problems.check(batch_sizes, recipe, hardware.world_size)
     config_file = None
     if not launched():
         config_file = recipe.config_file or recipe_config_file()
@@ -181,7 +182,7 @@ def reports_errors() -> bool:
     it stopped; a rank whose own RANK or WORLD_SIZE is wrong prints its own."""
     try:
         valid = 0 <= int(os.environ.get("RANK", "0")) < int(os.environ.get("WORLD_SIZE", "1"))
-        return not valid or int(os.environ.get("LOCAL_RANK", "0")) == 0
+        return not valid or first_on_machine()
     except ValueError:
         return True
 

@@ -209,7 +209,7 @@ class Recipe:
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchSizes:
     """global_batch_size = per_device_train_batch_size x gradient_accumulation_steps x data-parallel size."""
 
     micro_batch: int

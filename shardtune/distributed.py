@@ -23,13 +23,13 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from shardtune.config import BatchPlan, ConfigError, Recipe
+from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.launch import LaunchDescription
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> Accelerator:
+def make_accelerator(recipe: Recipe, batching: BatchSizes, log_with: str | None) -> Accelerator:
     launch = LaunchDescription.from_env()
     world_size, uses_deepspeed, uses_fsdp = launch.world_size, launch.uses_deepspeed, launch.uses_fsdp
     on_cpu = recipe.use_cpu
@@ -43,7 +43,7 @@ def make_accelerator(recipe: Recipe, plan: BatchPlan, log_with: str | None) -> A
         mixed_precision=recipe.mixed_precision,  # the recipe wins over the config file, DeepSpeed included
         fsdp_plugin=plugin,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=plan.accumulation, sync_with_dataloader=False,  # the trainer ends every cycle itself
+            num_steps=batching.accumulation, sync_with_dataloader=False,  # the trainer ends every cycle itself
             # FSDP2 under no_sync keeps every layer's unsharded gradient until the last micro-batch (2 bytes x P
             # per GPU in bf16): reduce-scatter each micro-batch into the sharded fp32 gradient instead, as
             # torchtitan does. DDP holds full gradients either way, so it keeps no_sync and its saved traffic.

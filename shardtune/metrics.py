@@ -16,7 +16,7 @@ import torch
 from accelerate import Accelerator
 
 from shardtune.batches import COUNT_KEYS, StepBatch
-from shardtune.config import BatchPlan
+from shardtune.config import BatchSizes
 from shardtune.flops import ModelShape, flops_per_token, mfu
 from shardtune.memory import peak_memory_gb
 from shardtune.step import StepOutput
@@ -54,7 +54,7 @@ class TrainMetrics:
     """Sums the steps of the current logging window on the host; `window` turns them into the logged row. Keeps
     the first and the last loss logged, for the run's closing line."""
 
-    def __init__(self, accelerator: Accelerator, batching: BatchPlan, steps_per_epoch: int, shape: ModelShape,
+    def __init__(self, accelerator: Accelerator, batching: BatchSizes, steps_per_epoch: int, shape: ModelShape,
                  peak_flops_per_gpu: float | None) -> None:
         self.accelerator, self.batching, self.steps_per_epoch = accelerator, batching, steps_per_epoch
         self.shape, self.peak_flops_per_gpu = shape, peak_flops_per_gpu

@@ -21,8 +21,9 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 
-from shardtune.config import BatchPlan, ConfigError, Recipe
+from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.launch import LaunchDescription
+from shardtune.local_rank import first_on_machine
 
 PEER_LOST_EXIT_CODE = 4
 # What `accelerate launch` exports from the accelerate config (distributed type, ZeRO stage and offload, FSDP
@@ -38,15 +39,16 @@ def machine_of_rank() -> str:
     return f"machine {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"
 
 
-def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, plan: BatchPlan, start_step: int) -> dict[str, str]:
+def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, start_step: int
+                       ) -> dict[str, str]:
     """Everything the ranks of one job must agree on, as strings, one key per value."""
     fingerprint = {
         "distributed_type": accelerator.distributed_type.value,
         "num_processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
-        "micro_batch": plan.micro_batch,
-        "accumulation": plan.accumulation,
-        "global_batch": plan.global_batch,
+        "micro_batch": batching.micro_batch,
+        "accumulation": batching.accumulation,
+        "global_batch": batching.global_batch,
         "resume_step": start_step,  # a per-machine output_dir or a stale network filesystem would differ here
         **{key: value for key, value in os.environ.items()
            if key.startswith(LAUNCH_PREFIXES) and key not in PER_MACHINE_KEYS},
@@ -215,7 +217,7 @@ class RankWatchdog:
         self._exit(message, detected=True)
 
     def _exit(self, message: str, detected: bool = False) -> None:
-        if detected or os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine, and by the rank that saw it
+        if detected or first_on_machine():  # once per machine, and by the rank that saw it
             print(f"shardtune: error: [rank {self.rank}] {message}", file=sys.stderr, flush=True)
         self.verdict.set()
         os._exit(PEER_LOST_EXIT_CODE)  # the main thread may be blocked inside a collective that never returns

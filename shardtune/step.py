@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 
-from shardtune.config import BatchPlan, Recipe
+from shardtune.config import BatchSizes, Recipe
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -53,7 +53,7 @@ class StepOutput:
 
 
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-               micro_batches: list[dict], targets: torch.Tensor, batching: BatchPlan, max_grad_norm: float,
+               micro_batches: list[dict], targets: torch.Tensor, batching: BatchSizes, max_grad_norm: float,
                after_backward: Callable[[int], None] | None = None) -> StepOutput:
     """The loss of an update is (sum of all target-token losses of the global batch) / (their count), however
     the batch is split over micro-batches and ranks: `targets` is that count over every rank, on the device

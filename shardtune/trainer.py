@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from shardtune.batches import counted_steps, global_batches, make_collator
 from shardtune.checkpoint.saver import Checkpointer
-from shardtune.config import BatchPlan, ConfigError, Recipe
+from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.data import load_splits
 from shardtune.distributed import exit_process, make_accelerator, reduction_dtypes, shut_down
 from shardtune.evaluation import evaluate
@@ -48,7 +48,7 @@ from shardtune.step import make_optimizer, train_step
 from shardtune.tracking import log_metrics, log_samples, start_tracking, truncate_metrics
 
 
-def train(recipe: Recipe, batching: BatchPlan, resume_path: str | None, start_step: int) -> NoReturn:
+def train(recipe: Recipe, batching: BatchSizes, resume_path: str | None, start_step: int) -> NoReturn:
     """Train `recipe` (already checked by shardtune.cli), from `resume_path` at `start_step` if given. Every rank
     first checks that all ranks were launched alike, then trains watched by the others. Ends the process with the
     trainer's code: 0, or that of an early stop (non-finite loss, stop signal)."""
@@ -79,7 +79,7 @@ class Run:
     save_dtype: torch.dtype | None  # of the Hugging Face export; None: as trained
 
 
-def build(accelerator: Accelerator, recipe: Recipe, batching: BatchPlan) -> Run:
+def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes) -> Run:
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe)
     with accelerator.local_main_process_first():  # once per node: nodes need not share the datasets cache
@@ -131,7 +131,7 @@ class BackwardHooks:
             self.fault.after_backward(self.step, micro_batch)
 
 
-def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchPlan, resume_path: str | None,
+def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume_path: str | None,
                start_step: int, stop: StopRequest) -> int:
     run = build(accelerator, recipe, batching)
     model, output_dir = run.model, recipe.resolved_output_dir
@@ -168,7 +168,7 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchPlan, re
     return finish(accelerator, recipe, run, checkpointer, metrics)
 
 
-def start(accelerator: Accelerator, recipe: Recipe, batching: BatchPlan, run: Run, resume_path: str | None,
+def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, run: Run, resume_path: str | None,
           start_step: int) -> None:
     """Restore a checkpoint or clear an earlier run, lower the collective timeout, start tracking."""
     output_dir = recipe.resolved_output_dir

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from shardtune.checks import plan_batches, validate
-from shardtune.config import LR_SCHEDULERS, BatchPlan, ConfigError, Recipe
+from shardtune.checks import batch_sizes, validate
+from shardtune.config import LR_SCHEDULERS, BatchSizes, ConfigError, Recipe
 from shardtune.flags import parse_recipe
 from shardtune.launch import LaunchDescription
 
@@ -26,8 +26,8 @@ def test_command_line_overrides_recipe_values():
 ])
 def test_accumulation_derived_from_global_batch(micro, gas, total, world, expected):
     recipe = Recipe(per_device_train_batch_size=micro, gradient_accumulation_steps=gas, global_batch_size=total)
-    plan = plan_batches(recipe, world)
-    assert plan == BatchPlan(micro, expected, world)
+    plan = batch_sizes(recipe, world)
+    assert plan == BatchSizes(micro, expected, world)
     assert total is None or plan.global_batch == total
 
 
@@ -35,7 +35,7 @@ def test_accumulation_derived_from_global_batch(micro, gas, total, world, expect
 def test_inconsistent_batches_refused(micro, gas, total, world):
     recipe = Recipe(per_device_train_batch_size=micro, gradient_accumulation_steps=gas, global_batch_size=total)
     with pytest.raises(ConfigError):
-        plan_batches(recipe, world)
+        batch_sizes(recipe, world)
 
 
 @pytest.mark.parametrize("env", [
@@ -68,7 +68,7 @@ def test_good_recipe_passes_validation(tmp_path):
     recipe = Recipe(model_name_or_path="some/model", dataset=str(data), output_dir=str(tmp_path / "out"),
                     per_device_train_batch_size=4, global_batch_size=32, resume_from_checkpoint="auto",
                     use_cpu=True)
-    assert validate(recipe, LaunchDescription(world_size=8), has_gpu=False) == BatchPlan(4, 1, 8)
+    assert validate(recipe, LaunchDescription(world_size=8), has_gpu=False) == BatchSizes(4, 1, 8)
     assert not (tmp_path / "out").exists()
 
 

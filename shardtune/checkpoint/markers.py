@@ -14,6 +14,7 @@ import sys
 
 from shardtune.checkpoint.durable import fsync_path
 from shardtune.config import ConfigError
+from shardtune.local_rank import first_on_machine
 
 MARKER = "checkpoint_complete.json"
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -100,7 +101,7 @@ def damage(checkpoint: str) -> str | None:
 
 def warn(message: str) -> None:
     """One line on stderr from the first rank of each machine, so that each machine's log says it once."""
-    if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+    if first_on_machine():
         print(f"shardtune: warning: {message}", file=sys.stderr, flush=True)
 
 

@@ -74,16 +74,16 @@ def eval_gather_bytes(strategy: Strategy, shape: ModelShape) -> float:
 
 def save_gather_bytes(strategy: Strategy, shape: ModelShape, params: int, world: int,
                       export_bytes: int = 2) -> tuple[float, float]:
-    """(GPU bytes, host bytes on the rank that holds most) of trainer.save_hf_model's accelerator.get_state_dict:
+    """(GPU bytes, host bytes on the rank that holds most) of export.save_hf_model's accelerator.get_state_dict:
     - FSDP2: torch's get_model_state_dict(full_state_dict, cpu_offload): each parameter all-gathered in full on the
       GPU (the gathered tensor and its full copy: 2 x the largest, fp32), then copied to rank 0's host RAM (4P);
     - ZeRO-3: _zero3_consolidated_16bit_state_dict gathers module by module (the largest module's own weights:
       the embedding or lm_head), rank 0 keeping a host copy of each (16-bit, or fp32 in fp32 runs);
     - ZeRO-1/2: clone_tensors_for_torch_save copies the whole 16-bit module to every rank's host RAM;
     - an fp32 export (`export_bytes` 4) of a 16-bit DeepSpeed run also assembles the fp32 masters on the main
-      process's host beside that state dict (trainer.deepspeed_master_weights);
+      process's host beside that state dict (export.deepspeed_master_weights);
     - DDP: the state dict is the live parameters; an export in another dtype casts each into a new tensor on the
-      GPU (trainer.cast_floating), `export_bytes` x P in all.
+      GPU (export.cast_floating), `export_bytes` x P in all.
     FSDP's state dict is cast on the host one tensor at a time (one copy plus one tensor: not counted)."""
     low = strategy.compute_bytes
     largest = max(rows * columns for rows, columns in decay_tensors(shape))

@@ -79,7 +79,7 @@ def peft_states(strategy: Strategy, shape: ModelShape, world: int, peft: Peft) -
 def parameter_sizes(shape: ModelShape) -> list[tuple[int, bool]]:
     """(elements, weight-decayed) of every parameter of a Llama-class model, in `model.parameters()` order: the
     order in which DeepSpeed fills each parameter group's sub-groups. Decayed as the trainer splits them
-    (shardtune.trainer.param_groups: matrices decay, norms and biases do not)."""
+    (shardtune.step.param_groups: matrices decay, norms and biases do not)."""
     h, inter = shape.hidden, shape.intermediate
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     sizes = [(shape.vocab * h, True)]
