@@ -87,10 +87,10 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
     launch = LaunchDescription.from_env()
     world_size = launch.world_size
     batching = validate(recipe, launch, has_gpu=torch.cuda.is_available())
-    accelerator = make_accelerator(recipe, batching, log_with=None)
+    accelerator = make_accelerator(recipe, batching, launch, log_with=None)
     # The trainer's guards: ranks launched alike, start-up then step collective timeouts, the dead-rank watchdog,
     # and the teardown that cannot deadlock at exit.
-    machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, batching, 0))
+    machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, batching, launch, 0))
     with watch_ranks(accelerator, recipe, machines):
         bare_steps(accelerator, recipe, batching, steps, warmup, world_size)
     shut_down(accelerator)

@@ -66,11 +66,12 @@ def worker(args: argparse.Namespace) -> None:
     from shardtune.checkpoint.saver import Checkpointer
     from shardtune.config import BatchSizes, Recipe
     from shardtune.distributed import make_accelerator
+    from shardtune.launch import LaunchDescription
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     recipe = Recipe(name="bench", use_cpu=not torch.cuda.is_available(), mixed_precision="no", save_steps=0,
                     save_total_limit=1, output_dir=str(args.dir / args.strategy), report_to="none")
-    accelerator = make_accelerator(recipe, BatchSizes(1, 1, world_size), log_with=None)
+    accelerator = make_accelerator(recipe, BatchSizes(1, 1, world_size), LaunchDescription.from_env(), log_with=None)
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(args.params))
     params = sum(p.numel() for p in model.parameters())

@@ -13,6 +13,7 @@ import sys
 import time
 import warnings
 
+from shardtune.checkpoint.markers import resolve_resume
 from shardtune.checks import (
     RECIPE_CHECKS,
     batch_sizes,
@@ -34,15 +35,14 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
     """Parse overrides, check everything that needs no weights, train. Bad input: one line per problem on stderr
     (and in the launcher's error file), exit code 2."""
     try:
-        recipe, world_size, batching = checked_launch(recipe, argv)
-        from shardtune.checkpoint.markers import resolve_resume  # after the checks, like everything heavier than them
-
-        resume_path, start_step = resolve_resume(recipe.resume_from_checkpoint, recipe.resolved_output_dir, world_size)
+        recipe, launch, batching = checked_launch(recipe, argv)
+        resume_path, start_step = resolve_resume(recipe.resume_from_checkpoint, recipe.resolved_output_dir,
+                                                 launch.world_size)
         # DeepSpeed still calls these collectives by their old names, once per layer and step.
         warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
         from shardtune.trainer import train
 
-        train(recipe, batching, resume_path, start_step)
+        train(recipe, batching, launch, resume_path, start_step)
     except ConfigError as error:
         refuse(error.messages)
         distributed = sys.modules.get("torch.distributed")  # a refusal before any import of it has no group
@@ -51,8 +51,8 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
         sys.exit(2)
 
 
-def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int, BatchSizes]:
-    """(the recipe as the command line sets it, world size, batch sizes) once every check that needs no weights
+def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, LaunchDescription, BatchSizes]:
+    """(the recipe as the command line sets it, the launch, batch sizes) once every check that needs no weights
     passed: flags, launch environment, recipe values, the model's config, the memory plan. Raises one ConfigError
     listing every failure. --dry_run stops here, after the flag and launch checks, with the memory plan."""
     problems = Problems()
@@ -75,7 +75,7 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, int,
             problems.check(print_memory_plan, recipe, launch, bool(recipe.hardware))
     problems.raise_any()
     assert launch is not None and batching is not None  # no problems: both checks returned
-    return recipe, launch.world_size, batching
+    return recipe, launch, batching
 
 
 def cuda_available() -> bool:

@@ -29,8 +29,8 @@ from shardtune.launch import LaunchDescription
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_accelerator(recipe: Recipe, batching: BatchSizes, log_with: str | None) -> Accelerator:
-    launch = LaunchDescription.from_env()
+def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescription, log_with: str | None
+                     ) -> Accelerator:
     world_size, uses_deepspeed, uses_fsdp = launch.world_size, launch.uses_deepspeed, launch.uses_fsdp
     on_cpu = recipe.use_cpu
     plugin = fsdp_plugin(recipe.mixed_precision, on_cpu) if uses_fsdp else None

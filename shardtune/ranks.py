@@ -39,8 +39,8 @@ def machine_of_rank() -> str:
     return f"machine {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"
 
 
-def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, start_step: int
-                       ) -> dict[str, str]:
+def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch: LaunchDescription,
+                       start_step: int) -> dict[str, str]:
     """Everything the ranks of one job must agree on, as strings, one key per value."""
     fingerprint = {
         "distributed_type": accelerator.distributed_type.value,
@@ -55,7 +55,7 @@ def launch_fingerprint(accelerator: Accelerator, recipe: Recipe, batching: Batch
         **{f"recipe.{key}": value for key, value in dataclasses.asdict(recipe).items()},
     }
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        fingerprint.update(deepspeed_fingerprint(LaunchDescription.from_env()))
+        fingerprint.update(deepspeed_fingerprint(launch))
     packages = ["torch", "transformers", "accelerate", "datasets", "shardtune"]
     packages += ["deepspeed"] if accelerator.distributed_type == DistributedType.DEEPSPEED else []
     packages += ["peft"] if recipe.use_peft else []

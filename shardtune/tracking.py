@@ -12,16 +12,17 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from shardtune.config import Recipe
+from shardtune.launch import LaunchDescription
 
 RUN_CONFIG = "run_config.json"
 SAMPLES = "samples.jsonl"
 LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_")  # what `accelerate launch` exports from its config file and flags
 
 
-def start_tracking(accelerator: Accelerator, recipe: Recipe, resumed: bool) -> None:
+def start_tracking(accelerator: Accelerator, recipe: Recipe, launch: LaunchDescription, resumed: bool) -> None:
     """What the run is, in output_dir/run_config.json and as the W&B run's config; then W&B through accelerate.
     The run id lives in output_dir, so a resumed run continues the same W&B run."""
-    config = run_config(accelerator, recipe)
+    config = run_config(accelerator, recipe, launch)
     if accelerator.is_main_process:
         with open(os.path.join(recipe.resolved_output_dir, RUN_CONFIG), "w") as file:
             json.dump(config, file, indent=2, allow_nan=False)
@@ -45,12 +46,12 @@ def start_tracking(accelerator: Accelerator, recipe: Recipe, resumed: bool) -> N
     )
 
 
-def run_config(accelerator: Accelerator, recipe: Recipe) -> dict:
+def run_config(accelerator: Accelerator, recipe: Recipe, launch: LaunchDescription) -> dict:
     """The resolved recipe, the accelerate configuration this process runs under and the memory plan, as JSON
     values. `accelerate launch` does not pass the --config_file path (nor its contents) to the script: it turns
     the file into ACCELERATE_* / FSDP_* variables, which are therefore the effective config recorded here, with
     DeepSpeed's resolved JSON config (its "auto" values filled in by `prepare`)."""
-    plan, why_none = memory_plan(recipe)
+    plan, why_none = memory_plan(recipe, launch)
     config = {"recipe": dataclasses.asdict(recipe), "accelerate": accelerate_config(accelerator),
               "memory_plan": plan}
     if plan is None:
@@ -82,14 +83,12 @@ def accelerate_config(accelerator: Accelerator) -> dict:
             "deepspeed_config": accelerator.state.deepspeed_plugin.deepspeed_config if deepspeed else None}
 
 
-def memory_plan(recipe: Recipe) -> tuple[dict | None, str | None]:
+def memory_plan(recipe: Recipe, launch: LaunchDescription) -> tuple[dict | None, str | None]:
     """The planner's per-GPU plan of this launch (as the start-up line prints it), or None and why."""
     from shardtune.flops import ModelError, resolve_model
     from shardtune.hardware import HardwareError
-    from shardtune.launch import LaunchDescription
     from shardtune.plan.launched import launch_hardware, plan_launch
 
-    launch = LaunchDescription.from_env()
     try:
         hardware = launch_hardware(recipe.hardware, launch)
         if hardware is None:

@@ -31,6 +31,7 @@ from shardtune.export import add_model_files, export_dtype, save_hf_model
 from shardtune.flops import ModelShape, shape_from_config
 from shardtune.generation import HeldOutPrompts, generate_samples, held_out_prompts
 from shardtune.hardware import peak_flops
+from shardtune.launch import LaunchDescription
 from shardtune.memory import (
     COMPONENTS,
     ModelStateProbe,
@@ -48,15 +49,16 @@ from shardtune.step import make_optimizer, train_step
 from shardtune.tracking import log_metrics, log_samples, start_tracking, truncate_metrics
 
 
-def train(recipe: Recipe, batching: BatchSizes, resume_path: str | None, start_step: int) -> NoReturn:
+def train(recipe: Recipe, batching: BatchSizes, launch: LaunchDescription, resume_path: str | None,
+          start_step: int) -> NoReturn:
     """Train `recipe` (already checked by shardtune.cli), from `resume_path` at `start_step` if given. Every rank
     first checks that all ranks were launched alike, then trains watched by the others. Ends the process with the
     trainer's code: 0, or that of an early stop (non-finite loss, stop signal)."""
     stop = StopRequest()  # from the start: a signal during start-up still ends in a checkpoint and code 75
-    accelerator = make_accelerator(recipe, batching, log_with="wandb" if recipe.report_to == "wandb" else None)
-    machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, batching, start_step))
+    accelerator = make_accelerator(recipe, batching, launch, log_with="wandb" if recipe.report_to == "wandb" else None)
+    machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, batching, launch, start_step))
     with watch_ranks(accelerator, recipe, machines), profile_memory(accelerator.process_index):
-        exit_code = train_loop(accelerator, recipe, batching, resume_path, start_step, stop)
+        exit_code = train_loop(accelerator, recipe, batching, launch, resume_path, start_step, stop)
     shut_down(accelerator)  # the wrappers, then the trackers and the process groups, once no rank watches
     exit_process(exit_code)
 
@@ -131,11 +133,11 @@ class BackwardHooks:
             self.fault.after_backward(self.step, micro_batch)
 
 
-def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume_path: str | None,
-               start_step: int, stop: StopRequest) -> int:
+def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch: LaunchDescription,
+               resume_path: str | None, start_step: int, stop: StopRequest) -> int:
     run = build(accelerator, recipe, batching)
     model, output_dir = run.model, recipe.resolved_output_dir
-    start(accelerator, recipe, batching, run, resume_path, start_step)
+    start(accelerator, recipe, batching, launch, run, resume_path, start_step)
     checkpointer = Checkpointer(accelerator, recipe,
                                 lambda path: add_model_files(accelerator, model, run.tokenizer, run.save_dtype, path))
     metrics = TrainMetrics(accelerator, batching, run.steps_per_epoch, run.shape, device_peak_flops(accelerator))
@@ -168,8 +170,8 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, r
     return finish(accelerator, recipe, run, checkpointer, metrics)
 
 
-def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, run: Run, resume_path: str | None,
-          start_step: int) -> None:
+def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch: LaunchDescription, run: Run,
+          resume_path: str | None, start_step: int) -> None:
     """Restore a checkpoint or clear an earlier run, lower the collective timeout, start tracking."""
     output_dir = recipe.resolved_output_dir
     if resume_path:
@@ -184,7 +186,7 @@ def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, run: R
     os.makedirs(output_dir, exist_ok=True)
     if accelerator.is_main_process:
         truncate_metrics(output_dir, after_step=start_step)  # a killed run may have logged past its checkpoint
-    start_tracking(accelerator, recipe, resumed=resume_path is not None)
+    start_tracking(accelerator, recipe, launch, resumed=resume_path is not None)
     accelerator.print(
         f"shardtune: {recipe.name} | {accelerator.distributed_type.value} x {batching.world_size} | "
         f"global batch {batching.global_batch} = {batching.micro_batch} x {batching.accumulation} accumulation x "

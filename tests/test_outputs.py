@@ -121,14 +121,14 @@ def test_run_config_holds_the_memory_plan_given_hardware(tiny_assets):
     figures for this model and launch; without either there is none, and it says why."""
     recipe = Recipe(model_name_or_path=tiny_assets[0], hardware="8xh100-80gb", max_seq_length=64,
                     per_device_train_batch_size=16)
-    plan, why_none = memory_plan(recipe)
-    shape = resolve_model(tiny_assets[0])
     launch = LaunchDescription.from_env()
+    plan, why_none = memory_plan(recipe, launch)
+    shape = resolve_model(tiny_assets[0])
     strategy = launch.strategy(recipe.mixed_precision)
     expected = plan_launch(shape, launch_hardware("8xh100-80gb", launch), recipe, strategy)[0].to_json()
     assert why_none is None and plan == json_values(expected) and plan["params"] == shape.params
     assert plan["per_gpu"]["total"] > 0 and plan["micro_batch"] == 16 and plan["max_seq_length"] == 64
-    assert memory_plan(dataclasses.replace(recipe, hardware="")) == (
+    assert memory_plan(dataclasses.replace(recipe, hardware=""), launch) == (
         None, "no GPU visible and no --hardware given: nothing to plan against")
 
 
