@@ -7,7 +7,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's compiled CPU ops live in the virtualenv, beside the stamp that says they are built (not ~/.cache).
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: demo test lint gpu-check clean
+.PHONY: demo test unit lint gpu-check clean
 
 $(VENV)/installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,7 +25,7 @@ $(VENV)/deepspeed-ops: $(VENV)/installed scripts/build_deepspeed_ops.py
 	$(PY) scripts/build_deepspeed_ops.py
 	touch $@
 
-# tests/test_slurm.py starts its own munged, slurmctld and two slurmd. Without the SLURM binaries it skips when
+# tests/launch/test_slurm.py starts its own munged, slurmctld and two slurmd. Without the SLURM binaries it skips when
 # pytest runs alone, and fails under `make test` (SHARDTUNE_REQUIRE below).
 $(VENV)/slurm: $(VENV)/installed
 	dpkg -s slurmctld slurmd slurm-client munge >/dev/null 2>&1 || { apt-get update -qq && \
@@ -42,6 +42,10 @@ gpu-check: $(VENV)/installed
 
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .
+
+# The unit tests alone (tests/unit: nothing launched), under a minute: for a change to the planner's arithmetic.
+unit: $(VENV)/installed
+	$(PY) -m pytest -q tests/unit
 
 # Here (and in CI, which runs this target) a skipped NVMe-offload or SLURM test counts as a failure.
 test: lint $(VENV)/deepspeed-ops $(VENV)/slurm

@@ -1,6 +1,6 @@
 """What a rank really holds in weights, gradients and optimizer states, measured on the live objects.
 
-This is the ground truth that the planner's `model_states` is tested against (tests/test_plan_measured.py), and
+This is the ground truth that the planner's `model_states` is tested against (tests/launch/test_memory_measured.py), and
 what the trainer reports once per run. Tensors are counted by storage, each storage once, local shards only:
 FSDP2 parameters are DTensors (their local shard counts), ZeRO-3 parameters keep their shard in `ds_tensor`.
 

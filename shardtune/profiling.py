@@ -3,7 +3,7 @@
 Set SHARDTUNE_PROFILE_MEMORY=<folder> and every rank writes <folder>/memory_rank<r>.json: for each phase of the
 run (the step's forward/backward, the optimizer step, eval, the final save) and each time it ran, the bytes live
 at its start and the most live within it. The planner's phases (shardtune.plan.phases.phase_bytes) are tested against
-these figures (tests/test_memory_phases.py).
+these figures (tests/launch/test_memory_phases.py).
 
 How it counts: `profile_memory=True` makes the c10 allocators report every allocation and free with the running
 total of bytes allocated (`total_allocated`; it works on CPU too). Each phase is a `record_function` range on the

@@ -302,7 +302,7 @@ def reference_run(tiny_assets, tmp_path_factory):
     def run(config: str | None) -> Path:
         if config not in done:
             root = tmp_path_factory.mktemp(f"reference-{config or 'single'}")
-            # Every reference run also measures its peaks by phase (tests/test_memory_phases.py, root/memory).
+            # Every reference run also measures its peaks by phase (tests/launch/test_memory_phases.py, root/memory).
             env = {"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")}
             run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, *nvme_args(config, root), config=config,
                        processes=2, env=env)
@@ -373,8 +373,9 @@ def measured_run(root: Path, assets: tuple[str, str], *args: str, **options) -> 
     return root / "out"
 
 
-# LoRA on a frozen fp32 base, with recomputation, 4 steps (tests/test_peft.py): padded under DDP, packed under FSDP
-# and ZeRO-3, so packed training is compared with padded and measured by phase (tests/test_memory_phases.py).
+# LoRA on a frozen fp32 base, with recomputation, 4 steps (tests/launch/test_peft.py): padded under DDP, packed
+# under FSDP and ZeRO-3, so packed training is compared with padded and measured by phase
+# (tests/launch/test_memory_phases.py).
 LORA_ARGS = (*REFERENCE_ARGS, "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
              "--gradient_checkpointing", "true", "--max_steps", "4", "--save_steps", "4")
 LORA_STRATEGIES = {"ddp": (), "fsdp_full_shard": ("--packing", "true"), "ds_zero3": ("--packing", "true")}
@@ -455,7 +456,7 @@ def recipe_command(
     if config and config.startswith("ds_") and "--deepspeed_config_file" not in launch_args:
         launch_args = (*launch_args, "--deepspeed_config_file", str(tiny_deepspeed_json(config)))
     model_dir, data_file = assets
-    # No generated samples unless a test asks (tests/test_outputs.py): they cost every launch's final eval time.
+    # No generated samples unless a test asks (tests/launch/test_outputs.py): they cost every launch's final eval time.
     recipe_args = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),
                    "--report_to", "none", "--logging_steps", "1", "--eval_steps", "0", "--use_cpu", "true",
                    "--generation_samples", "0", *args]

@@ -1,5 +1,5 @@
 """Activation memory of a Llama-class decoder: what autograd saves for backward (calibrated against
-torch.autograd.graph.saved_tensors_hooks in tests/test_plan.py), the transient on top of it, and the eval
+torch.autograd.graph.saved_tensors_hooks in tests/unit/test_plan.py), the transient on top of it, and the eval
 forward's live tensors."""
 
 from __future__ import annotations

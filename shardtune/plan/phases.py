@@ -1,5 +1,5 @@
 """The phases of a run, each with its own per-GPU peak: forward/backward, the optimizer step, eval and the final
-save. A run's peak is the largest of them, not their sum (measured in tests/test_memory_phases.py)."""
+save. A run's peak is the largest of them, not their sum (measured in tests/launch/test_memory_phases.py)."""
 
 from __future__ import annotations
 

@@ -150,7 +150,7 @@ def model_states(strategy: Strategy, params: int, world: int, shape: ModelShape 
     - DDP (accelerate's autocast): fp32 weights 4P + fp32 grads 4P + Adam m, v 8P = 16P. Autocast computes in
       16-bit but keeps the fp32 parameters, so their gradients are fp32 too.
     - DeepSpeed with bf16/fp16 converts the module to 16-bit; the ZeRO optimizer keeps fp32 master weights, m
-      and v (12P/N). Gradients, as measured at the first step (tests/test_memory_measured.py): ZeRO-1 holds the
+      and v (12P/N). Gradients, as measured at the first step (tests/launch/test_memory_measured.py): ZeRO-1 holds the
       full 16-bit gradients until the reduction at the accumulation boundary (2P), at the step one group's fp32
       partition beside the whole gradients of the parameters its partition overlaps. With 16-bit weights the
       trainer accumulates ZeRO-2/3 gradients in fp32 (shardtune.distributed.configure_deepspeed): ZeRO-2 reduces

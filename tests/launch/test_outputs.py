@@ -5,29 +5,18 @@ and the run's config. Exports of checkpoints in any dtype, and the metrics plot.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState
-from datasets import Dataset
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from scripts import export_hf, plot_metrics
-from shardtune.config import Recipe
-from shardtune.data import IGNORE_INDEX
-from shardtune.flops import resolve_model
-from shardtune.generation import generate_samples, held_out_prompts
-from shardtune.launch import LaunchDescription
-from shardtune.plan.launched import launch_hardware, plan_launch
-from shardtune.tiny import build_tokenizer, write_tiny_assets
-from shardtune.tracking import json_values, memory_plan
+from scripts import export_hf
+from shardtune.tiny import write_tiny_assets
 from tests.conftest import read_metrics, run_recipe
 
 SAMPLES = 3  # not the default (4): the flag is what sets the count
@@ -116,22 +105,6 @@ def check_checkpoint_exports(checkpoint: Path, final_export: Path, root: Path) -
         assert torch.equal(bf16[key], tensor) and torch.equal(fp32[key].to(torch.bfloat16), tensor), key
 
 
-def test_run_config_holds_the_memory_plan_given_hardware(tiny_assets):
-    """With --hardware (or GPUs) the run config holds the plan the start-up line prints: the planner's own
-    figures for this model and launch; without either there is none, and it says why."""
-    recipe = Recipe(model_name_or_path=tiny_assets[0], hardware="8xh100-80gb", max_seq_length=64,
-                    per_device_train_batch_size=16)
-    launch = LaunchDescription.from_env()
-    plan, why_none = memory_plan(recipe, launch)
-    shape = resolve_model(tiny_assets[0])
-    strategy = launch.strategy(recipe.mixed_precision)
-    expected = plan_launch(shape, launch_hardware("8xh100-80gb", launch), recipe, strategy)[0].to_json()
-    assert why_none is None and plan == json_values(expected) and plan["params"] == shape.params
-    assert plan["per_gpu"]["total"] > 0 and plan["micro_batch"] == 16 and plan["max_seq_length"] == 64
-    assert memory_plan(dataclasses.replace(recipe, hardware=""), launch) == (
-        None, "no GPU visible and no --hardware given: nothing to plan against")
-
-
 @pytest.mark.parametrize("config", ["ddp", "fsdp_full_shard"])
 def test_exports_are_in_the_model_dtype(config, reference_run, tmp_path):
     """The reference runs' final exports are in the tiny model's own dtype (fp32, as its config.json says), as
@@ -149,69 +122,7 @@ def test_exports_are_in_the_model_dtype(config, reference_run, tmp_path):
         assert torch.equal(auto[key], tensor) and torch.equal(bf16[key], tensor.to(torch.bfloat16)), key
 
 
-@pytest.fixture
-def accelerator():
-    """A real one-process Accelerator on CPU; its process-wide state is reset afterwards for other tests."""
-    yield Accelerator(cpu=True)
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def test_samples_are_greedy_answers_to_held_out_prompts(tiny_assets, accelerator):
-    """Prompt and reference split where the labels start; the batched (left-padded) greedy answers equal
-    one-prompt-at-a-time generation; the model's train mode and use_cache=False survive the call."""
-    tokenizer = build_tokenizer()
-    rows = [labelled(tokenizer("rev abc=")["input_ids"], tokenizer("cba", add_special_tokens=False)["input_ids"]),
-            labelled(tokenizer("rev abcdefgh=")["input_ids"],
-                     tokenizer("hgfedcba", add_special_tokens=False)["input_ids"])]
-    chat = [{"role": "user", "content": "rev ij"}, {"role": "assistant", "content": "ji"}]
-    prompt = tokenizer.apply_chat_template(chat[:1], add_generation_prompt=True, return_dict=True)["input_ids"]
-    whole = tokenizer.apply_chat_template(chat, return_dict=True)["input_ids"]
-    rows.append({"input_ids": whole, "labels": [IGNORE_INDEX] * len(prompt) + whole[len(prompt):]})
-    tokenized = Dataset.from_list(rows)
-    held_out = held_out_prompts(tokenized, 5, max_length=40)
-    assert held_out_prompts(tokenized, 0, max_length=40) is None
-    assert [tokenizer.decode(ids) for ids in held_out.prompts] == ["<s>rev abc=", "<s>rev abcdefgh=",
-                                                                   "<s>user:rev ij>assistant:"]
-    assert [tokenizer.decode(ids) for ids in held_out.references] == ["cba</s>", "hgfedcba</s>", "ji</s>"]
-    assert all(label != IGNORE_INDEX for label in tokenized[0]["labels"][len(held_out.prompts[0]):])
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_assets[0])
-    model.config.use_cache = False  # as shardtune.model leaves it for training
-    model.train()
-    samples = generate_samples(accelerator, model, tokenizer, held_out)
-    assert model.training and model.config.use_cache is False
-    model.eval()
-    for sample, prompt in zip(samples, held_out.prompts, strict=True):
-        alone = model.generate(torch.tensor([prompt]), max_new_tokens=40 - len(held_out.prompts[2]),
-                               do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                               pad_token_id=tokenizer.pad_token_id)
-        assert sample["completion"] == tokenizer.decode(alone[0, len(prompt):], skip_special_tokens=True)
-    assert any(len(sample["completion"]) > 5 for sample in samples), "the comparison must see some answer"
-    assert [sample["reference"] for sample in samples] == ["cba", "hgfedcba", "ji"]
-    assert [sample["prompt"] for sample in samples] == ["rev abc=", "rev abcdefgh=", "user:rev ij>assistant:"]
-
-
-def test_plot_metrics_draws_four_panels(tmp_path, capsys):
-    rows = [{"step": step, "loss": 3.0 / step, "lr": 1e-3 * (1 - step / 10), "tokens_per_second": 1000.0 + step}
-            for step in range(1, 11)]
-    rows += [{"step": 5, "eval_loss": 0.7, "eval_accuracy": 0.2}, {"step": 10, "eval_loss": 0.4}]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 11, "lo')
-    assert plot_metrics.main([str(tmp_path), "--output", str(tmp_path / "plot.png")]) == 0
-    png = (tmp_path / "plot.png").read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
-    counts = {key: len(plot_metrics.series(plot_metrics.read_rows(tmp_path / "metrics.jsonl"), key)[0])
-              for key, _ in plot_metrics.PANELS}
-    assert counts == {"loss": 10, "eval_loss": 2, "lr": 10, "tokens_per_second": 10}
-    assert plot_metrics.main([str(tmp_path / "missing")]) == 2
-    assert "plot_metrics: error:" in capsys.readouterr().err
-
-
 # --- reading what was written ------------------------------------------------------------------------------
-
-
-def labelled(prompt: list[int], target: list[int]) -> dict[str, list[int]]:
-    """A tokenized prompt/completion row as the data module makes it: loss on the target and eos only."""
-    return {"input_ids": prompt + target + [2], "labels": [IGNORE_INDEX] * len(prompt) + target + [2]}
 
 
 def read_samples(output_dir: Path) -> list[dict]:

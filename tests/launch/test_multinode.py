@@ -7,9 +7,6 @@ from __future__ import annotations
 import re
 import time
 
-import torch.distributed
-
-from shardtune.ranks import from_a_collective
 from tests.conftest import machine_log, start_machines, wait_all
 
 CONFIG_EXIT_CODE = 2  # docs/errors.md's code for a run refused at start-up (shardtune.cli)
@@ -42,12 +39,3 @@ def test_machines_started_differently_stop_at_start_up(tiny_assets, tmp_path):
     assert max(exit_times) - min(exit_times) < STOP_SPREAD_S
 
 
-def test_collective_failures_are_told_from_local_errors():
-    """A survivor waits for the watchdog to name the dead rank only when its own error came from a collective:
-    the gloo error below is the one DeepSpeed's ZeRO-3 save raised when its peer was killed mid-save."""
-    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:48352: "
-                        "Connection reset by peer.")
-    assert from_a_collective(gloo)
-    assert from_a_collective(torch.distributed.DistBackendError("NCCL communicator was aborted"))
-    assert not from_a_collective(ValueError("The training split has 3 rows"))
-    assert not from_a_collective(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "shardtune"
+PACKAGE = Path(__file__).resolve().parents[2] / "shardtune"
 MAX_MODULE_LINES = 500
 
 

@@ -19,20 +19,19 @@ import pytest
 
 from shardtune.flops import resolve_model
 from shardtune.hardware import parse_hardware
-from shardtune.plan.phases import PHASES, optimizer_step_bytes
+from shardtune.plan.phases import PHASES
 from shardtune.plan.planner import plan
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import Strategy
 from tests.conftest import (
     BF16_CONFIGS,
-    CONFIGS,
     LORA_STRATEGIES,
     THREE_RANK_CONFIGS,
     THREE_RANK_RUNS,
     THREE_RANKS,
     strategy_as_launched,
 )
-from tests.test_strategies import CONFIG_NAMES
+from tests.launch.test_strategies import CONFIG_NAMES
 
 # The issue's bar; the worst phase of these runs is printed with every comparison.
 RTOL = 0.10
@@ -118,46 +117,5 @@ def test_lora_phases_match_the_plan(config, lora_run, tiny_assets):
             packing)
 
 
-@pytest.mark.parametrize("foreach", [True, False])
-def test_adamw_step_transient_is_planned(foreach, tiny_assets):
-    """torch AdamW's own step on the tiny Llama, in this process, as the trainer groups its parameters: the
-    bytes it allocates above the model states at its second step (states exist already) are optimizer_step_bytes,
-    for foreach (the CUDA default, run here on CPU by request) and for the per-tensor loop."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from shardtune.profiling import PhaseRecorder
-    from shardtune.step import param_groups
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_assets[0])
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, foreach=foreach)
-    ids = torch.randint(3, model.config.vocab_size, (2, 16))
-    for _ in range(2):
-        model(input_ids=ids, labels=ids).loss.backward()
-        recorder = PhaseRecorder()
-        recorder.start()
-        recorder.watch(model)
-        recorder.begin("optimizer")
-        optimizer.step()
-        recorder.end()
-        run = recorder.stop()["phases"]["optimizer"][0]
-        optimizer.zero_grad()
-    planned = optimizer_step_bytes(Strategy("DDP", "ddp", 0, mixed_precision="no"), resolve_model(tiny_assets[0]),
-                                   world=1, foreach=foreach)
-    assert run["peak"] - run["start"] == pytest.approx(planned, rel=0.01)
 
 
-def test_json_lists_every_phase_and_the_total_is_the_largest(capsys):
-    """The planner CLI's --json: each phase's parts and total, the peak phase named, per_gpu["total"] its total
-    (no longer the sum of forward/backward's components and anything else)."""
-    from shardtune.plan.__main__ import main as plan_main
-
-    code = plan_main(["--model", "llama-3.1-8b", "--hardware", "8xh100-80gb", "--config_file",
-                      str(CONFIGS / "fsdp_full_shard.yaml"), "--json"])
-    result = json.loads(capsys.readouterr().out)
-    assert code == 0 and set(result["phases"]) == set(PHASES)
-    for parts in result["phases"].values():
-        assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k not in ("total", "on_host")))
-    assert result["per_gpu"]["total"] == result["phases"][result["peak_phase"]]["total"]
-    assert result["per_gpu"]["total"] == max(parts["total"] for parts in result["phases"].values())
-    assert result["phases"]["save"]["on_host"] == 4 * result["params"]  # FSDP's full state dict on rank 0's host

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import BF16_CONFIGS, CONFIGS, grad_norms, train_losses
-from tests.test_batch_split import WEIGHT_ATOL, WEIGHT_RTOL
+from tests.launch.test_batch_split import WEIGHT_ATOL, WEIGHT_RTOL
 
 CONFIG_NAMES = sorted(path.stem for path in CONFIGS.glob("*.yaml"))
 # fp32: the ranks only change the order of float sums (all-reduce vs reduce-scatter, a sharded Adam step),
