@@ -10,8 +10,7 @@ Tested: the trainer, configs and launch path on CPU with the tiny model (make te
 Override any field from the command line, e.g. --learning_rate 5e-6 --max_steps 500.
 """
 
-from shardtune.cli import main
-from shardtune.config import Recipe
+from shardtune import Recipe, main
 
 RECIPE = Recipe(
     name="llama1b",

@@ -12,8 +12,7 @@ Tested: the start-up refusal on CPU (make test); the 4-bit path has not run yet 
 Override any field from the command line, e.g. --lora_r 64. Merge: scripts/merge_lora.py (into a 16-bit base).
 """
 
-from shardtune.cli import main
-from shardtune.config import Recipe
+from shardtune import Recipe, main
 
 RECIPE = Recipe(
     name="llama70b_qlora",

@@ -12,8 +12,7 @@ Tested: the LoRA path on DDP, FSDP and ZeRO-3 on CPU with the tiny model (make t
 Override any field from the command line, e.g. --lora_r 64 --learning_rate 1e-4. Merge: scripts/merge_lora.py.
 """
 
-from shardtune.cli import main
-from shardtune.config import Recipe
+from shardtune import Recipe, main
 
 RECIPE = Recipe(
     name="llama8b_lora",

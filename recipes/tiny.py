@@ -5,8 +5,7 @@ Launch (CPU, 2 processes, about a minute):
 Hardware: any machine; tested on 2 CPU cores. The model and data are made locally under assets/tiny.
 """
 
-from shardtune.cli import main
-from shardtune.config import Recipe
+from shardtune import Recipe, main
 from shardtune.tiny import ensure_tiny_assets
 
 MODEL_DIR, DATA_FILE = ensure_tiny_assets("assets/tiny")

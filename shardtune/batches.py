@@ -27,7 +27,7 @@ def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False, att
     the micro-batch's sequences concatenated into one row with position ids restarting at every sequence and
     the first label of each sequence masked. Flash attention gets the sequence boundaries from the collator
     (`cu_seq_lens`, computed on the host: no device sync in every layer); flex attention, SDPA and eager derive
-    per-sequence attention from the position ids (SDPA and eager through a dense mask, see config.py)."""
+    per-sequence attention from the position ids (SDPA and eager through a dense mask, see checks.check_attention)."""
     if packing:
         inner = DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX,
                                            return_flash_attn_kwargs=attn_implementation in FLASH_ATTENTION)

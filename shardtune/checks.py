@@ -238,29 +238,34 @@ def check_nvme_path(recipe: Recipe, nvme_offloaded: Sequence[str]) -> None:
         raise ConfigError(f"--offload_nvme_path {path!r} is not a directory: create it on a local NVMe disk.")
 
 
-def check_recipe(recipe: Recipe, problems: Problems, has_gpu: bool,
-                 launch: LaunchDescription | None) -> BatchSizes | None:
-    """Run every check that needs no model and no data loaded, recording failures in `problems`. `has_gpu`: CUDA
-    is available; `launch`: None when the launch environment failed its own checks (the checks that depend on it
-    are then skipped). Returns the batch sizes, or None if it could not be made."""
-    problems.check(check_device, recipe, has_gpu)
-    on_gpu = has_gpu and not recipe.use_cpu
-    problems.check(check_attention, recipe, on_gpu)
-    problems.check(check_quantization, recipe, on_gpu)
+def check_recipe(recipe: Recipe, problems: Problems, launch: LaunchDescription | None) -> BatchSizes | None:
+    """Run every check that needs the command line and the launch alone, recording failures in `problems`.
+    `launch`: None when the launch environment failed its own checks (the checks that depend on it are then
+    skipped). Returns the batch sizes, or None if they could not be made."""
     for check in RECIPE_CHECKS:
         problems.check(check, recipe)
     if launch is None:
         return None
-    problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
     problems.check(check_nvme_path, recipe, launch.nvme_offloaded)
     return problems.check(batch_sizes, recipe, launch.world_size)
+
+
+def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: LaunchDescription) -> None:
+    """The checks that depend on this machine: a GPU, or CPU mode asked for; the attention kernel, 4-bit
+    quantization and fp16's loss scaler on it. `has_gpu`: CUDA is available."""
+    problems.check(check_device, recipe, has_gpu)
+    on_gpu = has_gpu and not recipe.use_cpu
+    problems.check(check_attention, recipe, on_gpu)
+    problems.check(check_quantization, recipe, on_gpu)
+    problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
 
 
 def validate(recipe: Recipe, launch: LaunchDescription, has_gpu: bool) -> BatchSizes:
     """Every check that needs no model and no data loaded. `has_gpu`: CUDA is available. Raises one ConfigError
     with every failure."""
     problems = Problems()
-    batching = check_recipe(recipe, problems, has_gpu, launch)
+    batching = check_recipe(recipe, problems, launch)
+    check_machine(recipe, problems, has_gpu, launch)
     problems.raise_any()
     assert batching is not None  # no problems: batch_sizes returned
     return batching

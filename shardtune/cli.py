@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -20,6 +18,7 @@ from shardtune.checks import (
     check_attention,
     check_checkpoints,
     check_inputs_named,
+    check_machine,
     check_output_dir,
     check_quantization,
     check_recipe,
@@ -53,8 +52,9 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
 
 def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, LaunchDescription, BatchSizes]:
     """(the recipe as the command line sets it, the launch, batch sizes) once every check that needs no weights
-    passed: flags, launch environment, recipe values, the model's config, the memory plan. Raises one ConfigError
-    listing every failure. --dry_run stops here, after the flag and launch checks, with the memory plan."""
+    passed, in two stages that each raise one ConfigError listing all their failures: first the command line and
+    the launch environment (flags, values, data paths, the batch over the ranks), then this machine, the model's
+    config and the memory plan. --dry_run stops after the first, with the memory plan of --hardware."""
     problems = Problems()
     recipe, flag_problems = parse_flags(recipe, argv)
     problems.messages.extend(flag_problems)
@@ -65,37 +65,21 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, Laun
         problems.raise_any()
         assert launch is not None  # no problems: the launch was read
         sys.exit(dry_run(recipe, problems, launch))
-    batching = check_recipe(recipe, problems, cuda_available(), launch)
-    # The model's config and the memory plan need torch and transformers, seconds of imports: a command line that
-    # its own checks already refuse is refused now, and the model is judged once the command line is right.
+    batching = check_recipe(recipe, problems, launch)
+    # This machine's GPU, the model's config and the memory plan need torch and transformers, seconds of imports:
+    # a command line that its own checks refuse is refused now; the rest is judged once it is right.
     problems.raise_any()
-    if recipe.model_name_or_path:
-        problems.check(check_model, recipe)
-        if launch is not None:  # the plan of the launched config, a refusal among the others if it does not fit
-            problems.check(print_memory_plan, recipe, launch, bool(recipe.hardware))
-    problems.raise_any()
-    assert launch is not None and batching is not None  # no problems: both checks returned
-    return recipe, launch, batching
-
-
-def cuda_available() -> bool:
-    """torch.cuda.is_available(), without importing torch (seconds) on a build that has no GPU support: such a
-    build records no CUDA or ROCm version in torch/version.py."""
-    spec = importlib.util.find_spec("torch")
-    version_file = os.path.join(os.path.dirname(spec.origin), "version.py") if spec and spec.origin else None
-    if version_file and os.path.isfile(version_file):
-        builds = {}
-        with open(version_file) as file:
-            tree = ast.parse(file.read())
-        for node in tree.body:
-            if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Constant):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                builds.update({target.id: node.value.value for target in targets if isinstance(target, ast.Name)})
-        if builds.get("cuda") is None and builds.get("hip") is None:
-            return False
+    assert launch is not None  # no problems: the launch was read
     import torch
 
-    return torch.cuda.is_available()
+    check_machine(recipe, problems, torch.cuda.is_available(), launch)
+    if recipe.model_name_or_path:
+        problems.check(check_model, recipe)
+        # The plan of the launched config, a refusal among the others if it does not fit.
+        problems.check(print_memory_plan, recipe, launch, bool(recipe.hardware))
+    problems.raise_any()
+    assert batching is not None  # no problems: batch_sizes returned
+    return recipe, launch, batching
 
 
 # --- --dry_run ---------------------------------------------------------------------------------------------------

@@ -32,15 +32,12 @@ class LaunchDescription:
     deepspeed_config; FSDP's are the FSDP_* variables it exports from the fsdp_config."""
 
     world_size: int = 1
-    rank: int = 0
-    local_rank: int = 0
     local_world_size: int = 1
     uses_deepspeed: bool = False
     uses_fsdp: bool = False
     deepspeed_config_file: str | None = None
     deepspeed_settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     zero3_init: bool = False
-    fsdp_version: str = "1"  # accelerate's own default is FSDP1
     fsdp_reshard_after_forward: bool = True
     fsdp_offload_params: bool = False
     fsdp_cpu_ram_efficient_loading: bool = False
@@ -59,12 +56,11 @@ class LaunchDescription:
             check_fsdp_env()
         config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if uses_deepspeed else None
         return cls(
-            world_size=world_size, rank=rank, local_rank=env_int("LOCAL_RANK", 0),
-            local_world_size=env_int("LOCAL_WORLD_SIZE", 1), uses_deepspeed=uses_deepspeed, uses_fsdp=uses_fsdp,
+            world_size=world_size, local_world_size=env_int("LOCAL_WORLD_SIZE", 1), uses_deepspeed=uses_deepspeed,
+            uses_fsdp=uses_fsdp,
             deepspeed_config_file=resolve_deepspeed_json(config_file) if config_file else None,
             deepspeed_settings=MappingProxyType(settings),
             zero3_init=env_flag("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false"),
-            fsdp_version=os.environ.get("FSDP_VERSION", "1").strip(),
             fsdp_reshard_after_forward=env_flag("FSDP_RESHARD_AFTER_FORWARD", ON),
             fsdp_offload_params=env_flag("FSDP_OFFLOAD_PARAMS", "false"),
             fsdp_cpu_ram_efficient_loading=env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"),

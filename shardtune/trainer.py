@@ -2,7 +2,7 @@
 
 The pieces it calls: `train_step` (shardtune.step) runs one optimizer step and returns device tensors;
 `TrainMetrics` (shardtune.metrics) syncs once per step and keeps the logging window; the `Checkpointer`
-(shardtune.checkpoint) decides when to save; `evaluate` (shardtune.evaluation) runs without fp32 logits;
+(shardtune.checkpoint.saver) decides when to save; `evaluate` (shardtune.evaluation) runs without fp32 logits;
 `save_hf_model` (shardtune.export) writes the trained model.
 """
 

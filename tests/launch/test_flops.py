@@ -1,4 +1,4 @@
-"""FLOPs per token, the peak table and MFU, checked against numbers written out by hand."""
+"""`python -m shardtune.flops --json` as users run it: the FLOPs and MFU figures of the unit tests, printed."""
 
 from __future__ import annotations
 

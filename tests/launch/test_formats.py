@@ -1,5 +1,5 @@
-"""The data a new user already has: Alpaca and ShareGPT rows, mixtures of sources with weights, chat templates
-from a file or bundled, and data tokenized ahead by scripts/prepare_data.py. In process, with real files."""
+"""Real runs of the tiny recipe on a mixture of ShareGPT, `messages` and Alpaca data: the same conversations in
+either chat form train to the same losses and gradient norms."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Machines of one job started differently (accelerate config, flags) stop together at start-up, naming what
-differs. Multi-machine training itself, on loopback, is tested in test_checkpoint: two launchers of one process
-each, killed and resumed, give the per-step losses of one launcher with two processes, bit for bit."""
+differs. Multi-machine training itself, on loopback, is tested in tests/launch/test_checkpoint.py: two launchers
+of one process each, killed and resumed, give the per-step losses of one launcher with two processes, bit for
+bit."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What a run leaves behind: a Hugging Face model that plain transformers loads and generates with, in the
 model's own dtype; a metrics.jsonl with the global-batch loss; samples.jsonl with the answers to held-out
 prompts at each eval; run_config.json; and a real offline W&B run holding the same values, the samples table
-and the run's config. Exports of checkpoints in any dtype, and the metrics plot."""
+and the run's config. Exports of checkpoints in any dtype."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The memory planner: exact parameter counts, model-state formulas, the 70B verdict, the CLI, and the activation
-formula calibrated against what autograd really saves on tiny Llamas."""
+"""The planner's command line run as users run it (JSON, a bad hardware name, a Hub model planned from its
+config.json alone) and the async-save staging it plans against what each rank of a launch writes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The training step and eval on a device that is not the host's.
-
-On CPU every tensor lives in one place, so a loop that stacks a device tensor with a host tensor, or reads a
-value back in the middle of a step, passes every CPU run and crashes (or stalls) on CUDA. The `meta` device
-shows both here: mixing a host tensor into `stack` raises, and reading a value back (`.item()`, `.tolist()`)
-raises, just as they would cost a crash or a sync on a GPU."""
+"""flex_attention on packed rows, run for real: its forward equals padded SDPA's per-token loss (its backward
+needs a GPU in this torch). The step's device rules on the meta device are in tests/unit/test_step.py."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Checkpoints that survive a crashed machine, and saves that do not stall training.
-
-Every file and directory of a checkpoint is fsynced by every rank before rank 0 renames it and writes its
-marker (seen through an os.fsync hook in every process); a checkpoint that lost a shard is skipped by `auto`
-and refused by path and by the exporter; asynchronous saves killed with -9 mid-write or stopped by SIGTERM
-leave complete checkpoints that resume to the uninterrupted run's losses, bit for bit; --save_only_model
-writes the model alone, which exports and cannot resume."""
+"""Checkpoint files without a launch: the streamed safetensors writer gives safetensors' own file, and `auto`
+skips a checkpoint that cannot resume. The crash, kill and SIGTERM tests are in
+tests/launch/test_checkpoint_durable.py."""
 
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ def test_command_line_overrides_recipe_values():
 ])
 def test_accumulation_derived_from_global_batch(micro, gas, total, world, expected):
     recipe = Recipe(per_device_train_batch_size=micro, gradient_accumulation_steps=gas, global_batch_size=total)
-    plan = batch_sizes(recipe, world)
-    assert plan == BatchSizes(micro, expected, world)
-    assert total is None or plan.global_batch == total
+    batching = batch_sizes(recipe, world)
+    assert batching == BatchSizes(micro, expected, world)
+    assert total is None or batching.global_batch == total
 
 
 @pytest.mark.parametrize(("micro", "gas", "total", "world"), [(4, None, 60, 8), (2, 3, 64, 8), (0, None, 8, 1)])

@@ -251,7 +251,7 @@ def load_prepare_script():
 def test_prepared_data_trains_without_tokenizing_again(tmp_path, tiny_assets, capsys):
     alpaca, sharegpt = mixture_files(tmp_path)
     recipe_file = tmp_path / "recipe.py"
-    recipe_file.write_text("from shardtune.config import Recipe\n"
+    recipe_file.write_text("from shardtune import Recipe\n"
                            f"RECIPE = Recipe(model_name_or_path={tiny_assets[0]!r}, max_seq_length=64)\n")
     out = tmp_path / "prepared"
     flags = ["--dataset", f"{alpaca},{sharegpt}", "--dataset_weights", "0.5,1", "--chat_template", "chatml"]

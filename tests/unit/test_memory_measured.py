@@ -1,9 +1,6 @@
-"""The planner's model states against what each rank really holds. Every shipped config's 2-process reference
-run (fp32) measures its weights, gradients and optimizer states on the live objects at the first step
-(shardtune.memory) and logs the largest rank's bytes; the planner predicts them from the config alone. The 3-rank
-bf16 runs (conftest.three_rank_run) measure ZeRO-1, -2 and -3 where their formulas part from that reference: bf16
-(fp32 gradient accumulation beside 16-bit weights), 3 ranks (uneven partitions), and a sub_group_size that cuts
-each rank's partition into several optimizer sub-groups, as sub_group_size does for a 70B model."""
+"""The DeepSpeed JSON read alike by accelerate, the planner and the start-up checks, and a bad stage or offload
+device in it refused. The held states each launched rank measures against the planner are in
+tests/launch/test_memory_measured.py."""
 
 from __future__ import annotations
 

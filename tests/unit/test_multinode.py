@@ -1,6 +1,5 @@
-"""Machines of one job started differently (accelerate config, flags) stop together at start-up, naming what
-differs. Multi-machine training itself, on loopback, is tested in test_checkpoint: two launchers of one process
-each, killed and resumed, give the per-step losses of one launcher with two processes, bit for bit."""
+"""A failed collective told from a rank's own error: the launched machines' tests are in
+tests/launch/test_multinode.py."""
 
 from __future__ import annotations
 

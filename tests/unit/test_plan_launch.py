@@ -1,5 +1,6 @@
-"""A launched recipe plans its memory on every rank before loading anything, and refuses a plan that does not
-fit with the numbers and the nearest plan that does."""
+"""The plans users read are the planner's: the generated plan table (docs/plan-table.md) and the README's
+recipes table agree with what the planner says of each recipe. Launched refusals are in
+tests/launch/test_plan_launch.py."""
 
 from __future__ import annotations
 
