@@ -4,6 +4,7 @@ failure."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from collections.abc import Callable, Sequence
@@ -94,7 +95,17 @@ def check_quantization(recipe: Recipe, on_gpu: bool) -> None:
         raise ConfigError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
 
 
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+
+
 def check_lora(recipe: Recipe) -> None:
+    """LoRA's shape only with LoRA on: without --use_peft a LoRA flag would be accepted and ignored (a full
+    fine-tune), as the planner refuses it too."""
+    defaults = {item.name: item.default for item in dataclasses.fields(Recipe)}
+    shaped = [f"--{name}" for name in LORA_FIELDS if getattr(recipe, name) != defaults[name]]
+    if shaped and not recipe.use_peft:
+        raise ConfigError(f"{', '.join(shaped)} shape{'s' if len(shaped) == 1 else ''} LoRA adapters, which train "
+                          "only with --use_peft true: add it, or drop them.")
     if recipe.use_peft and (recipe.lora_r < 1 or recipe.lora_alpha < 1 or not 0 <= recipe.lora_dropout < 1):
         raise ConfigError(f"LoRA needs --lora_r >= 1, --lora_alpha >= 1 and 0 <= --lora_dropout < 1; got "
                           f"{recipe.lora_r}, {recipe.lora_alpha} and {recipe.lora_dropout}.")

@@ -185,7 +185,8 @@ class Recipe:
                 "dir is touched). Under accelerate launch it plans the launched config; run alone it plans "
                 "--config_file, or the config in the recipe's launch line."})
     config_file: str = field(default="", metadata={
-        "help": "With --dry_run outside accelerate launch: the accelerate config YAML to plan."})
+        "help": "With --dry_run outside accelerate launch: the accelerate config YAML to plan (to train under a "
+                "config, give it to accelerate launch --config_file)."})
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Delete an earlier run in output_dir instead of refusing to start."}
     )

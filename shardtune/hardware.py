@@ -98,6 +98,9 @@ def parse_hardware(spec: str, host_ram_gb: float | None = None) -> Hardware:
             f"Unknown hardware {spec!r}. Valid: {', '.join(NAMED_HARDWARE)}, or a custom {HARDWARE_FORMS}."
         )
     nodes, gpus, gpu, memory = match.groups()
+    if gpu is not None and gpu not in PEAK_BF16_FLOPS:  # a typo (h10) would be planned as a GPU of its own
+        raise HardwareError(f"Unknown GPU {gpu!r} in hardware {spec!r}: known GPUs are "
+                            f"{', '.join(sorted(PEAK_BF16_FLOPS))}, or give none ({HARDWARE_FORMS}).")
     if int(gpus) < 1 or (nodes is not None and int(nodes) < 1) or float(memory) <= 0:
         raise HardwareError(f"Hardware {spec!r} needs at least one node, one GPU and some memory.")
     if host_ram_gb is not None and not host_ram_gb > 0:

@@ -76,6 +76,14 @@ CASES = {
     "not a boolean": Case(("--packing", "maybe"), "Bad command line: argument --packing: Truthy value expected"),
     "not a number": Case(("--max_steps", "ten"), "invalid int value: 'ten'"),
     "LoRA rank 0": Case(("--use_peft", "true", "--lora_r", "0"), "LoRA needs --lora_r >= 1"),
+    "LoRA rank without LoRA": Case(("--lora_r", "8"), "--lora_r shapes LoRA adapters, which train only with "
+                                   "--use_peft true"),
+    "LoRA targets without LoRA": Case(("--lora_target_modules", "q_proj", "--lora_alpha", "8"),
+                                      "--lora_alpha, --lora_target_modules shape LoRA adapters"),
+    "a config file outside dry run": Case(("--config_file", "accelerate_configs/ds_zero3.yaml"),
+                                          "to train under it, give it to the launcher: accelerate launch "
+                                          "--config_file accelerate_configs/ds_zero3.yaml"),
+    "a GPU name that is a typo": Case(("--hardware", "8xh10-80gb"), "Unknown GPU 'h10'"),
     "unknown scheduler": Case(("--lr_scheduler_type", "cosine_decay"), "--lr_scheduler_type must be one of"),
     "scheduler needing arguments": Case(("--lr_scheduler_type", "warmup_stable_decay"),
                                         "--lr_scheduler_type must be one of"),

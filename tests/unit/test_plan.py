@@ -173,6 +173,9 @@ def test_hardware_forms():
     assert parse_hardware("4x40gb").gpu_memory == 40e9
     with pytest.raises(HardwareError, match="8xh100-80gb"):
         parse_hardware("eight-h100s")
+    assert parse_hardware("8xh100-pcie-80gb").gpu == "h100-pcie"
+    with pytest.raises(HardwareError, match="Unknown GPU 'h10' .* known GPUs are a100, b200, h100, h100-pcie, h200"):
+        parse_hardware("8xh10-80gb")  # a typo is not a GPU of its own
 
 
 def test_cli_refuses_impossible_values_all_at_once(capsys):
