@@ -303,8 +303,9 @@ def row_error(index: int, source: str, error: Exception) -> ConfigError:
 
 def tokenize_plain(rows: list[dict], indices: list[int], tokenizer: PreTrainedTokenizerBase, data_format: str,
                    completion_only: bool, source: str) -> tuple[list[list[int]], list[int]]:
-    """Prompt + target + EOS, the whole batch in two calls of the (Rust) tokenizer. Returns the token ids and,
-    for each row, where its target starts (0 when every token carries loss)."""
+    """Prompt + target + EOS (only where the target does not already end with it), the whole batch in two calls
+    of the (Rust) tokenizer. Returns the token ids and, for each row, where its target starts (0 when every token
+    carries loss)."""
     pairs = []
     for index, row in zip(indices, rows, strict=True):
         try:
@@ -317,9 +318,15 @@ def tokenize_plain(rows: list[dict], indices: list[int], tokenizer: PreTrainedTo
     else:
         prompt_ids = tokenizer([prompt for prompt, _ in pairs], add_special_tokens=True)["input_ids"]
         target_ids = tokenizer(targets, add_special_tokens=False)["input_ids"]
-    eos = [tokenizer.eos_token_id]
-    return ([prompt + target + eos for prompt, target in zip(prompt_ids, target_ids, strict=True)],
+    return ([prompt + with_eos(target, tokenizer.eos_token_id) for prompt, target in
+             zip(prompt_ids, target_ids, strict=True)],
             [len(prompt) if completion_only else 0 for prompt in prompt_ids])
+
+
+def with_eos(target: list[int], eos_id: int) -> list[int]:
+    """The target ending in one EOS: a completion whose text already ends with the EOS token keeps its own, so
+    the model does not learn to repeat it."""
+    return target if target and target[-1] == eos_id else [*target, eos_id]
 
 
 def tokenize_batch(batch: dict[str, list], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,

@@ -102,6 +102,24 @@ def test_chat_with_several_turns_learns_every_assistant_turn(tmp_path, tokenizer
     assert decoded_targets(tokenizer, train[0]) == "ba</s>cba</s>"
 
 
+@pytest.mark.parametrize("data_format", ["prompt_completion", "text"])
+def test_a_target_that_ends_with_eos_gets_no_second_one(data_format, tmp_path, tokenizer):
+    """A completion (or text) whose text already ends with the EOS token keeps that one EOS, trained once; one
+    without it still gets one."""
+    eos = tokenizer.eos_token
+    rows = [("rev abc=", "cba" + eos), ("rev ab=", "ba"), ("rev abcd=", "dcba" + eos), ("rev abcde=", "edcba")]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": prompt, "completion": completion} if data_format != "text"
+                                       else {"text": prompt + completion}) + "\n" for prompt, completion in rows))
+    train, _ = load_splits(recipe(path, eval_split=str(path)), tokenizer)  # every row, in order
+    for (prompt, completion), row in zip(rows, train, strict=True):
+        assert row["input_ids"].count(tokenizer.eos_token_id) == 1 and row["input_ids"][-1] == tokenizer.eos_token_id
+        assert row["labels"].count(tokenizer.eos_token_id) == 1 and row["labels"][-1] == tokenizer.eos_token_id
+        learnt = decoded_targets(tokenizer, row)
+        assert learnt == (completion.removesuffix(eos) + eos if data_format != "text"
+                          else tokenizer.bos_token + prompt + completion.removesuffix(eos) + eos), learnt
+
+
 def test_over_long_rows_are_truncated_or_dropped(sources, tokenizer):
     train, evaluation = load_splits(recipe(sources["jsonl"], max_seq_length=16), tokenizer)
     assert max(len(ids) for ids in train["input_ids"]) == 16 and len(train) + len(evaluation) == len(ROWS)
