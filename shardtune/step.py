@@ -1,8 +1,8 @@
 """The optimizer, and one optimizer step: this rank's micro-batches, the token-normalised loss, backward, clip, step.
 
-Nothing here reads a value back from the device: the step returns device tensors, and the metrics window
-(shardtune.metrics) syncs once per step. Mixing devices is the usual way a loop that runs on CPU crashes on CUDA:
-every tensor made here is made on the model's device.
+Nothing here reads a value back from the device: the step returns device tensors (and the learning rate it
+used, already a host number), and the metrics window (shardtune.metrics) syncs once per step. Mixing devices is
+the usual way a loop that runs on CPU crashes on CUDA: every tensor made here is made on the model's device.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, max_steps: int
 class StepOutput:
     loss: torch.Tensor  # this rank's share of the global batch's mean loss (the ranks' shares add up to it)
     grad_norm: torch.Tensor | None  # the global gradient norm before clipping; None where the strategy has none
+    lr: float  # the learning rate this step's update used (a host number: no sync)
 
 
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
@@ -60,6 +61,8 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     (shardtune.metrics.TrainMetrics.global_targets). `after_backward(i)` runs after the backward of micro-batch
     i (the memory probe, fault injection)."""
     device = accelerator.device
+    # Read before anything steps the scheduler: afterwards it holds the next step's rate.
+    lr = scheduler.get_last_lr()[0]
     loss_sum = torch.zeros((), device=device)
     for index, batch in enumerate(micro_batches):
         with accelerator.accumulate(model):
@@ -76,7 +79,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad()
-    return StepOutput(loss=loss_sum, grad_norm=norm_on_device(grad_norm, device))
+    return StepOutput(loss=loss_sum, grad_norm=norm_on_device(grad_norm, device), lr=lr)
 
 
 def norm_on_device(norm: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | None:

@@ -1,9 +1,9 @@
 """The shared training loop behind every recipe: build, then the loop on one screen, then export and eval.
 
-The pieces it calls: `train_step` (shardtune.step) runs one optimizer step and returns device tensors;
-`TrainMetrics` (shardtune.metrics) syncs once per step and keeps the logging window; the `Checkpointer`
-(shardtune.checkpoint.saver) decides when to save; `evaluate` (shardtune.evaluation) runs without fp32 logits;
-`save_hf_model` (shardtune.export) writes the trained model.
+The pieces it calls: `train_step` (shardtune.step) runs one optimizer step and returns device tensors and the
+rate the step used; `TrainMetrics` (shardtune.metrics) syncs once per step and keeps the logging window; the
+`Checkpointer` (shardtune.checkpoint.saver) decides when to save; `evaluate` (shardtune.evaluation) runs without
+fp32 logits; `save_hf_model` (shardtune.export) writes the trained model.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
         if step == start_step + 1:
             report_held(accelerator, output_dir, step, hooks.probe, run.loaded)
         if step % recipe.logging_steps == 0 or step == run.max_steps:
-            row = metrics.window(step, summary, lr=run.scheduler.get_last_lr()[0])
+            row = metrics.window(step, summary, lr=out.lr)
             log_window(accelerator, output_dir, step, row, progress)
         if summary.stop_requested:
             return save_and_stop(accelerator, checkpointer, step)

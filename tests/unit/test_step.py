@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from shardtune.batches import COUNT_KEYS, COUNTS, StepBatch, counted_steps, make_collator, take_counts
 from shardtune.checks import check_attention
-from shardtune.config import ConfigError, Recipe
+from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.data import IGNORE_INDEX
 from shardtune.evaluation import row_statistics
 from shardtune.metrics import step_vector
-from shardtune.step import StepOutput, norm_on_device
+from shardtune.step import StepOutput, make_optimizer, norm_on_device, train_step
 
 META = torch.device("meta")
 
@@ -87,7 +89,7 @@ def test_step_pieces_stay_on_the_device(tiny_assets, tokenizer, attn, packing):
     assert loss.device == META
     for grad_norm in (torch.ones((), device=META), 1.5, float("inf"), None):
         norm = norm_on_device(grad_norm, META)
-        out = StepOutput(loss=loss.detach(), grad_norm=norm)
+        out = StepOutput(loss=loss.detach(), grad_norm=norm, lr=1e-3)
         for is_main in (True, False):
             vector = step_vector(out, StepBatch(micro_batches, counts, next_targets=7), stop_requested=True,
                                  is_main_process=is_main)
@@ -98,15 +100,47 @@ def test_step_vector_sums_to_what_every_rank_must_know():
     """Over two ranks: any rank's non-finite loss or stop flag, the global loss, one copy of the global norm, and
     the next step's global target count."""
     counts = {"targets": 10, "tokens": 30, "processed": 40, "sequences": 4}
-    ranks = [StepOutput(torch.tensor(1.25), torch.tensor(3.0)),
-             StepOutput(torch.tensor(float("nan")), torch.tensor(3.0))]
+    ranks = [StepOutput(torch.tensor(1.25), torch.tensor(3.0), lr=1e-3),
+             StepOutput(torch.tensor(float("nan")), torch.tensor(3.0), lr=1e-3)]
     summed = sum(step_vector(out, StepBatch([], counts, next_targets=11 + index), stop_requested=index == 0,
                              is_main_process=index == 0)
                  for index, out in enumerate(ranks))
     non_finite, stop, _, grad_norm, *totals, next_targets = summed.tolist()
     assert (non_finite, stop, grad_norm, totals, next_targets) == (1.0, 1.0, 3.0, [20.0, 60.0, 80.0, 8.0], 23.0)
-    finite = step_vector(StepOutput(torch.tensor(2.0), None), StepBatch([], counts, 0), False, True).tolist()
+    finite = step_vector(StepOutput(torch.tensor(2.0), None, lr=1e-3), StepBatch([], counts, 0), False, True).tolist()
     assert finite[0] == 0.0 and finite[2] == 2.0  # no norm reported (DeepSpeed without one) is not an error
+
+
+def test_each_step_reports_the_learning_rate_its_update_used(tiny_assets, tokenizer):
+    """The rate logged at step s is the one the optimizer applied in step s: with warm-up from 0, the first step
+    reports 0, not the rate the scheduler moved on to after it (the value logged before was one step ahead)."""
+    recipe = Recipe(learning_rate=1e-3, warmup_steps=2, lr_scheduler_type="cosine", weight_decay=0.1)
+    max_steps = 5
+    reference = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=recipe.learning_rate)
+    schedule = get_scheduler(recipe.lr_scheduler_type, reference, num_warmup_steps=2, num_training_steps=max_steps)
+    expected = []
+    for _ in range(max_steps):  # the rate each step applies: read before the scheduler moves on
+        expected.append(schedule.get_last_lr()[0])
+        reference.step()
+        schedule.step()
+    assert expected[:3] == [0.0, 5e-4, 1e-3]
+
+    accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False)  # as shardtune.distributed makes it
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_assets[0], dtype=torch.float32)
+        model, optimizer, scheduler = accelerator.prepare(model, *make_optimizer(model, recipe, max_steps))
+        batch = make_collator(tokenizer, packing=False)(features(tokenizer))
+        counts = batch.pop(COUNTS)
+        targets = torch.tensor(counts["targets"])
+        rates = []
+        for _ in range(max_steps):
+            out = train_step(accelerator, model, optimizer, scheduler, [dict(batch)], targets,
+                             BatchSizes(micro_batch=3, accumulation=1, world_size=1), max_grad_norm=1.0)
+            rates.append(out.lr)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert rates == expected and all(isinstance(rate, float) for rate in rates)  # host numbers: no sync
 
 
 class LargestFloat32(TorchDispatchMode):
