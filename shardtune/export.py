@@ -1,6 +1,7 @@
 """The trained model as a Hugging Face model directory: full weights gathered from the shards, cast to
---save_dtype, with a config.json that states the dtype written. scripts/export_hf.py casts a checkpoint's
-weights with the same helpers."""
+--save_dtype, with a config.json that states the dtype written, and the model's generation_config.json.
+scripts/export_hf.py casts a checkpoint's weights with the same helpers; each checkpoint holds the model files
+it needs for that."""
 
 from __future__ import annotations
 
@@ -53,9 +54,13 @@ def config_with_dtype(config: PretrainedConfig, dtype: torch.dtype | None) -> Pr
 
 def add_model_files(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
                     dtype: torch.dtype | None, path: str) -> None:
-    """The config and tokenizer beside a checkpoint's state, so that it exports on its own. The config states
-    the export's dtype (scripts/export_hf.py writes that by default), not the fp32 of the master weights."""
-    config_with_dtype(accelerator.unwrap_model(model).config, dtype).save_pretrained(path)
+    """The config, generation config and tokenizer beside a checkpoint's state, so that it exports on its own as
+    the final export is written (`save_hf_model`). The config states the export's dtype (scripts/export_hf.py
+    writes that by default), not the fp32 of the master weights."""
+    unwrapped = accelerator.unwrap_model(model)
+    config_with_dtype(unwrapped.config, dtype).save_pretrained(path)
+    if not is_peft_model(unwrapped) and unwrapped.can_generate():  # what the final export's save_pretrained writes
+        unwrapped.generation_config.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
 

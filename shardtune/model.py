@@ -16,8 +16,15 @@ if TYPE_CHECKING:
     from peft import LoraConfig
 
 
+# How this process found the tokenizer's files (HF_HUB_OFFLINE=1 makes the first true), which transformers keeps
+# among the arguments it writes to every saved tokenizer_config.json: not a property of the tokenizer.
+LOADING_ONLY_ARGUMENTS = ("local_files_only", "is_local")
+
+
 def load_tokenizer(recipe: Recipe) -> PreTrainedTokenizerBase:
     tokenizer = AutoTokenizer.from_pretrained(recipe.model_name_or_path)
+    for name in LOADING_ONLY_ARGUMENTS:  # so that no export carries them
+        tokenizer.init_kwargs.pop(name, None)
     if tokenizer.pad_token is None:  # Llama 3 ships none; padded positions are masked out of attention and loss
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -12,6 +12,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from shardtune.config import Recipe
+from shardtune.data_sources import dataset_sources
 from shardtune.launch import LaunchDescription
 
 RUN_CONFIG = "run_config.json"
@@ -52,11 +53,27 @@ def run_config(accelerator: Accelerator, recipe: Recipe, launch: LaunchDescripti
     the file into ACCELERATE_* / FSDP_* variables, which are therefore the effective config recorded here, with
     DeepSpeed's resolved JSON config (its "auto" values filled in by `prepare`)."""
     plan, why_none = memory_plan(recipe, launch)
-    config = {"recipe": dataclasses.asdict(recipe), "accelerate": accelerate_config(accelerator),
-              "memory_plan": plan}
+    config = {"recipe": recorded_recipe(recipe), "accelerate": accelerate_config(accelerator), "memory_plan": plan}
     if plan is None:
         config["memory_plan_absent"] = why_none
     return json_values(config)
+
+
+def recorded_recipe(recipe: Recipe) -> dict:
+    """The recipe's fields, with the local paths among them absolute: the record must say which model and data
+    a run used wherever it is read from, not relative to a working directory it does not state. Hub names (no
+    such local path) stay as given."""
+    fields = dataclasses.asdict(recipe)
+    fields["model_name_or_path"] = absolute_if_local(recipe.model_name_or_path)
+    fields["dataset"] = ",".join(absolute_if_local(source) for source in dataset_sources(recipe.dataset))
+    fields["eval_split"] = absolute_if_local(recipe.eval_split)  # a file, or a split's name
+    fields["chat_template"] = absolute_if_local(recipe.chat_template)  # a file, or a bundled template's name
+    fields["output_dir"] = os.path.abspath(recipe.resolved_output_dir)
+    return fields
+
+
+def absolute_if_local(name: str) -> str:
+    return os.path.abspath(name) if name and os.path.exists(name) else name
 
 
 def json_values(value):

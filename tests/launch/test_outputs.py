@@ -1,11 +1,13 @@
 """What a run leaves behind: a Hugging Face model that plain transformers loads and generates with, in the
-model's own dtype; a metrics.jsonl with the global-batch loss; samples.jsonl with the answers to held-out
-prompts at each eval; run_config.json; and a real offline W&B run holding the same values, the samples table
-and the run's config. Exports of checkpoints in any dtype."""
+model's own dtype; a metrics.jsonl with the global-batch loss and the learning rate each step used;
+samples.jsonl with the answers to held-out prompts at each eval; run_config.json; and a real offline W&B run
+holding the same values, the samples table and the run's config. Exports of checkpoints in any dtype, with the
+final export's model files."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from scripts import export_hf
 from shardtune.tiny import write_tiny_assets
@@ -99,6 +101,7 @@ def check_checkpoint_exports(checkpoint: Path, final_export: Path, root: Path) -
     assert export_dtypes(root / "auto") == {torch.bfloat16}
     assert export_dtypes(root / "fp32") == {torch.float32}
     assert json.loads((root / "fp32" / "config.json").read_text())["dtype"] == "float32"
+    check_model_files(root / "auto", final_export.parent)
     final, bf16, fp32 = load_file(final_export), load_weights(root / "auto"), load_weights(root / "fp32")
     assert final.keys() == bf16.keys() <= fp32.keys()
     for key, tensor in final.items():
@@ -108,18 +111,50 @@ def check_checkpoint_exports(checkpoint: Path, final_export: Path, root: Path) -
 @pytest.mark.parametrize("config", ["ddp", "fsdp_full_shard"])
 def test_exports_are_in_the_model_dtype(config, reference_run, tmp_path):
     """The reference runs' final exports are in the tiny model's own dtype (fp32, as its config.json says), as
-    their checkpoints' default export is; --dtype bf16 casts the same weights."""
+    their checkpoints' default export is, with the same model files; --dtype bf16 casts the same weights. Their
+    metrics log the learning rate each step used."""
     output_dir = reference_run(config)
     assert export_dtypes(output_dir) == {torch.float32}
     assert json.loads((output_dir / "config.json").read_text())["dtype"] == "float32"
     export_hf.main([str(output_dir / "checkpoint-8"), str(tmp_path / "auto")])
     export_hf.main([str(output_dir / "checkpoint-8"), str(tmp_path / "bf16"), "--dtype", "bf16"])
+    check_logged_rates(output_dir)
+    check_model_files(tmp_path / "auto", output_dir)
     final, auto, bf16 = (load_weights(output_dir), load_weights(tmp_path / "auto"), load_weights(tmp_path / "bf16"))
     assert export_dtypes(tmp_path / "bf16") == {torch.bfloat16}
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     assert final.keys() == auto.keys() == bf16.keys()
     for key, tensor in final.items():
         assert torch.equal(auto[key], tensor) and torch.equal(bf16[key], tensor.to(torch.bfloat16)), key
+
+
+def check_logged_rates(output_dir: Path) -> None:
+    """The lr logged at step s is the rate step s's update used: transformers' schedule of the run's recipe
+    after s - 1 scheduler steps, read before the scheduler moves on (not the next step's rate)."""
+    recipe = json.loads((output_dir / "run_config.json").read_text())["recipe"]
+    max_steps = recipe["max_steps"]
+    warmup = recipe["warmup_steps"] or math.ceil(recipe["warmup_ratio"] * max_steps)
+    optimizer = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=recipe["learning_rate"])
+    scheduler = get_scheduler(recipe["lr_scheduler_type"], optimizer, num_warmup_steps=warmup,
+                              num_training_steps=max_steps)
+    expected = []
+    for _ in range(max_steps):
+        expected.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    logged = {row["step"]: row["lr"] for row in read_metrics(output_dir) if "lr" in row}
+    assert list(logged) == list(range(1, max_steps + 1))
+    assert list(logged.values()) == expected
+
+
+def check_model_files(export: Path, final_export: Path) -> None:
+    """A checkpoint's export holds the final export's generation_config.json, and neither tokenizer config says
+    how the run loaded the tokenizer (the launches run with HF_HUB_OFFLINE=1)."""
+    generation = json.loads((final_export / "generation_config.json").read_text())
+    assert json.loads((export / "generation_config.json").read_text()) == generation
+    for directory in (export, final_export):
+        tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+        assert "local_files_only" not in tokenizer_config and "is_local" not in tokenizer_config, directory
 
 
 # --- reading what was written ------------------------------------------------------------------------------

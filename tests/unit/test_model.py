@@ -1,12 +1,17 @@
-"""Gradient checkpointing changes memory, not gradients; the tiny assets load through from_pretrained."""
+"""Gradient checkpointing changes memory, not gradients; the tiny assets load through from_pretrained; a saved
+tokenizer carries nothing of how this process loaded it."""
 
 from __future__ import annotations
 
+import json
+
+import huggingface_hub
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardtune.model import enable_gradient_checkpointing
+from shardtune.config import Recipe
+from shardtune.model import enable_gradient_checkpointing, load_tokenizer
 
 
 def gradients(model_dir: str, interval: int | None) -> dict[str, torch.Tensor]:
@@ -60,3 +65,17 @@ def test_tokenizer_round_trip(tiny_assets):
     ids = tokenizer("rev abc=")["input_ids"]
     assert ids[0] == tokenizer.bos_token_id and len(ids) == 9
     assert tokenizer.decode(ids, skip_special_tokens=True) == "rev abc="
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["offline", "online"])
+def test_saved_tokenizer_config_holds_no_loading_arguments(tiny_assets, tmp_path, monkeypatch, offline):
+    """The trainer saves its tokenizer beside every checkpoint and export: loaded under HF_HUB_OFFLINE=1 (as the
+    tests and air-gapped clusters run), transformers would write `"local_files_only": true` into the exported
+    tokenizer_config.json, and `is_local` either way."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
+    tokenizer = load_tokenizer(Recipe(model_name_or_path=tiny_assets[0]))
+    tokenizer.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert "local_files_only" not in saved and "is_local" not in saved, saved
+    assert saved["eos_token"] == "</s>"  # the tokenizer's own settings are still there
+    assert AutoTokenizer.from_pretrained(tmp_path)("rev ab=")["input_ids"] == tokenizer("rev ab=")["input_ids"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,12 +17,13 @@ from transformers import AutoModelForCausalLM
 from scripts import plot_metrics
 from shardtune.config import Recipe
 from shardtune.data import IGNORE_INDEX
+from shardtune.export import add_model_files
 from shardtune.flops import resolve_model
 from shardtune.generation import generate_samples, held_out_prompts
 from shardtune.launch import LaunchDescription
 from shardtune.plan.launched import launch_hardware, plan_launch
 from shardtune.tiny import build_tokenizer
-from shardtune.tracking import json_values, memory_plan
+from shardtune.tracking import json_values, memory_plan, run_config
 
 
 def test_run_config_holds_the_memory_plan_given_hardware(tiny_assets):
@@ -45,6 +47,39 @@ def accelerator():
     """A real one-process Accelerator on CPU; its process-wide state is reset afterwards for other tests."""
     yield Accelerator(cpu=True)
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_run_config_records_local_paths_absolute_and_hub_names_as_given(tiny_assets, accelerator, monkeypatch):
+    """Relative paths are recorded as the absolute paths they named from the run's working directory; names
+    that are no local path (Hub ids, split names, bundled templates) stay as given."""
+    assets = Path(tiny_assets[0]).parent
+    monkeypatch.chdir(assets)
+    recipe = Recipe(name="tiny", model_name_or_path="model", dataset="data.jsonl, tatsu-lab/alpaca",
+                    eval_split="data.jsonl", chat_template="chatml")
+    recorded = run_config(accelerator, recipe, LaunchDescription.from_env())["recipe"]
+    assert recorded["model_name_or_path"] == str(assets / "model")
+    assert recorded["dataset"] == f"{assets / 'data.jsonl'},tatsu-lab/alpaca"
+    assert recorded["eval_split"] == str(assets / "data.jsonl") and recorded["chat_template"] == "chatml"
+    assert recorded["output_dir"] == str(assets / "outputs" / "tiny")  # the default, resolved
+    hub = Recipe(model_name_or_path="meta-llama/Llama-3.1-8B", dataset="tatsu-lab/alpaca", eval_split="test",
+                 output_dir="runs/a")
+    recorded = run_config(accelerator, hub, LaunchDescription.from_env())["recipe"]
+    assert (recorded["model_name_or_path"], recorded["dataset"], recorded["eval_split"]) == (
+        "meta-llama/Llama-3.1-8B", "tatsu-lab/alpaca", "test")
+    assert recorded["output_dir"] == str(assets / "runs" / "a")
+    assert recorded == {**dataclasses.asdict(hub), "output_dir": str(assets / "runs" / "a")}  # the rest as given
+
+
+def test_checkpoint_model_files_include_the_final_exports_generation_config(tiny_assets, accelerator, tmp_path):
+    """A checkpoint holds the generation_config.json the final export writes, so that its export (export_hf.py
+    copies the checkpoint's model files) is the same model directory."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets[0])
+    tokenizer = build_tokenizer()
+    add_model_files(accelerator, model, tokenizer, torch.bfloat16, str(tmp_path / "checkpoint"))
+    model.save_pretrained(tmp_path / "final")
+    written = json.loads((tmp_path / "checkpoint" / "generation_config.json").read_text())
+    assert written == json.loads((tmp_path / "final" / "generation_config.json").read_text())
+    assert written["eos_token_id"] == tokenizer.eos_token_id
 
 
 def test_samples_are_greedy_answers_to_held_out_prompts(tiny_assets, accelerator):
