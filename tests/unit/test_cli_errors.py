@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,7 @@ from transformers import get_scheduler
 from shardtune.config import Recipe
 from shardtune.flag_hints import MEANINGS, RENAMED
 from shardtune.flags import ALIASES, parse_flags, parse_recipe
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 SPELLINGS = [
     # (the recipe's own values, the command line, the values it must end with)
