@@ -133,22 +133,45 @@ def bare_steps(accelerator, recipe, batching, steps: int, warmup: int, world_siz
         print("BARE " + json.dumps({"tokens_per_second_per_device": total_tokens / sum(times) / world_size}))
 
 
-def main() -> None:
-    argv = sys.argv[1:]
+def input_problems(args: argparse.Namespace) -> list[str]:
+    """Every impossible input, one line each, before a process is launched."""
+    problems = [f"--{name} {path!r} does not exist: give {what}." for name, path, what in (
+        ("recipe", args.recipe, "a recipe file, e.g. recipes/tiny.py"),
+        ("config_file", args.config_file, "an accelerate config YAML, e.g. accelerate_configs/ddp.yaml"))
+        if not os.path.isfile(path)]
+    problems += [f"--{name} must be > 0, got {getattr(args, name)}." for name in
+                 ("num_processes", "steps", "repeats", "timeout_s") if not getattr(args, name) > 0]
+    if not 0 <= args.warmup < args.steps:
+        problems.append(f"--warmup must be >= 0 and below --steps ({args.steps}), got {args.warmup}: the figures "
+                        "come from the steps after it.")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     recipe_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config_file", required=True)
-    parser.add_argument("--recipe", required=True)
-    parser.add_argument("--num_processes", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=1, help="alternate trainer and bare-loop runs N times")
+    parser.add_argument("--config_file", required=True, help="the accelerate config YAML to launch under")
+    parser.add_argument("--recipe", required=True, help="the recipe file to benchmark, e.g. recipes/llama8b.py")
+    parser.add_argument("--num_processes", type=int, default=8,
+                        help="processes (GPUs) to launch (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help=f"first steps left out of the figures (best a multiple of the {LOG_EVERY}-step logging "
+                             "window; default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="alternate trainer and bare-loop runs N times (default: %(default)s)")
     parser.add_argument("--timeout_s", type=float, default=3600,
-                        help="stop a launch (and its ranks) that runs longer than this")
+                        help="stop a launch (and its ranks) that runs longer than this (default: %(default)s)")
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # the worker side of the bare loop
     args = parser.parse_args(argv)
     args.recipe_args = recipe_args
+    problems = input_problems(args)
+    for problem in problems:
+        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
+    if problems:
+        raise SystemExit(2)
     if args.bare:
         return bare_loop(args.recipe, args.steps, args.warmup, recipe_args)
 

@@ -171,11 +171,14 @@ def table(rows: list[dict], rates: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: a new temp dir)")
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
-    parser.add_argument("--params", type=float, default=300e6)
-    parser.add_argument("--num_processes", type=int, default=2)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
+                        help="the shipped configs to run (default: all)")
+    parser.add_argument("--params", type=float, default=300e6,
+                        help="parameters of the random Llama saved (default: %(default).0e)")
+    parser.add_argument("--num_processes", type=int, default=2, help="ranks per launch (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=2, help="training steps timed without a save in flight")
-    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--seq_len", type=int, default=64,
+                        help="tokens per sequence of the training steps (default: %(default)s)")
     parser.add_argument("--dd_megabytes", type=int, default=2048, help="size of the dd write that rates the disk")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)

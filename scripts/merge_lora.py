@@ -17,10 +17,11 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("adapter_dir")
-    parser.add_argument("output_dir")
+    parser.add_argument("adapter_dir", help="a --use_peft run's output_dir (holding adapter_config.json)")
+    parser.add_argument("output_dir", help="new directory for the merged Hugging Face model")
     parser.add_argument("--base", default="", help="Base model (default: adapter_config.json's)")
-    parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the merged weights")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32",
+                        help="dtype of the merged weights (default: %(default)s)")
     args = parser.parse_args(argv)
 
     config_file = os.path.join(args.adapter_dir, "adapter_config.json")

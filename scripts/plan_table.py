@@ -7,8 +7,8 @@ recipe header's plan for the hardware it names. Written from shardtune.plan, che
 
 from __future__ import annotations
 
+import argparse
 import re
-import sys
 from pathlib import Path
 
 from shardtune.flops import recipe_fields, resolve_model
@@ -92,8 +92,12 @@ def recipe_with_plan(path: Path) -> str:
     return PLAN_BLOCK.sub(lambda _: plan_block(path), text, count=1)
 
 
-if __name__ == "__main__":
-    write = "--write" in sys.argv
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--write", action="store_true",
+                        help="Rewrite docs/plan-table.md's table and every recipe header's plan instead of "
+                             "printing them")
+    write = parser.parse_args(argv).write
     if write:
         TABLE_DOC.write_text(doc_with_table(TABLE_DOC.read_text()))
     else:
@@ -103,3 +107,8 @@ if __name__ == "__main__":
             recipe.write_text(recipe_with_plan(recipe))
         else:
             print(f"\n{recipe.name}: {plan_block(recipe)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -95,9 +95,10 @@ class Recipe:
                 "several, separated by commas, are mixed (see --dataset_weights)."})
     dataset_weights: str = field(default="", metadata={
         "help": "With several --dataset sources: the share of each source's rows to take, comma-separated "
-                "(1.0 = all of it, 0.5 = half, drawn with --seed); default: all of every source."})
-    dataset_split: str = "train"
-    eval_split: str = field(default="", metadata={"help": "A held-out split of --dataset; default: --eval_fraction."})
+                "(1.0 = all of it, 0.5 = half, drawn with --seed); empty = all of every source."})
+    dataset_split: str = field(default="train", metadata={"help": "The split of each --dataset source to train on."})
+    eval_split: str = field(default="", metadata={
+        "help": "A held-out split of --dataset; empty = hold out --eval_fraction."})
     eval_fraction: float = field(default=0.05, metadata={"help": "Share of the data held out for eval."})
     dataset_format: str = field(default="auto", metadata={
         "help": "auto (from each source's columns), text, prompt_completion, messages (chat, via the chat "
@@ -106,44 +107,53 @@ class Recipe:
         "help": "A Jinja chat template file, or a bundled name (llama3, chatml), for a tokenizer without one or "
                 "to replace its own."})
     dataset_num_proc: int | None = field(default=None, metadata={
-        "help": "Processes that tokenize the data (once per node; default: up to 8, one per spare CPU core)."})
+        "help": "Processes that tokenize the data (once per node; unset = up to 8, one per spare CPU core)."})
     completion_only_loss: bool = field(default=True, metadata={
         "help": "Loss on completion / assistant tokens only; false: on every token."})
     truncation: str = field(default="truncate", metadata={"help": "Rows over --max_seq_length: truncate or drop."})
     packing: bool = field(default=False, metadata={
         "help": "Padding-free: each micro-batch is one row of its sequences, attention isolated per sequence."})
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters; the base stays frozen."})
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank: the inner dimension of each adapter."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling: the adapters' update is scaled by "
+                                                            "lora_alpha / lora_r."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA adapters' input."})
     lora_target_modules: str = field(default="all-linear", metadata={
         "help": "all-linear, or comma-separated module names (q_proj,v_proj)."})
     load_in_4bit: bool = field(default=False, metadata={
         "help": "QLoRA: the frozen base in 4-bit NF4 (bitsandbytes, CUDA GPUs); needs --use_peft."})
     output_dir: str = field(default="", metadata={"help": "Where metrics, W&B files and the model go."})
-    max_seq_length: int = 2048
-    per_device_train_batch_size: int = 1
-    per_device_eval_batch_size: int = 8
+    max_seq_length: int = field(default=2048, metadata={
+        "help": "Tokens per sequence at most (see --truncation); with --packing, tokens per packed row."})
+    per_device_train_batch_size: int = field(default=1, metadata={
+        "help": "The batch size per device for training: sequences in one micro-batch."})
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "The batch size per device for evaluation."})
     global_batch_size: int | None = field(
         default=None, metadata={"help": "Sequences per optimizer step over all ranks; accumulation is derived."}
     )
     gradient_accumulation_steps: int | None = field(
         default=None, metadata={"help": "Micro-batches per optimizer step; must agree with --global_batch_size."}
     )
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
+    learning_rate: float = field(default=1e-5, metadata={"help": "The initial learning rate for AdamW."})
+    weight_decay: float = field(default=0.0, metadata={
+        "help": "AdamW's weight decay coefficient, on matrices only (not on norms and biases)."})
+    adam_beta1: float = field(default=0.9, metadata={
+        "help": "The exponential decay rate for the first moment estimates (momentum) in AdamW."})
+    adam_beta2: float = field(default=0.95, metadata={
+        "help": "The exponential decay rate for the second moment estimates (variance) in AdamW."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "Epsilon value for numerical stability in AdamW."})
+    max_grad_norm: float = field(default=1.0, metadata={
+        "help": "Maximum gradient norm: gradients are clipped to it before each optimizer step."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": f"One of {', '.join(LR_SCHEDULERS)}."})
     warmup_ratio: float = field(default=0.03, metadata={"help": "Share of the optimizer steps spent warming up."})
     warmup_steps: int = field(default=0, metadata={
         "help": "Warm-up optimizer steps, instead of --warmup_ratio (given alone on the command line, it sets the "
                 "recipe's --warmup_ratio to 0); 0 = use --warmup_ratio."})
     max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; -1 means num_train_epochs."})
-    num_train_epochs: int = 1
-    gradient_checkpointing: bool = True
+    num_train_epochs: int = field(default=1, metadata={
+        "help": "Total number of training epochs to perform (when --max_steps is -1)."})
+    gradient_checkpointing: bool = field(default=True, metadata={
+        "help": "Recompute activations in the backward pass instead of keeping them: less memory, more compute."})
     gradient_checkpointing_interval: int = field(
         default=1, metadata={"help": "Recompute every k-th decoder layer (1 = all layers)."}
     )
@@ -154,12 +164,13 @@ class Recipe:
     use_cpu: bool = field(default=False, metadata={
         "help": "Train on CPU over gloo (tests, demos). Without it a machine with no visible CUDA GPU is an error, "
                 "not a silent CPU run."})
-    seed: int = 42
-    logging_steps: int = 10
+    seed: int = field(default=42, metadata={
+        "help": "Random seed set at the beginning of training; also shuffles, mixes and splits the data."})
+    logging_steps: int = field(default=10, metadata={"help": "Log metrics every N optimizer steps."})
     eval_steps: int = field(default=0, metadata={"help": "Eval every N steps; 0 = only at the end."})
     report_to: str = field(default="wandb", metadata={"help": "wandb or none."})
-    wandb_project: str = "shardtune"
-    run_name: str = ""
+    wandb_project: str = field(default="shardtune", metadata={"help": "The W&B project the run is logged to."})
+    run_name: str = field(default="", metadata={"help": "The run's name in W&B; empty = --name."})
     save_model: bool = field(default=True, metadata={"help": "Save the final model in Hugging Face format."})
     save_dtype: str = field(default="auto", metadata={
         "help": "dtype of the final Hugging Face export: auto (the model's own, config.json's dtype: bf16 for "
@@ -178,7 +189,7 @@ class Recipe:
     )
     hardware: str = field(
         default="", metadata={"help": "Plan memory for this hardware at start-up (e.g. 8xh100-80gb); "
-                              "default: the GPUs found. A plan that does not fit stops the run before loading."}
+                              "empty = the GPUs found. A plan that does not fit stops the run before loading."}
     )
     dry_run: bool = field(default=False, metadata={
         "help": "Check the recipe and print its memory plan for --hardware, then exit (no data, model or output "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
 import sys
 from collections.abc import Sequence
@@ -15,10 +14,27 @@ from typing import NoReturn
 from transformers.hf_argparser import HfArgumentParser, string_to_bool
 
 from shardtune.config import ConfigError, Recipe
+from shardtune.flag_hints import flag_hint
+
+
+class RecipeHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help gives each flag the value it takes when not given (an empty string shown as ''), and a --no_<flag>
+    complement of a boolean one line of its own instead of a copy of its flag's help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        switched_off = [option for option in action.option_strings if option.startswith("--no_")]
+        if switched_off and action.dest == switched_off[0][len("--no_"):]:
+            return f"Same as --{action.dest} false."
+        help_text = super()._get_help_string(action)
+        return help_text.replace("%(default)s", "''") if action.default == "" and help_text else help_text
 
 
 class RecipeParser(HfArgumentParser):
     """argparse's own errors (a bad value such as `--packing maybe`) as ConfigError: one line, exit code 2."""
+
+    def __init__(self, dataclass_types: type, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", RecipeHelpFormatter)
+        super().__init__(dataclass_types, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"Bad command line: {message.rstrip('.')}; see --help for the recipe's flags.")
@@ -42,9 +58,8 @@ def parse_recipe(recipe: Recipe, argv: list[str] | None = None) -> Recipe:
     return overridden
 
 
-def parse_flags(recipe: Recipe, argv: list[str] | None = None) -> tuple[Recipe, list[str]]:
-    """The recipe with the command line applied, and the flags' problems (unknown or conflicting flags), one
-    message each, so that the recipe's other checks still run. A value argparse cannot read raises at once."""
+def recipe_parser(recipe: Recipe) -> RecipeParser:
+    """Every Recipe field as a flag with the recipe's value as its default, and TrainingArguments' spellings."""
     parser = RecipeParser(Recipe)
     parser.allow_abbrev = False  # a typo such as --learning_rat must not pass as --learning_rate
     group = parser.add_argument_group("TrainingArguments spellings")
@@ -54,6 +69,13 @@ def parse_flags(recipe: Recipe, argv: list[str] | None = None) -> tuple[Recipe, 
     group.add_argument("--gradient_checkpointing_kwargs", default=None, metavar="JSON",
                        help=ALIASES["--gradient_checkpointing_kwargs"])
     parser.set_defaults(**dataclasses.asdict(recipe))
+    return parser
+
+
+def parse_flags(recipe: Recipe, argv: list[str] | None = None) -> tuple[Recipe, list[str]]:
+    """The recipe with the command line applied, and the flags' problems (unknown or conflicting flags), one
+    message each, so that the recipe's other checks still run. A value argparse cannot read raises at once."""
+    parser = recipe_parser(recipe)
     args = sys.argv[1:] if argv is None else argv
     overridden, aliases, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
     problems = unknown_argument_problems(unknown)
@@ -71,16 +93,14 @@ def given(args: Sequence[str], flag: str) -> bool:
 
 
 def unknown_argument_problems(unknown: Sequence[str]) -> list[str]:
-    """One message per flag the recipe does not know, naming the nearest known flag; a value that follows an
-    unknown flag is its value, not a problem of its own."""
+    """One message per flag the recipe does not know, naming the recipe's flag for what it most likely meant
+    (shardtune.flag_hints); a value that follows an unknown flag is its value, not a problem of its own."""
     known = [f"--{item.name}" for item in dataclasses.fields(Recipe)] + list(ALIASES)
     problems, after_flag = [], False
     for token in unknown:
         if token.startswith("--") or (token.startswith("-") and not token[1:2].isdigit()):
             flag = token.split("=", 1)[0]
-            nearest = difflib.get_close_matches(flag, known, n=1)
-            hint = f"did you mean {nearest[0]}?" if nearest else "see --help for the recipe's flags."
-            problems.append(f"Unknown argument {flag}: {hint}")
+            problems.append(f"Unknown argument {flag}: {flag_hint(flag, known)}")
             after_flag = "=" not in token
         elif after_flag:
             after_flag = False

@@ -10,6 +10,7 @@ import ast
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -249,10 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardtune.flops", description=__doc__.strip().splitlines()[0])
     parser.add_argument("--model", required=True, help=f"Built-in ({', '.join(BUILTIN_MODELS)}), dir or recipe.")
     parser.add_argument("--tokens_per_second", type=float, required=True, help="All GPUs together.")
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--gpu", default=None, help=f"{', '.join(PEAK_BF16_FLOPS)} or a torch device name.")
-    parser.add_argument("--max_seq_length", type=int, default=DEFAULT_SEQ_LEN, help="T in the attention term.")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--gpus", type=int, required=True, help="How many GPUs produced --tokens_per_second.")
+    parser.add_argument("--gpu", default=None, help=f"{', '.join(PEAK_BF16_FLOPS)} or a torch device name, for the "
+                                                    "MFU (default: none, no MFU).")
+    parser.add_argument("--max_seq_length", type=int, default=DEFAULT_SEQ_LEN,
+                        help="T in the attention term (default: %(default)s).")
+    parser.add_argument("--json", action="store_true", help="Print the figures as one JSON object.")
     args = parser.parse_args(argv)
     problems = [f"--{name} must be > 0, got {value}." for name, value in (
         ("tokens_per_second", args.tokens_per_second), ("gpus", args.gpus), ("max_seq_length", args.max_seq_length))
@@ -262,10 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         return 2
     try:
-        result = report(args.model, args.tokens_per_second, args.gpus, args.gpu, args.max_seq_length)
+        with warnings.catch_warnings(record=True) as caught:  # an unknown GPU: its line below, not a traceback's
+            warnings.simplefilter("always")
+            result = report(args.model, args.tokens_per_second, args.gpus, args.gpu, args.max_seq_length)
     except ValueError as error:
         print(f"shardtune.flops: error: {error}", file=sys.stderr)
         return 2
+    for warning in caught:
+        print(f"shardtune.flops: warning: {warning.message}", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -34,29 +34,41 @@ def _bool(text: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardtune.plan", description=__doc__.strip().splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m shardtune.plan",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", required=True,
                         help="Built-in name, any Hugging Face model id (only its config.json is fetched), a local "
                              "model directory or config.json, or a recipe file")
-    parser.add_argument("--hardware", default="8xh100-80gb", help="e.g. 8xh100-80gb, 2x8xh100-80gb, 4x40gb")
+    parser.add_argument("--hardware", default="8xh100-80gb",
+                        help="e.g. 8xh100-80gb, 2x8xh100-80gb, 4x40gb (default: %(default)s)")
     parser.add_argument("--config_file", help="accelerate config YAML; without it, recommend one")
-    parser.add_argument("--per_device_train_batch_size", type=int)
-    parser.add_argument("--global_batch_size", type=int)
-    parser.add_argument("--max_seq_length", type=int)
-    parser.add_argument("--gradient_checkpointing", type=_bool)
-    parser.add_argument("--mixed_precision", choices=("bf16", "fp16", "no"))
-    parser.add_argument("--attn_implementation", default="sdpa", choices=tuple(PLANNED_ATTENTION))
+    parser.add_argument("--per_device_train_batch_size", type=int,
+                        help="Micro-batch per GPU with --config_file or --compare (default: the recipe's, else 1); "
+                             "a recommendation picks its own")
+    parser.add_argument("--global_batch_size", type=int,
+                        help="Sequences per optimizer step over all GPUs, for the recommendation's accumulation "
+                             "(default: the recipe's)")
+    parser.add_argument("--max_seq_length", type=int, help="Tokens per sequence (default: the recipe's, else 4096)")
+    parser.add_argument("--gradient_checkpointing", type=_bool,
+                        help="true or false, with --config_file or --compare (default: the recipe's, else true); a "
+                             "recommendation picks its own")
+    parser.add_argument("--mixed_precision", choices=("bf16", "fp16", "no"),
+                        help="Training precision (default: the recipe's, else the accelerate config's; a "
+                             "recommendation's: bf16)")
+    parser.add_argument("--attn_implementation", default="sdpa", choices=tuple(PLANNED_ATTENTION),
+                        help="Attention as the recipe's --attn_implementation: sdpa and eager hold a dense mask, "
+                             "the flash kernels none (default: %(default)s)")
     parser.add_argument("--packing", type=_bool, default=False,
                         help="Padding-free packed micro-batches (one row of micro-batch x length tokens)")
     parser.add_argument("--host_ram_gb", type=float,
                         help="Host RAM per node in GB (default: 250 GB per GPU, as DGX nodes carry)")
     parser.add_argument("--use_peft", type=_bool, help="LoRA on a frozen base")
-    parser.add_argument("--lora_r", type=int)
+    parser.add_argument("--lora_r", type=int, help="LoRA rank, with --use_peft true (default: the recipe's, else 16)")
     parser.add_argument("--lora_target_modules", help="all-linear or comma-separated names")
     parser.add_argument("--load_in_4bit", type=_bool, help="QLoRA: the frozen base in 4-bit NF4")
     parser.add_argument("--compare", action="store_true", help="All accelerate_configs/*.yaml side by side")
     parser.add_argument("--chart", help="With --compare: write a stacked-bar PNG here")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="Print the plan as one JSON object instead of a table")
     args = parser.parse_args(argv)
     problems = check_args(args)
     for problem in problems:

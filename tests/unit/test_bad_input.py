@@ -44,7 +44,8 @@ CASES = {
     "unknown flag": Case(("--learning_rat", "1e-4"),
                          "Unknown argument --learning_rat: did you mean --learning_rate?"),
     "unknown flag with =": Case(("--per_device_batch_size=8",),
-                                "Unknown argument --per_device_batch_size: did you mean --per_device_eval_batch_size?"),
+                                "Unknown argument --per_device_batch_size: shardtune calls it "
+                                "--per_device_train_batch_size."),
     "stray value": Case(("stray",), "Unexpected value 'stray' on the command line"),
     "bf16 and fp16": Case(("--bf16", "true", "--fp16", "true"), "--bf16 true --fp16 true ask for two precisions"),
     "bf16 against mixed_precision": Case(("--mixed_precision", "no", "--bf16"),

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 from transformers import get_scheduler
 
 from shardtune.config import Recipe
-from shardtune.flags import ALIASES, parse_recipe
+from shardtune.flag_hints import MEANINGS, RENAMED
+from shardtune.flags import ALIASES, parse_flags, parse_recipe
+from tests.conftest import REPO
 
 SPELLINGS = [
     # (the recipe's own values, the command line, the values it must end with)
@@ -57,3 +60,65 @@ def test_help_documents_the_spellings(capsys):
     help_text = "".join(capsys.readouterr().out.split())  # argparse wraps lines wherever it likes
     for flag, text in {**ALIASES, "--warmup_steps": "Warm-up optimizer steps, instead of --warmup_ratio"}.items():
         assert flag in help_text and "".join(text.split()) in help_text, flag
+
+
+# Names other trainers (TRL, axolotl, torchtune, transformers) give the recipe's settings: refused, with the
+# recipe's flag for what they mean rather than the nearest spelling (which named --lora_r for --lr).
+MEANT = {
+    "--lr": "shardtune calls it --learning_rate.",
+    "--LR": "shardtune calls it --learning_rate.",
+    "--optimizer.lr": "shardtune calls it --learning_rate.",  # torchtune's dotted key
+    "--model": "shardtune calls it --model_name_or_path.",  # not --save_model
+    "--model_name": "shardtune calls it --model_name_or_path.",
+    "--base_model": "shardtune calls it --model_name_or_path.",
+    "--micro_batch_size": "shardtune calls it --per_device_train_batch_size.",  # not --global_batch_size
+    "--per_device_batch_size": "shardtune calls it --per_device_train_batch_size.",  # not the eval batch
+    "--batch_size": "--per_device_train_batch_size is the micro-batch per GPU; --global_batch_size",
+    "--train_batch_size": "--per_device_train_batch_size is the micro-batch per GPU; --global_batch_size",
+    "--gradient_accumulation": "shardtune calls it --gradient_accumulation_steps.",
+    "--max_length": "shardtune calls it --max_seq_length.",
+    "--sequence_len": "shardtune calls it --max_seq_length.",
+    "--max_seq_len": "shardtune calls it --max_seq_length.",
+    "--tokenizer.max_seq_len": "shardtune calls it --max_seq_length.",
+    "--num_epochs": "shardtune calls it --num_train_epochs.",
+    "--deepspeed": "DeepSpeed is chosen by the accelerate config, not a recipe flag: accelerate launch --config_file "
+                   "accelerate_configs/ds_zero3.yaml",  # not --seed
+    "--fsdp": "FSDP is chosen by the accelerate config, not a recipe flag: accelerate launch --config_file "
+              "accelerate_configs/fsdp_full_shard.yaml",
+    "--torch_compile": "torch.compile is not supported yet",  # not --chat_template
+    "--torch_dtype": "the training precision is --mixed_precision (bf16, fp16 or no",  # not only --save_dtype
+    "--output": "shardtune calls it --output_dir.",
+    "--lora_rank": "shardtune calls it --lora_r.",
+    "--lora_target": "shardtune calls it --lora_target_modules.",
+    "--sample_packing": "shardtune calls it --packing.",
+    "--padding_free": "shardtune calls it --packing.",
+    "--packed": "shardtune calls it --packing.",
+    "--wandb_entity": "WANDB_ENTITY=<entity>; the project is --wandb_project.",
+    "--wandb_name": "shardtune calls it --run_name.",
+    "--train_on_inputs": "--completion_only_loss false trains on prompt tokens too",
+}
+
+
+@pytest.mark.parametrize("flag", MEANT)
+def test_other_trainers_names_refused_with_the_recipe_flag(flag):
+    _, problems = parse_flags(Recipe(), [flag, "1"])
+    assert len(problems) == 1 and "\n" not in problems[0]
+    assert problems[0].startswith(f"Unknown argument {flag}: ") and MEANT[flag] in problems[0], problems[0]
+
+
+@pytest.mark.parametrize("flag,nearest", [("--learning_rat", "--learning_rate"), ("--Learning_Rate", "--learning_rate"),
+                                          ("--lora_alpah", "--lora_alpha")])
+def test_typos_still_get_the_nearest_spelling(flag, nearest):
+    _, problems = parse_flags(Recipe(), [flag, "1"])
+    assert problems == [f"Unknown argument {flag}: did you mean {nearest}?"]
+
+
+def test_hint_tables_name_real_flags_and_files():
+    known = {f"--{item.name}" for item in dataclasses.fields(Recipe)} | set(ALIASES)
+    assert set(RENAMED) <= known
+    assert not [name for name in MEANINGS if f"--{name}" in known], "a recipe flag must not be hinted away"
+    named = {word for hint in MEANINGS.values() for word in re.findall(r"--\w+", hint)}
+    assert named <= known | {"--config_file"}, named - known
+    configs = {path for hint in MEANINGS.values() for path in re.findall(r"accelerate_configs/[\w.]+\.yaml", hint)}
+    assert configs and all((REPO / path).is_file() for path in configs)
+    assert parse_recipe(Recipe(), ["--learning-rate", "2e-5"]).learning_rate == 2e-5  # hyphens are the flag's own

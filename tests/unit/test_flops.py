@@ -51,7 +51,10 @@ def test_unknown_device_gives_no_mfu():
 
 
 def test_cli_unknown_gpu_reports_no_mfu(capsys):
-    with pytest.warns(UserWarning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the CLI says it in its own line, not as a Python warning
         code = main(["--model", "llama-3.1-8b", "--tokens_per_second", "1000", "--gpus", "1", "--gpu", "NVIDIA T4"])
     assert code == 0
-    assert "not reported" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "not reported" in out
+    assert err == "shardtune.flops: warning: Unknown GPU 'NVIDIA T4': no BF16 peak known, so no MFU is reported.\n"

@@ -1,0 +1,123 @@
+"""What an unknown flag most likely meant: first by meaning (the names TRL, axolotl, torchtune and transformers
+give the recipe's settings), then by spelling. Flags are refused, never taken as aliases: the hint names the
+recipe's own flag, so that the command line a user keeps is the one the docs and --help describe."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+def accelerate_config(engine: str, example: str, family: str) -> str:
+    """The hint for a flag that picks the sharding engine, which a launch takes from its accelerate config."""
+    return (f"{engine} is chosen by the accelerate config, not a recipe flag: accelerate launch --config_file "
+            f"accelerate_configs/{example} recipes/<recipe>.py (the others: accelerate_configs/{family}).")
+
+
+# The recipe's flag, and the names other trainers give it (compared lower-case, '-' as '_'; a dotted torchtune key
+# such as optimizer.lr is also looked up by its last part).
+RENAMED: dict[str, tuple[str, ...]] = {
+    "--model_name_or_path": ("model", "model_name", "base_model", "model_id", "model_path",
+                             "pretrained_model_name_or_path"),
+    "--dataset": ("dataset_name", "datasets", "data_path", "dataset_path", "train_file", "data_files", "data"),
+    "--dataset_split": ("dataset_train_split", "train_split"),
+    "--eval_split": ("dataset_test_split", "eval_dataset", "eval_file"),
+    "--eval_fraction": ("val_set_size", "test_size", "eval_size"),
+    "--chat_template": ("chat_template_path",),
+    "--learning_rate": ("lr", "learningrate", "base_lr", "peak_lr", "max_lr", "init_lr"),
+    "--per_device_train_batch_size": ("micro_batch_size", "per_gpu_train_batch_size", "per_device_batch_size",
+                                      "train_micro_batch_size_per_gpu", "micro_batch"),
+    "--per_device_eval_batch_size": ("eval_batch_size", "per_gpu_eval_batch_size", "eval_micro_batch_size"),
+    "--global_batch_size": ("total_batch_size", "effective_batch_size", "global_batch"),
+    "--gradient_accumulation_steps": ("gradient_accumulation", "grad_accum", "grad_accumulation",
+                                      "accumulate_grad_batches", "gradient_accumulation_step", "accumulation_steps"),
+    "--max_seq_length": ("max_length", "sequence_len", "max_seq_len", "seq_len", "seq_length", "max_sequence_length",
+                         "block_size", "model_max_length", "cutoff_len", "context_length"),
+    "--num_train_epochs": ("num_epochs", "epochs", "epoch", "num_train_epoch", "train_epochs"),
+    "--lr_scheduler_type": ("lr_scheduler", "scheduler", "lr_schedule", "scheduler_type"),
+    "--warmup_steps": ("num_warmup_steps",),
+    "--max_grad_norm": ("gradient_clipping", "clip_grad_norm", "grad_clip", "max_norm", "clip_grad"),
+    "--gradient_checkpointing": ("activation_checkpointing", "enable_activation_checkpointing", "grad_checkpointing"),
+    "--logging_steps": ("log_every_n_steps", "log_steps", "log_every", "log_interval"),
+    "--save_steps": ("checkpointing_steps", "save_every", "save_interval", "checkpoint_every"),
+    "--save_total_limit": ("save_limit", "keep_last_n_checkpoints", "max_checkpoints"),
+    "--resume_from_checkpoint": ("resume", "resume_from", "resume_checkpoint"),
+    "--output_dir": ("output", "out_dir", "output_path", "save_dir", "outdir"),
+    "--use_peft": ("peft", "lora", "use_lora", "enable_lora"),
+    "--lora_r": ("lora_rank", "lora_dim"),
+    "--lora_target_modules": ("lora_target", "target_modules", "lora_modules", "lora_attn_modules"),
+    "--packing": ("sample_packing", "packed", "pack", "pack_sequences", "padding_free", "packing_enabled"),
+    "--attn_implementation": ("attention", "attn_impl", "attention_implementation", "attn"),
+    "--run_name": ("wandb_name", "wandb_run_name", "exp_name", "experiment_name"),
+    "--report_to": ("log_with", "logger", "loggers"),
+    "--collective_timeout_minutes": ("ddp_timeout", "nccl_timeout"),
+    "--use_cpu": ("no_cuda", "cpu"),
+}
+
+# Names with no one flag of their own: what the recipe does instead.
+GUIDANCE: dict[tuple[str, ...], str] = {
+    ("deepspeed", "deepspeed_config", "zero_stage", "zero3"):
+        accelerate_config("DeepSpeed", "ds_zero3.yaml", "ds_*.yaml"),
+    ("fsdp", "fsdp_config", "fsdp_version", "fsdp_sharding_strategy"):
+        accelerate_config("FSDP", "fsdp_full_shard.yaml", "fsdp_*.yaml"),
+    ("torch_compile", "compile", "torch_compile_backend", "torch_compile_mode"):
+        "torch.compile is not supported yet: drop the flag (the model runs eagerly).",
+    ("torch_dtype", "dtype", "model_dtype", "precision"):
+        "the training precision is --mixed_precision (bf16, fp16 or no; full fine-tuning keeps fp32 weights) and "
+        "the exported model's dtype is --save_dtype.",
+    ("load_in_8bit",): "8-bit loading is not supported: --use_peft true --load_in_4bit true for QLoRA, or drop it.",
+    ("adapter",): "LoRA is --use_peft true (QLoRA: also --load_in_4bit true).",
+    ("lora_target_linear",): "--lora_target_modules all-linear (the default).",
+    ("train_on_inputs",): "--completion_only_loss false trains on prompt tokens too (true, the default, only on "
+                          "completions).",
+    ("assistant_only_loss",): "--completion_only_loss (true by default: loss on assistant tokens only).",
+    ("batch_size", "train_batch_size"): "--per_device_train_batch_size is the micro-batch per GPU; "
+                                        "--global_batch_size the sequences per optimizer step over all ranks.",
+    ("optim", "optimizer", "optimizer_type"): "the optimizer is torch AdamW; its settings are --learning_rate, "
+                                              "--weight_decay, --adam_beta1, --adam_beta2 and --adam_epsilon.",
+    ("eval_strategy", "evaluation_strategy", "evals_per_epoch"): "--eval_steps N evaluates every N steps "
+                                                                 "(0 = only at the end).",
+    ("save_strategy", "saves_per_epoch"): "--save_steps N checkpoints every N steps (0 = never).",
+    ("flash_attention", "flash_attn", "use_flash_attention_2", "use_flash_attn"):
+        "--attn_implementation flash_attention_2.",
+    ("sdp_attention",): "--attn_implementation sdpa (the default).",
+    ("warmup",): "--warmup_steps N, or --warmup_ratio R (a share of the optimizer steps).",
+    ("device",): "the device follows the launch: one CUDA GPU per process, or --use_cpu true for CPU.",
+    ("wandb_entity", "wandb_team"): "W&B reads the entity from the environment: WANDB_ENTITY=<entity>; the project "
+                                    "is --wandb_project.",
+    ("wandb_mode", "wandb_offline"): "W&B reads its mode from the environment: without WANDB_API_KEY the run is "
+                                     "logged offline under output_dir/wandb (wandb sync uploads it); --report_to none "
+                                     "turns it off.",
+    ("use_wandb", "wandb"): "--report_to wandb (the default) or --report_to none.",
+    ("wandb_log_model", "log_model"): "W&B gets metrics and eval samples, not the model: the model is saved under "
+                                      "output_dir (--save_model).",
+    ("push_to_hub", "hub_model_id", "hub_strategy"): "a run does not push to the Hub: upload output_dir's model "
+                                                     "afterwards (hf upload <repo> <output_dir>).",
+}
+
+
+def normalized(flag: str) -> str:
+    """'--Learning-Rate' -> 'learning_rate': how the tables are keyed."""
+    return flag.lstrip("-").lower().replace("-", "_")
+
+
+def meaning_table() -> dict[str, str]:
+    """Every other trainer's name, normalized, with the hint it gets."""
+    table = {name: f"shardtune calls it {flag}." for flag, names in RENAMED.items() for name in names}
+    table.update({name: hint for names, hint in GUIDANCE.items() for name in names})
+    return table
+
+
+MEANINGS = meaning_table()
+
+
+def flag_hint(flag: str, known: Iterable[str]) -> str:
+    """The hint for an unknown flag: its meaning if another trainer uses the name, else the nearest spelling of a
+    known flag, else --help."""
+    name = normalized(flag)
+    meaning = MEANINGS.get(name) or MEANINGS.get(name.rsplit(".", 1)[-1])
+    if meaning:
+        return meaning
+    known = list(known)
+    nearest = difflib.get_close_matches(f"--{name}", known, n=1) or difflib.get_close_matches(flag, known, n=1)
+    return f"did you mean {nearest[0]}?" if nearest else "see --help for the recipe's flags."

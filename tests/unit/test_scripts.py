@@ -1,0 +1,59 @@
+"""The scripts behave like the CLI: --help prints their options and exits before any work starts, and a bad input
+is one line naming the problem, exit code 2, before anything is launched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.unit.test_help import help_entries
+
+SCRIPTS = sorted(path.name for path in (REPO / "scripts").glob("*.py"))
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "1000"}
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_prints_every_option_and_exits(script):
+    result = run(f"scripts/{script}", "--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"usage: {script}"), result.stdout[:500]
+    entries = help_entries(result.stdout)
+    assert not [option for option, text in entries.items() if not text], f"{script}: options without help"
+    # Nothing ran: no op compiled, no plan table printed.
+    assert "deepspeed op" not in result.stdout and "|---" not in result.stdout
+
+
+def test_bench_refuses_a_missing_recipe_before_launching():
+    result = run("scripts/bench.py", "--config_file", "accelerate_configs/ddp.yaml", "--recipe", "recipes/nothere.py")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["bench.py: error: --recipe 'recipes/nothere.py' does not exist: give a "
+                                          "recipe file, e.g. recipes/tiny.py."]
+
+
+def test_bench_refuses_impossible_numbers_before_launching():
+    result = run("scripts/bench.py", "--config_file", "nothere.yaml", "--recipe", "recipes/tiny.py",
+                 "--num_processes", "0", "--steps", "5", "--warmup", "5")
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 3 and all(line.startswith("bench.py: error: ") for line in lines), lines
+    assert "--config_file 'nothere.yaml' does not exist" in lines[0]
+    assert lines[1] == "bench.py: error: --num_processes must be > 0, got 0."
+    assert "--warmup must be >= 0 and below --steps (5), got 5" in lines[2]
+
+
+def test_flops_unknown_gpu_is_one_clean_line():
+    result = run("-m", "shardtune.flops", "--model", "llama-3.1-8b", "--tokens_per_second", "1000", "--gpus", "8",
+                 "--gpu", "h1000")
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == ["shardtune.flops: warning: Unknown GPU 'h1000': no BF16 peak known, so no "
+                                          "MFU is reported."]
+    assert "MFU: unknown GPU peak, not reported" in result.stdout
