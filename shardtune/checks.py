@@ -84,14 +84,15 @@ def check_choices(recipe: Recipe) -> None:
     problems.raise_any()
 
 
-def check_quantization(recipe: Recipe, on_gpu: bool) -> None:
-    """QLoRA's prerequisites, in the order a user meets them (each later one matters only once the earlier holds)."""
+def check_quantization(recipe: Recipe, on_gpu: bool, loads: bool = True) -> None:
+    """QLoRA's prerequisites, in the order a user meets them (each later one matters only once the earlier holds).
+    `loads`: the run will load the model; a --dry_run plans the 4-bit base without bitsandbytes."""
     if recipe.load_in_4bit and not recipe.use_peft:
         raise ConfigError("--load_in_4bit true quantizes the frozen base for QLoRA: add --use_peft true.")
     if recipe.load_in_4bit and not on_gpu:
         raise ConfigError("--load_in_4bit needs a CUDA GPU: bitsandbytes' 4-bit kernels do not run on this machine. "
                           "Use --use_peft true without --load_in_4bit (LoRA on a 16-bit base).")
-    if recipe.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+    if loads and recipe.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
 
 

@@ -103,7 +103,7 @@ def dry_run(recipe: Recipe, problems: Problems, launch: LaunchDescription) -> in
         if check not in NOT_IN_DRY_RUN:
             problems.check(check, recipe)
     problems.check(check_attention, recipe, True)
-    problems.check(check_quantization, recipe, True)
+    problems.check(check_quantization, recipe, True, False)  # as on a GPU; planning needs no bitsandbytes
     hardware = problems.check(planned_hardware, recipe.hardware) if recipe.hardware else None
     if hardware is None and not recipe.hardware:
         problems.messages.append("--dry_run needs --hardware (e.g. 8xh100-80gb): the hardware to plan for.")

@@ -67,6 +67,20 @@ class LaunchDescription:
         )
 
     @property
+    def description(self) -> str:
+        """The strategy in words, as the start-up line says it: "DeepSpeed ZeRO-3, optimizer offloaded to cpu",
+        "FSDP2 FULL_SHARD", "DDP", or "one process"."""
+        if self.uses_deepspeed:
+            offloaded = [f"{states} offloaded to {device}" for kind, states in (("optimizer", "optimizer"),
+                                                                               ("param", "parameters"))
+                         if (device := self.deepspeed_settings.get(f"offload_{kind}", "none")) != "none"]
+            return ", ".join([f"DeepSpeed ZeRO-{self.deepspeed_settings.get('stage')}", *offloaded])
+        if self.uses_fsdp:  # FSDP2's reshard-after-forward is FSDP1's FULL_SHARD; without it, SHARD_GRAD_OP
+            sharding = "FULL_SHARD" if self.fsdp_reshard_after_forward else "SHARD_GRAD_OP"
+            return f"FSDP2 {sharding}" + (", parameters offloaded to cpu" if self.fsdp_offload_params else "")
+        return "DDP" if self.world_size > 1 else "one process"
+
+    @property
     def kind(self) -> str:
         """"deepspeed", "fsdp" or "ddp" (also one process)."""
         return "deepspeed" if self.uses_deepspeed else "fsdp" if self.uses_fsdp else "ddp"

@@ -188,7 +188,7 @@ def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch
         truncate_metrics(output_dir, after_step=start_step)  # a killed run may have logged past its checkpoint
     start_tracking(accelerator, recipe, launch, resumed=resume_path is not None)
     accelerator.print(
-        f"shardtune: {recipe.name} | {accelerator.distributed_type.value} x {batching.world_size} | "
+        f"shardtune: {recipe.name} | {launch.description} | "
         f"global batch {batching.global_batch} = {batching.micro_batch} x {batching.accumulation} accumulation x "
         f"{batching.world_size} ranks | {run.max_steps} steps | precision {recipe.mixed_precision} "
         f"{reduction_dtypes(run.model)}".rstrip()

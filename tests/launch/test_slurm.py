@@ -234,7 +234,7 @@ def test_two_node_job_checkpoints_requeues_and_resumes(slurm, reference_run, tin
     for node in (0, 1):
         log = node_log(1, node).read_text()
         assert f"resumed from {output_dir}/checkpoint-{stop_step} at step {stop_step}" in log, log[-4000:]
-        assert "FSDP x 2 |" in log and "x 2 ranks" in log and "first loss" in log, log[-4000:]
+        assert "FSDP2 FULL_SHARD |" in log and "x 2 ranks" in log and "first loss" in log, log[-4000:]
 
     assert [row["step"] for row in read_metrics(output_dir) if "loss" in row] == list(range(1, 9))
     assert train_losses(output_dir) == train_losses(reference)  # bitwise: 2 nodes x 1 rank, stopped and resumed

@@ -38,6 +38,28 @@ def test_inconsistent_batches_refused(micro, gas, total, world):
         batch_sizes(recipe, world)
 
 
+@pytest.mark.parametrize(("env", "words"), [
+    ({}, "one process"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "DDP"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+      "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"},
+     "DeepSpeed ZeRO-3, optimizer offloaded to cpu, parameters offloaded to nvme"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, "DeepSpeed ZeRO-2"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"},
+     "FSDP2 SHARD_GRAD_OP"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"},
+     "FSDP2 FULL_SHARD, parameters offloaded to cpu"),
+])
+def test_the_start_up_line_names_the_strategy_in_words(env, words, monkeypatch):
+    """Not accelerate's enum value ("NO", "MULTI_CPU"): what runs, as the configs' names say it."""
+    for name in [*os.environ]:
+        if name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT") or name.startswith(("ACCELERATE_", "FSDP_")):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert LaunchDescription.from_env().description == words
+
+
 @pytest.mark.parametrize("env", [
     {},  # one process, no launcher
     {"WORLD_SIZE": "16", "RANK": "15", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},  # 2 nodes, DDP

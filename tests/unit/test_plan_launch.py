@@ -5,8 +5,13 @@ tests/launch/test_plan_launch.py."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import sys
 
+import pytest
+
+from shardtune.cli import main
 from shardtune.flops import recipe_fields
 from tests.conftest import REPO
 
@@ -42,3 +47,20 @@ def test_every_recipe_follows_its_plan():
         assert (f"--num_machines {nodes} " in text) == (nodes > 1), path.name
         assert f"| `recipes/{path.name}` | " in readme and f"| `{found.plan.config}`" in readme.split(
             f"| `recipes/{path.name}` | ")[1].split("\n")[0], f"README's recipe table: {path.name}"
+
+
+def test_a_qlora_dry_run_plans_without_bitsandbytes(monkeypatch, capsys):
+    """Planning loads nothing: QLoRA's --dry_run needs no bitsandbytes (a run that loads the model still does)."""
+    for name in [*os.environ]:
+        if name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") or name.startswith(
+                ("ACCELERATE_", "FSDP_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # importlib.util.find_spec then answers None
+    spec = importlib.util.spec_from_file_location("qlora_recipe", REPO / "recipes" / "llama70b_qlora.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    with pytest.raises(SystemExit) as exit_info:
+        main(recipe.RECIPE, ["--dry_run", "--hardware", "1xh100-80gb", "--config_file",
+                             str(REPO / "accelerate_configs" / "ddp.yaml")])
+    assert exit_info.value.code == 0, capsys.readouterr().err[-2000:]
+    assert "-> fits" in capsys.readouterr().out
