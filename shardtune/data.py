@@ -290,13 +290,6 @@ def tokenize_chats(conversations: list[list[dict]], tokenizer: PreTrainedTokeniz
     return encoded
 
 
-def tokenize_chat(messages: list[dict], tokenizer: PreTrainedTokenizerBase, completion_only: bool
-                  ) -> tuple[list[int], list[int]]:
-    """One conversation: (input_ids, labels)."""
-    check_chat(messages)
-    return tokenize_chats([messages], tokenizer, completion_only)[0]
-
-
 def row_error(index: int, source: str, error: Exception) -> ConfigError:
     return ConfigError(f"Dataset row {index}: {error} (in {source!r}).")
 
