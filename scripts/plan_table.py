@@ -11,11 +11,10 @@ import argparse
 import re
 from pathlib import Path
 
-from shardtune.flops import recipe_fields, resolve_model
+from shardtune.flops import resolve_model
 from shardtune.hardware import parse_hardware
-from shardtune.plan.search import Recommendation, fewest_nodes, recommend
-from shardtune.plan.states import Peft
-from shardtune.plan.strategy import CONFIGS_DIR
+from shardtune.plan.planned_run import planned_recipe, recipe_search
+from shardtune.plan.search import Recommendation, Search, fewest_nodes, recommend
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE_DOC = REPO / "docs" / "plan-table.md"
@@ -36,7 +35,7 @@ def table() -> str:
     for model, global_batch in MODELS.items():
         shape = resolve_model(model)
         for name in HARDWARE:
-            found = recommend(shape, parse_hardware(name), global_batch, SEQ)
+            found = recommend(shape, parse_hardware(name), Search(global_batch, SEQ))
             if found.plan is None:
                 rows.append(f"| {model} | {name} | nothing fits | | | | |")
                 continue
@@ -56,15 +55,11 @@ def doc_with_table(doc: str) -> str:
 
 def recipe_plan(path: Path) -> tuple[int, Recommendation]:
     """The fastest plan for a recipe's own fields on the fewest RECIPE_NODE nodes that hold it: (nodes, plan)."""
-    fields = recipe_fields(str(path))
-    peft = None
-    if fields.get("use_peft"):
-        peft = Peft(fields.get("lora_r", 16), fields.get("lora_target_modules", "all-linear"),
-                    fields.get("load_in_4bit", False))
-    attn = "eager" if fields.get("attn_implementation") == "eager" else "sdpa"  # flex and flash save as SDPA does
-    found = fewest_nodes(resolve_model(str(path)), parse_hardware(RECIPE_NODE), fields.get("global_batch_size"),
-                         fields.get("max_seq_length", 2048), fields.get("mixed_precision", "bf16"), CONFIGS_DIR, attn,
-                         peft)
+    recipe = planned_recipe(str(path), {})
+    # The search varies micro-batch and checkpointing: the recipe's own must be what it finds fastest.
+    hardware = parse_hardware(RECIPE_NODE)
+    found = fewest_nodes(resolve_model(str(path)), hardware,
+                         recipe_search(recipe, hardware, recipe.mixed_precision, False, False))
     if found is None:
         raise SystemExit(f"{path.name}: nothing fits on up to 64 nodes of {RECIPE_NODE}")
     return found

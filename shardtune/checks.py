@@ -51,7 +51,15 @@ def check_attention(recipe: Recipe, on_gpu: bool) -> None:
     if name == "flex_attention" and not on_gpu:
         raise ConfigError("--attn_implementation flex_attention has no backward pass on CPU in this torch: use sdpa "
                           "on this machine (flex_attention trains on GPUs).")
-    if recipe.packing and on_gpu and name in ("sdpa", "eager"):
+    if on_gpu:
+        check_packed_attention(recipe)
+
+
+def check_packed_attention(recipe: Recipe) -> None:
+    """On GPUs a packed row needs a kernel that isolates its sequences without a dense mask (the planner plans
+    GPUs, so it refuses what a GPU launch refuses)."""
+    name = recipe.attn_implementation
+    if recipe.packing and name in ("sdpa", "eager"):
         raise ConfigError(f"--packing true with --attn_implementation {name} builds a dense mask over the whole "
                           "packed row (micro-batch x length squared) and leaves the flash kernel: use "
                           "--attn_implementation flash_attention_2 (pip install flash-attn) or flex_attention.")

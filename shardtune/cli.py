@@ -24,6 +24,7 @@ from shardtune.checks import (
     check_recipe,
 )
 from shardtune.config import BatchSizes, ConfigError, Problems, Recipe
+from shardtune.flag_hints import launch_line
 from shardtune.flags import parse_flags
 from shardtune.launch import LaunchDescription
 from shardtune.local_rank import first_on_machine
@@ -66,10 +67,8 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, Laun
         assert launch is not None  # no problems: the launch was read
         sys.exit(dry_run(recipe, problems, launch))
     if recipe.config_file:  # accelerate launch reads a config; the script only plans one under --dry_run
-        script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "recipes/<recipe>.py"
         problems.messages.append(f"--config_file is read only with --dry_run (to plan that config): to train under "
-                                 f"it, give it to the launcher: accelerate launch --config_file {recipe.config_file} "
-                                 f"{script} ...")
+                                 f"it, give it to the launcher: {launch_line(recipe.config_file)}")
     batching = check_recipe(recipe, problems, launch)
     # This machine's GPU, the model's config and the memory plan need torch and transformers, seconds of imports:
     # a command line that its own checks refuse is refused now; the rest is judged once it is right.

@@ -5,6 +5,8 @@ recipe's own flag, so that the command line a user keeps is the one the docs and
 from __future__ import annotations
 
 import difflib
+import os
+import sys
 from collections.abc import Iterable
 
 
@@ -12,6 +14,24 @@ def accelerate_config(engine: str, example: str, family: str) -> str:
     """The hint for a flag that picks the sharding engine, which a launch takes from its accelerate config."""
     return (f"{engine} is chosen by the accelerate config, not a recipe flag: accelerate launch --config_file "
             f"accelerate_configs/{example} recipes/<recipe>.py (the others: accelerate_configs/{family}).")
+
+
+def launch_line(config_file: str) -> str:
+    """How a run trains under an accelerate config: the launcher reads it, before the script (this one, when a
+    recipe runs)."""
+    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "recipes/<recipe>.py"
+    return f"accelerate launch --config_file {config_file} {script} ..."
+
+
+# Names of an accelerate config file: the launcher's --config_file, not the recipe's (which only plans it).
+CONFIG_FILE_NAMES = ("config", "config_path", "configfile", "cfg", "yaml", "config_yaml", "accelerate_config",
+                     "accelerate_config_file", "launch_config")
+
+
+def config_file_hint(value: str | None) -> str:
+    """The hint for a flag that names an accelerate config: give it to the launcher."""
+    return (f"an accelerate config is read by the launcher: {launch_line(value or 'accelerate_configs/<config>.yaml')}"
+            " (a recipe's own --config_file only plans it, with --dry_run).")
 
 
 # The recipe's flag, and the names other trainers give it (compared lower-case, '-' as '_'; a dotted torchtune key
@@ -111,13 +131,18 @@ def meaning_table() -> dict[str, str]:
 MEANINGS = meaning_table()
 
 
-def flag_hint(flag: str, known: Iterable[str]) -> str:
-    """The hint for an unknown flag: its meaning if another trainer uses the name, else the nearest spelling of a
-    known flag, else --help."""
+def flag_hint(flag: str, known: Iterable[str], value: str | None = None) -> str:
+    """The hint for an unknown flag given `value`: its meaning if another trainer uses the name, else the nearest
+    spelling of a known flag, else --help. A name of an accelerate config file, or one nearest to --config_file,
+    is pointed at the launcher: the recipe's --config_file trains nothing."""
     name = normalized(flag)
+    if name in CONFIG_FILE_NAMES:
+        return config_file_hint(value)
     meaning = MEANINGS.get(name) or MEANINGS.get(name.rsplit(".", 1)[-1])
     if meaning:
         return meaning
     known = list(known)
     nearest = difflib.get_close_matches(f"--{name}", known, n=1) or difflib.get_close_matches(flag, known, n=1)
+    if nearest == ["--config_file"]:
+        return config_file_hint(value)
     return f"did you mean {nearest[0]}?" if nearest else "see --help for the recipe's flags."

@@ -92,15 +92,22 @@ def given(args: Sequence[str], flag: str) -> bool:
     return any(arg == flag or arg.startswith(f"{flag}=") for arg in args)
 
 
+def is_flag(token: str) -> bool:
+    """A command-line token that names a flag, not a (negative) value."""
+    return token.startswith("--") or (token.startswith("-") and not token[1:2].isdigit())
+
+
 def unknown_argument_problems(unknown: Sequence[str]) -> list[str]:
     """One message per flag the recipe does not know, naming the recipe's flag for what it most likely meant
     (shardtune.flag_hints); a value that follows an unknown flag is its value, not a problem of its own."""
     known = [f"--{item.name}" for item in dataclasses.fields(Recipe)] + list(ALIASES)
     problems, after_flag = [], False
-    for token in unknown:
-        if token.startswith("--") or (token.startswith("-") and not token[1:2].isdigit()):
-            flag = token.split("=", 1)[0]
-            problems.append(f"Unknown argument {flag}: {flag_hint(flag, known)}")
+    for index, token in enumerate(unknown):
+        if is_flag(token):
+            flag, _, value = token.partition("=")
+            following = unknown[index + 1] if index + 1 < len(unknown) else ""
+            value = value or (following if following and not is_flag(following) else "")
+            problems.append(f"Unknown argument {flag}: {flag_hint(flag, known, value or None)}")
             after_flag = "=" not in token
         elif after_flag:
             after_flag = False

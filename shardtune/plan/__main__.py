@@ -15,14 +15,27 @@ import json
 import os
 import sys
 
-from shardtune.config import PLANNED_ATTENTION, below_lowest
-from shardtune.flops import ModelError, recipe_fields, resolve_model
+from shardtune.config import PLANNED_ATTENTION, ConfigError, below_lowest
+from shardtune.flops import ModelError, recipe_fields, resolve_config, shape_from_config
 from shardtune.hardware import HardwareError, parse_hardware
-from shardtune.plan.planner import plan
+from shardtune.plan.planned_run import (
+    check_planned,
+    is_recipe,
+    plan_recipe,
+    planned_recipe,
+    recipe_peft,
+    recipe_search,
+)
 from shardtune.plan.report import format_compare, format_plan, write_chart
 from shardtune.plan.search import config_paths, recommend
-from shardtune.plan.states import Peft
 from shardtune.plan.strategy import PlanError, read_accelerate_config
+
+# The flags that set a field of the planned run (Recipe's names); each overrides the recipe's value.
+RUN_FLAGS = ("per_device_train_batch_size", "global_batch_size", "max_seq_length", "gradient_checkpointing",
+             "mixed_precision", "attn_implementation", "packing", "use_peft", "lora_r", "lora_target_modules",
+             "load_in_4bit")
+# The flags the recommendation searches over when they are not given (a recipe gives both).
+SEARCHED_FLAGS = ("per_device_train_batch_size", "gradient_checkpointing")
 
 
 def _bool(text: str) -> bool:
@@ -43,23 +56,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="e.g. 8xh100-80gb, 2x8xh100-80gb, 4x40gb (default: %(default)s)")
     parser.add_argument("--config_file", help="accelerate config YAML; without it, recommend one")
     parser.add_argument("--per_device_train_batch_size", type=int,
-                        help="Micro-batch per GPU with --config_file or --compare (default: the recipe's, else 1); "
-                             "a recommendation picks its own")
+                        help="Micro-batch per GPU (default: the recipe's, else 1; a recommendation for a model "
+                             "searches it unless given)")
     parser.add_argument("--global_batch_size", type=int,
-                        help="Sequences per optimizer step over all GPUs, for the recommendation's accumulation "
-                             "(default: the recipe's)")
+                        help="Sequences per optimizer step over all GPUs: the recommendation keeps it, deriving "
+                             "accumulation (default: the recipe's); a plan of --config_file or --compare does not "
+                             "depend on it")
     parser.add_argument("--max_seq_length", type=int, help="Tokens per sequence (default: the recipe's, else 4096)")
     parser.add_argument("--gradient_checkpointing", type=_bool,
-                        help="true or false, with --config_file or --compare (default: the recipe's, else true); a "
-                             "recommendation picks its own")
+                        help="true or false (default: the recipe's, else true; a recommendation for a model "
+                             "searches it unless given)")
     parser.add_argument("--mixed_precision", choices=("bf16", "fp16", "no"),
                         help="Training precision (default: the recipe's, else the accelerate config's; a "
                              "recommendation's: bf16)")
-    parser.add_argument("--attn_implementation", default="sdpa", choices=tuple(PLANNED_ATTENTION),
+    parser.add_argument("--attn_implementation", choices=tuple(PLANNED_ATTENTION),
                         help="Attention as the recipe's --attn_implementation: sdpa and eager hold a dense mask, "
-                             "the flash kernels none (default: %(default)s)")
-    parser.add_argument("--packing", type=_bool, default=False,
-                        help="Padding-free packed micro-batches (one row of micro-batch x length tokens)")
+                             "the flash kernels and flex_attention none (default: the recipe's, else sdpa)")
+    parser.add_argument("--packing", type=_bool,
+                        help="true: padding-free packed micro-batches, one row of micro-batch x length tokens, "
+                             "which needs a flash kernel or flex_attention (default: the recipe's, else false)")
     parser.add_argument("--host_ram_gb", type=float,
                         help="Host RAM per node in GB (default: 250 GB per GPU, as DGX nodes carry)")
     parser.add_argument("--use_peft", type=_bool, help="LoRA on a frozen base")
@@ -67,30 +82,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora_target_modules", help="all-linear or comma-separated names")
     parser.add_argument("--load_in_4bit", type=_bool, help="QLoRA: the frozen base in 4-bit NF4")
     parser.add_argument("--compare", action="store_true", help="All accelerate_configs/*.yaml side by side")
-    parser.add_argument("--chart", help="With --compare: write a stacked-bar PNG here")
+    parser.add_argument("--chart", help="Write --compare's per-GPU peaks as a stacked-bar PNG here (implies "
+                                        "--compare)")
     parser.add_argument("--json", action="store_true", help="Print the plan as one JSON object instead of a table")
     args = parser.parse_args(argv)
     problems = check_args(args)
+    if not problems:
+        try:
+            return _run(args)
+        except (PlanError, HardwareError, ModelError) as error:
+            problems = [str(error)]
+        except ConfigError as error:
+            problems = error.messages
     for problem in problems:
         print(f"shardtune.plan: error: {problem}", file=sys.stderr)
-    if problems:
-        return 2
-    try:
-        return _run(args)
-    except (PlanError, HardwareError, ModelError) as error:
-        print(f"shardtune.plan: error: {error}", file=sys.stderr)
-        return 2
+    return 2
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
-    """Every impossible value, one line each, before anything is planned."""
+    """Every impossible value and every flag that would not act, one line each, before anything is planned."""
     problems = below_lowest((f"--{name}", getattr(args, name)) for name in
                             ("per_device_train_batch_size", "global_batch_size", "max_seq_length", "lora_r"))
     if args.host_ram_gb is not None and not args.host_ram_gb > 0:
         problems.append(f"--host_ram_gb is host RAM per node in GB and must be > 0, got {args.host_ram_gb}.")
     peft_flags = [f"--{name}" for name in ("lora_r", "lora_target_modules", "load_in_4bit")
                   if getattr(args, name) is not None]
-    if peft_flags and args.use_peft is not True and not args.model.endswith(".py"):
+    if peft_flags and not _uses_peft(args):
         problems.append(f"{', '.join(peft_flags)} shape{'s' if len(peft_flags) == 1 else ''} LoRA adapters: add "
                         "--use_peft true, or drop them.")
     if args.chart and not args.chart.lower().endswith(".png"):
@@ -98,52 +115,70 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if args.config_file and not os.path.isfile(args.config_file):
         problems.append(f"--config_file {args.config_file!r} does not exist: give an accelerate config YAML, e.g. "
                         "accelerate_configs/fsdp_full_shard.yaml.")
+    compare = "--chart" if args.chart and not args.compare else "--compare"
+    if args.config_file and (args.compare or args.chart):
+        problems.append(f"{compare} plans every shipped config and --config_file one: give one of them.")
+    if args.global_batch_size is not None and (args.config_file or args.compare or args.chart):
+        problems.append(f"--global_batch_size sets the recommendation's accumulation; the plan of "
+                        f"{'--config_file' if args.config_file else compare} does not depend on it: drop it, or "
+                        "drop that flag for a recommendation.")
     return problems
 
 
-def _given(value, fallback):
-    return fallback if value is None else value
+def _uses_peft(args: argparse.Namespace) -> bool:
+    """--use_peft as given, else the recipe's."""
+    if args.use_peft is not None:
+        return args.use_peft
+    return is_recipe(args.model) and os.path.isfile(args.model) and bool(recipe_fields(args.model).get("use_peft"))
 
 
 def _run(args: argparse.Namespace) -> int:
     hardware = parse_hardware(args.hardware, args.host_ram_gb)
-    shape = resolve_model(args.model)
-    recipe = recipe_fields(args.model) if args.model.endswith(".py") else {}
-    seq = _given(args.max_seq_length, recipe.get("max_seq_length") or 4096)
-    micro = _given(args.per_device_train_batch_size, recipe.get("per_device_train_batch_size") or 1)
-    checkpointing = _given(args.gradient_checkpointing, recipe.get("gradient_checkpointing", True))
-    precision = args.mixed_precision or recipe.get("mixed_precision")
-    attn = PLANNED_ATTENTION[args.attn_implementation]
-    packing = args.packing or recipe.get("packing", False)
-    peft = None
-    if _given(args.use_peft, recipe.get("use_peft", False)):
-        peft = Peft(_given(args.lora_r, recipe.get("lora_r", 16)),
-                    args.lora_target_modules or recipe.get("lora_target_modules", "all-linear"),
-                    _given(args.load_in_4bit, recipe.get("load_in_4bit", False)))
-        peft.trainable_params(shape)  # unknown target names: one line now
+    name, model_config = resolve_config(args.model)
+    shape = shape_from_config(model_config, name)
+    recipe = planned_recipe(args.model, {flag: getattr(args, flag) for flag in RUN_FLAGS})
+    check_planned(recipe, model_config)
+    peft = recipe_peft(recipe)
+    if peft:  # unknown target names: one line now
+        peft.trainable_params(shape)
+    # A recipe runs in its own precision; a bare model in the accelerate config's (the recommendation: bf16).
+    precision = args.mixed_precision or (recipe.mixed_precision if is_recipe(args.model) else None)
     if args.compare or args.chart:
-        plans = [plan(shape, hardware, read_accelerate_config(path, precision), micro, seq, checkpointing, attn,
-                      peft, packing) for path in config_paths()]
+        plans = [plan_recipe(shape, hardware, read_accelerate_config(path, precision), recipe)
+                 for path in config_paths()]
         if args.chart:
             write_chart(plans, args.chart)
         print(json.dumps([p.to_json() for p in plans]) if args.json else format_compare(plans))
         return 0
     if args.config_file:
-        strategy = read_accelerate_config(args.config_file, precision)
-        result = plan(shape, hardware, strategy, micro, seq, checkpointing, attn, peft, packing)
+        result = plan_recipe(shape, hardware, read_accelerate_config(args.config_file, precision), recipe)
         print(json.dumps(result.to_json()) if args.json else format_plan(result))
         return 0 if result.fits else 1
-    global_batch = _given(args.global_batch_size, recipe.get("global_batch_size"))
-    found = recommend(shape, hardware, global_batch, seq, precision or "bf16", attn=attn, peft=peft, packing=packing)
+    fixed = {flag: is_recipe(args.model) or getattr(args, flag) is not None for flag in SEARCHED_FLAGS}
+    search = recipe_search(recipe, hardware, precision or "bf16", *fixed.values())
+    found = recommend(shape, hardware, search)
+    searched = ["the accelerate config"] + [{"per_device_train_batch_size": "micro-batch",
+                                             "gradient_checkpointing": "checkpointing"}[flag]
+                                            for flag, held in fixed.items() if not held]
+    held = held_note(search.fixed(), [f"--{flag}" for flag in SEARCHED_FLAGS if getattr(args, flag) is not None]
+                     + ([args.model] if is_recipe(args.model) else []), searched)
     if args.json:
         body = found.plan.to_json() if found.plan else {"params": shape.params, "fits": False}
-        print(json.dumps({**body, "recommendation": found.message, "gpu_only": found.gpu_only,
+        print(json.dumps({**body, "recommendation": found.message, "held": held, "gpu_only": found.gpu_only,
                           "accumulation": found.accumulation}))
     else:
         print(found.message)
+        if held:
+            print(held)
         if found.plan:
             print(format_plan(found.plan))
     return 0 if found.plan else 1
+
+
+def held_note(fixed: str, sources: list[str], searched: list[str]) -> str:
+    """The line that says what the recommendation kept as given, from where, and what it searched: '' when it
+    kept nothing."""
+    return f"Kept as given ({', '.join(sources)}): {fixed}; searched: {' and '.join(searched)}." if fixed else ""
 
 
 if __name__ == "__main__":

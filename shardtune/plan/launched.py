@@ -3,13 +3,13 @@ fastest plan that fits when it does not."""
 
 from __future__ import annotations
 
-from shardtune.config import PLANNED_ATTENTION, Recipe
+from shardtune.config import Recipe
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware, nominal_gpu_memory, parse_hardware
 from shardtune.launch import LaunchDescription
-from shardtune.plan.planner import MemoryPlan, plan
+from shardtune.plan.planned_run import plan_recipe, recipe_search
+from shardtune.plan.planner import MemoryPlan
 from shardtune.plan.search import recommend
-from shardtune.plan.states import Peft
 from shardtune.plan.strategy import Strategy, read_accelerate_config
 
 
@@ -42,13 +42,8 @@ def plan_launch(shape: ModelShape, hardware: Hardware, recipe: Recipe, strategy:
                 ) -> tuple[MemoryPlan, str | None]:
     """The plan of a recipe under `strategy` (launch_strategy); with the fastest plan that fits this hardware
     when it does not (None when it does)."""
-    peft = Peft(recipe.lora_r, recipe.lora_target_modules, recipe.load_in_4bit) if recipe.use_peft else None
-    attn = PLANNED_ATTENTION[recipe.attn_implementation]
-    chosen = plan(shape, hardware, strategy, recipe.per_device_train_batch_size, recipe.max_seq_length,
-                  recipe.gradient_checkpointing, attn, peft=peft, packing=recipe.packing, async_save=recipe.async_save,
-                  save_only_model=recipe.save_only_model, eval_batch=recipe.per_device_eval_batch_size)
+    chosen = plan_recipe(shape, hardware, strategy, recipe)
     if chosen.fits:
         return chosen, None
-    found = recommend(shape, hardware, recipe.global_batch_size, recipe.max_seq_length, recipe.mixed_precision,
-                      attn=attn, peft=peft, packing=recipe.packing)
+    found = recommend(shape, hardware, recipe_search(recipe, hardware, recipe.mixed_precision, False, False))
     return chosen, f"The fastest plan that fits: {found.message}" if found.plan else found.message

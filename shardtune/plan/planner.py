@@ -127,7 +127,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     capacity = usable_capacity(hardware)
     notes = []
     if strategy.kind == "ddp" and mode == "autocast":
-        notes.append("DDP autocast: 16-bit weight copies cached during forward are counted in buffers")
+        notes.append("DDP autocast: 16-bit weight copies cached during forward are counted in the buffers of "
+                     "forward/backward and eval")
     return MemoryPlan(
         model=shape.name, hardware=hardware.name, config=strategy.name, params=params,
         trainable_params=peft.trainable_params(shape) if peft else params, world_size=world,

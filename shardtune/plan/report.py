@@ -4,19 +4,40 @@ from __future__ import annotations
 
 from shardtune.plan.planner import GPU_FIXED_RESERVE, GPU_HEADROOM_FRACTION, GiB, MemoryPlan, gb
 
-# The forward/backward step's parts of per-GPU memory, as the plan lists and charts them.
-PER_GPU_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers")
+# The parts of per-GPU memory as the plan, the table and the chart show them: the peak phase's parts
+# (phases.phase_bytes), each under one of these names, summing to the plan's total. Gathered parameters are
+# buffers, as in forward/backward; the spent graph the optimizer step still holds is activations; "step" is the
+# optimizer's own transient (torch AdamW's temporaries).
+PEAK_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers", "step")
+PART_COMPONENT = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer",
+                  "activations": "activations", "graph": "activations", "buffers": "buffers",
+                  "gathered": "buffers", "persistent": "buffers", "step": "step"}
+NOT_PER_GPU = ("total", "on_host")  # a phase's sum, and the host RAM it holds
+
+
+def peak_components(p: MemoryPlan) -> dict[str, float]:
+    """The peak phase's parts per GPU under PEAK_COMPONENTS' names: they sum to p.per_gpu["total"]."""
+    components = dict.fromkeys(PEAK_COMPONENTS, 0.0)
+    for name, value in p.phases[p.peak_phase].items():
+        if name not in NOT_PER_GPU:
+            components[PART_COMPONENT[name]] += value
+    return components
+
+
+def phase_name(phase: str) -> str:
+    return phase.replace("_", "/")
 
 
 def format_plan(p: MemoryPlan) -> str:
     rows = [f"{p.model} ({p.params:,} params) on {p.hardware} ({p.world_size} GPUs) with {p.config}, "
             f"micro-batch {p.micro_batch} x {p.max_seq_length} tokens, checkpointing "
             f"{'on' if p.gradient_checkpointing else 'off'}, {p.mixed_precision} ({p.activation_mode})"]
-    rows += [f"  {name:<12}{gb(p.per_gpu[name]):>12}" for name in (*PER_GPU_COMPONENTS, "total")]
-    if p.phases:  # the total is the largest phase's; the components above are forward/backward's
-        phases = [f"{name} {gb(parts['total'])}{' (peak)' if name == p.peak_phase else ''}"
-                  for name, parts in p.phases.items()]
-        rows.append("  per phase: " + ", ".join(phases))
+    rows.append(f"  per GPU at the peak, {phase_name(p.peak_phase)}:")
+    rows += [f"  {name:<12}{gb(value):>12}" for name, value in peak_components(p).items()]
+    rows.append(f"  {'total':<12}{gb(p.per_gpu['total']):>12}")
+    rows.append("  per phase: " + ", ".join(f"{phase_name(name)} {gb(parts['total'])}"
+                                             f"{' (peak)' if name == p.peak_phase else ''}"
+                                             for name, parts in p.phases.items()))
     rows.append(f"  {'usable':<12}{gb(p.capacity):>12}   ({GPU_HEADROOM_FRACTION:.0%} and "
                 f"{GPU_FIXED_RESERVE / GiB:.0f} GiB kept free){'' if p.gpu_fits else '   -> GPU memory binds'}")
     rows.append(f"  host RAM per node: {gb(p.host_ram_per_node)} of {gb(p.host_ram_capacity)} usable "
@@ -34,18 +55,26 @@ def format_plan(p: MemoryPlan) -> str:
 
 
 def format_compare(plans: list[MemoryPlan]) -> str:
-    header = (f"{'config':<30}" + "".join(f"{c:>13}" for c in (*PER_GPU_COMPONENTS, "total"))
-              + f"{'host/node':>13}  fits")
+    """One row per config: the peak phase's parts per GPU (they sum to the total), its name, and host RAM."""
+    header = (f"{'config':<30}" + "".join(f"{c:>12}" for c in (*PEAK_COMPONENTS, "total")) + f"  {'peak':<18}"
+              + f"{'host/node':>10}  fits")
     lines = [header]
     for p in plans:
-        cells = "".join(f"{p.per_gpu[c] / 1e9:>12.1f}G" for c in (*PER_GPU_COMPONENTS, "total"))
-        lines.append(f"{p.config:<30}{cells}{p.host_ram_per_node / 1e9:>12.1f}G  {'yes' if p.fits else 'no'}")
-    lines.append(f"usable per GPU: {gb(plans[0].capacity)}")
+        cells = "".join(f"{value / 1e9:>11.1f}G" for value in (*peak_components(p).values(), p.per_gpu["total"]))
+        lines.append(f"{p.config:<30}{cells}  {phase_name(p.peak_phase):<18}{p.host_ram_per_node / 1e9:>9.1f}G"
+                     f"  {'yes' if p.fits else 'no'}")
+    lines.append(f"usable per GPU: {gb(plans[0].capacity)}. Each row is its config's peak phase, whose parts sum to "
+                 "the total (step: the optimizer step's own transient).")
     return "\n".join(lines)
 
 
+def chart_bars(plans: list[MemoryPlan]) -> dict[str, list[float]]:
+    """The chart's stacked bars in GB: per component, one height per plan (peak_components, the table's)."""
+    return {component: [peak_components(p)[component] / 1e9 for p in plans] for component in PEAK_COMPONENTS}
+
+
 def write_chart(plans: list[MemoryPlan], path: str) -> None:
-    """Stacked bars of the per-GPU components for each config, with the usable capacity as a line."""
+    """Stacked bars of each config's peak phase, in the table's components, with the usable capacity as a line."""
     import matplotlib  # here only: the planner itself stays light
 
     matplotlib.use("Agg")  # no display on training nodes or CI
@@ -54,12 +83,11 @@ def write_chart(plans: list[MemoryPlan], path: str) -> None:
     figure, axes = plt.subplots(figsize=(max(6, 1.2 * len(plans)), 5))
     names = [p.config for p in plans]
     bottom = [0.0] * len(plans)
-    for component in PER_GPU_COMPONENTS:
-        values = [p.per_gpu[component] / 1e9 for p in plans]
+    for component, values in chart_bars(plans).items():
         axes.bar(names, values, bottom=bottom, label=component)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     axes.axhline(plans[0].capacity / 1e9, color="black", linestyle="--", label="usable capacity")
-    axes.set_ylabel("GB per GPU")
+    axes.set_ylabel("GB per GPU at the peak phase")
     axes.set_title(f"{plans[0].model} on {plans[0].hardware}")
     axes.tick_params(axis="x", labelrotation=45)
     axes.legend()

@@ -1,5 +1,6 @@
-"""The fastest plan that fits: every shipped accelerate config, checkpointing and micro-batch in speed order, and
-when nothing fits, what binds and the fewest nodes on which something does."""
+"""The fastest plan that fits: every shipped accelerate config, checkpointing and micro-batch in speed order (those
+of the two that the run fixes held), and when nothing fits, what binds and the fewest nodes on which something
+does."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ SPEED_ORDER = (
     "ds_zero3_offload_optimizer", "ds_zero3_cpu_offload", "fsdp_full_shard_cpu_offload", "ds_zero3_nvme_offload",
 )
 MAX_NODES = 64  # how far "nothing fits" looks for a node count that does
+MAX_MICRO_BATCH = 64  # the largest micro-batch searched (powers of two)
 
 
 def config_paths(configs_dir: str = CONFIGS_DIR) -> list[str]:
@@ -28,6 +30,32 @@ def config_paths(configs_dir: str = CONFIGS_DIR) -> list[str]:
     paths = glob.glob(os.path.join(configs_dir, "*.yaml"))
     rank = {name: index for index, name in enumerate(SPEED_ORDER)}
     return sorted(paths, key=lambda p: (rank.get(os.path.splitext(os.path.basename(p))[0], len(rank)), p))
+
+
+@dataclass(frozen=True)
+class Search:
+    """The run a search plans: what every candidate shares, and the micro-batch and checkpointing it holds fixed
+    (None: searched). `global_batch` None keeps no global batch (accumulation 1)."""
+
+    global_batch: int | None = None
+    seq: int = 4096
+    mixed_precision: str = "bf16"
+    configs_dir: str = CONFIGS_DIR
+    attn: str = "sdpa"
+    peft: Peft | None = None
+    packing: bool = False
+    micro_batch: int | None = None
+    checkpointing: bool | None = None
+    eval_batch: int = 8
+    async_save: bool = False
+    save_only_model: bool = False
+
+    def fixed(self) -> str:
+        """What the search holds as given, in words: '' when it varies both."""
+        held = ([f"micro-batch {self.micro_batch}"] if self.micro_batch is not None else []) + (
+            [f"gradient checkpointing {'on' if self.checkpointing else 'off'}"] if self.checkpointing is not None
+            else [])
+        return " and ".join(held)
 
 
 @dataclass
@@ -38,51 +66,49 @@ class Recommendation:
     message: str
 
 
-def micro_batches(global_batch: int | None, world: int, limit: int = 64) -> list[tuple[int, int]]:
-    """(micro, accumulation) pairs, largest micro first, that keep global = micro x accumulation x world."""
-    pairs = []
-    micro = 1
-    while micro <= limit:
-        if global_batch is None:
-            pairs.append((micro, 1))
-        elif global_batch % (micro * world) == 0:
-            pairs.append((micro, global_batch // (micro * world)))
-        micro *= 2
-    return pairs[::-1]
+def micro_batches(global_batch: int | None, world: int, fixed: int | None = None,
+                  limit: int = MAX_MICRO_BATCH) -> list[tuple[int, int]]:
+    """(micro, accumulation) pairs, largest micro first, that keep global = micro x accumulation x world: the
+    powers of two up to `limit`, or the `fixed` micro-batch alone."""
+    micros = [fixed] if fixed is not None else [2**power for power in range(limit.bit_length())][::-1]
+    if global_batch is None:
+        return [(micro, 1) for micro in micros]
+    return [(micro, global_batch // (micro * world)) for micro in micros if global_batch % (micro * world) == 0]
 
 
-def candidates(shape: ModelShape, hardware: Hardware, global_batch: int | None = None, seq: int = 4096,
-               mixed_precision: str = "bf16", configs_dir: str = CONFIGS_DIR, attn: str = "sdpa",
-               peft: Peft | None = None, packing: bool = False) -> Iterator[tuple[MemoryPlan, int, bool]]:
+def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterator[tuple[MemoryPlan, int, bool]]:
     """(plan, accumulation, offloads) for every config, checkpointing and micro-batch, fastest first: GPU-only
     configs before offload; within each, no recomputation before recomputation, configs in SPEED_ORDER, then the
-    largest micro-batch that keeps the global batch (accumulation derived; it must divide)."""
-    pairs = micro_batches(global_batch, hardware.world_size)
-    strategies = [read_accelerate_config(path, mixed_precision) for path in config_paths(configs_dir)]
+    largest micro-batch that keeps the global batch (accumulation derived; it must divide). A micro-batch or
+    checkpointing the search fixes is the only one tried."""
+    pairs = micro_batches(search.global_batch, hardware.world_size, search.micro_batch)
+    strategies = [read_accelerate_config(path, search.mixed_precision) for path in config_paths(search.configs_dir)]
+    recomputation = (False, True) if search.checkpointing is None else (search.checkpointing,)
     # Recomputation (~1/3 more compute) costs more than sharding on NVLink, offload more than both.
     for offload in (False, True):
         group = [s for s in strategies if s.offloads == offload]
-        for checkpointing in (False, True):
+        for checkpointing in recomputation:
             for strategy in group:
                 for micro, accumulation in pairs:
-                    yield (plan(shape, hardware, strategy, micro, seq, checkpointing, attn, peft, packing),
+                    yield (plan(shape, hardware, strategy, micro, search.seq, checkpointing, search.attn, search.peft,
+                                search.packing, async_save=search.async_save,
+                                save_only_model=search.save_only_model, eval_batch=search.eval_batch),
                            accumulation, offload)
 
 
-def recommend(shape: ModelShape, hardware: Hardware, global_batch: int | None = None, seq: int = 4096,
-              mixed_precision: str = "bf16", configs_dir: str = CONFIGS_DIR, attn: str = "sdpa",
-              peft: Peft | None = None, packing: bool = False) -> Recommendation:
+def recommend(shape: ModelShape, hardware: Hardware, search: Search | None = None) -> Recommendation:
     """The fastest plan that fits the GPUs and the host RAM (see `candidates` for the order); when none does,
     what binds and the smallest number of such nodes on which one does."""
-    if not micro_batches(global_batch, hardware.world_size):
-        return Recommendation(None, False, None, f"Global batch {global_batch} is not divisible by the "
+    search = search or Search()
+    if not micro_batches(search.global_batch, hardware.world_size, search.micro_batch):
+        per = f"micro-batch {search.micro_batch} x " if search.micro_batch is not None else ""
+        return Recommendation(None, False, None, f"Global batch {search.global_batch} is not divisible by {per}the "
                               f"{hardware.world_size} GPUs of {hardware.name}: no micro-batch keeps it.")
-    args = (shape, hardware, global_batch, seq, mixed_precision, configs_dir, attn, peft, packing)
-    for candidate, accumulation, offload in candidates(*args):
+    for candidate, accumulation, offload in candidates(shape, hardware, search):
         if candidate.fits:
             return Recommendation(candidate, not offload, accumulation,
-                                  _fit_message(candidate, accumulation, offload, *args))
-    return Recommendation(None, False, None, nothing_fits(*args))
+                                  _fit_message(candidate, accumulation, offload, shape, hardware, search))
+    return Recommendation(None, False, None, nothing_fits(shape, hardware, search))
 
 
 def _describe(p: MemoryPlan, accumulation: int) -> str:
@@ -90,39 +116,43 @@ def _describe(p: MemoryPlan, accumulation: int) -> str:
             f"{'on' if p.gradient_checkpointing else 'off'}")
 
 
+def _smallest(p: MemoryPlan) -> str:
+    """The plan that needs least per GPU, as a phrase."""
+    return (f"{p.config} with micro-batch {p.micro_batch} and checkpointing "
+            f"{'on' if p.gradient_checkpointing else 'off'}, needs {gb(p.per_gpu['total'])} per GPU")
+
+
 def _fit_message(chosen: MemoryPlan, accumulation: int, offload: bool, shape: ModelShape, hardware: Hardware,
-                 *search) -> str:
+                 search: Search) -> str:
     text = (f"{shape.name} on {hardware.name}: {_describe(chosen, accumulation)}: {gb(chosen.per_gpu['total'])} "
             f"of {gb(chosen.capacity)} usable per GPU, {gb(chosen.host_ram_per_node)} of "
             f"{gb(chosen.host_ram_capacity)} usable host RAM per node.")
     if offload:
-        smallest = min((p for p, _, off in candidates(shape, hardware, *search) if not off),
+        smallest = min((p for p, _, off in candidates(shape, hardware, search) if not off),
                        key=lambda p: p.per_gpu["total"])
-        text += (f" No GPU-only config fits: the smallest, {smallest.config} with micro-batch "
-                 f"{smallest.micro_batch} and checkpointing, needs {gb(smallest.per_gpu['total'])} per GPU against "
-                 f"{gb(smallest.capacity)} usable.")
+        text += f" No GPU-only config fits: the smallest, {_smallest(smallest)} against {gb(smallest.capacity)} usable."
     return text
 
 
-def fewest_nodes(shape: ModelShape, hardware: Hardware, global_batch: int | None = None, seq: int = 4096,
-                 *search, gpu_only: bool = False) -> tuple[int, Recommendation] | None:
+def fewest_nodes(shape: ModelShape, hardware: Hardware, search: Search,
+                 gpu_only: bool = False) -> tuple[int, Recommendation] | None:
     """The smallest number of `hardware`'s nodes, from `hardware.nodes` up to MAX_NODES, on which some config
     (GPU-only ones if `gpu_only`) fits while keeping the global batch, and the fastest plan there; None when no
     count does."""
     for nodes in range(hardware.nodes, MAX_NODES + 1):
         bigger = hardware.with_nodes(nodes)
-        if not micro_batches(global_batch, bigger.world_size):
+        if not micro_batches(search.global_batch, bigger.world_size, search.micro_batch):
             continue  # the global batch does not divide over these GPUs
-        for candidate, accumulation, offload in candidates(shape, bigger, global_batch, seq, *search):
+        for candidate, accumulation, offload in candidates(shape, bigger, search):
             if candidate.fits and not (gpu_only and offload):
                 return nodes, Recommendation(candidate, not offload, accumulation, "")
     return None
 
 
-def nothing_fits(shape: ModelShape, hardware: Hardware, global_batch: int | None, seq: int, *search) -> str:
+def nothing_fits(shape: ModelShape, hardware: Hardware, search: Search) -> str:
     """What binds on this hardware (the GPUs, or the host RAM of the plans the GPUs would hold), and the
     smallest number of such nodes on which some config fits, every strategy considered."""
-    plans = [p for p, _, _ in candidates(shape, hardware, global_batch, seq, *search)]
+    plans = [p for p, _, _ in candidates(shape, hardware, search)]
     within_gpu = [p for p in plans if p.gpu_fits]
     if within_gpu:
         least = min(within_gpu, key=lambda p: p.host_ram_per_node)
@@ -131,10 +161,9 @@ def nothing_fits(shape: ModelShape, hardware: Hardware, global_batch: int | None
                    "--host_ram_gb)")
     else:
         least = min(plans, key=lambda p: p.per_gpu["total"])
-        binding = (f"GPU memory: the smallest plan, {least.config} with micro-batch {least.micro_batch} and "
-                   f"checkpointing, needs {gb(least.per_gpu['total'])} per GPU, {gb(least.capacity)} is usable")
+        binding = f"GPU memory: the smallest plan, {_smallest(least)}, {gb(least.capacity)} is usable"
     text = f"Nothing fits {shape.name} on {hardware.name}; the binding limit is {binding}."
-    found = fewest_nodes(shape, hardware.with_nodes(hardware.nodes + 1), global_batch, seq, *search)
+    found = fewest_nodes(shape, hardware.with_nodes(hardware.nodes + 1), search)
     if found is None:
         text += f" It fits on no number of such nodes up to {MAX_NODES} with this global batch."
     else:
@@ -142,9 +171,9 @@ def nothing_fits(shape: ModelShape, hardware: Hardware, global_batch: int | None
         text += (f" It fits on {nodes} such nodes ({fitting.plan.hardware}): "
                  f"{_describe(fitting.plan, fitting.accumulation)}, {gb(fitting.plan.per_gpu['total'])} per GPU.")
         if not fitting.gpu_only:
-            fast = fewest_nodes(shape, hardware.with_nodes(nodes + 1), global_batch, seq, *search, gpu_only=True)
+            fast = fewest_nodes(shape, hardware.with_nodes(nodes + 1), search, gpu_only=True)
             text += (f" Without offload it fits on {fast[0]} nodes: {_describe(fast[1].plan, fast[1].accumulation)}."
                      if fast else f" Without offload it fits on no number of nodes up to {MAX_NODES} with this "
                      "global batch.")
-    peft = search[-1] if search else None
-    return text + ("" if peft else " LoRA or QLoRA (--use_peft true) needs far less.")
+    return text + ("" if search.peft else " LoRA or QLoRA (--use_peft true) needs far less.")
+

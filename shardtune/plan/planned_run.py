@@ -1,0 +1,69 @@
+"""The run the planner CLI plans: a recipe's fields as the recipe runs them (Recipe's defaults for what it leaves
+out), or a bare model's planner defaults, with the command line's flags over them; the recipe's own refusals that
+concern a plan; and the plan and the search of that run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardtune.checks import batch_sizes, check_packed_attention
+from shardtune.config import PLANNED_ATTENTION, Problems, Recipe
+from shardtune.flops import ModelShape, recipe_fields
+from shardtune.hardware import Hardware
+from shardtune.model_checks import check_context_length
+from shardtune.plan.planner import MemoryPlan, plan
+from shardtune.plan.search import Search
+from shardtune.plan.states import Peft
+from shardtune.plan.strategy import CONFIGS_DIR, Strategy
+
+# A bare model's run, where Recipe's defaults are not what the planner assumes: 4096 tokens, recomputation on.
+MODEL_DEFAULTS = {"max_seq_length": 4096, "gradient_checkpointing": True}
+
+
+def is_recipe(model: str) -> bool:
+    return model.endswith(".py")
+
+
+def planned_recipe(model: str, flags: dict[str, object]) -> Recipe:
+    """The run of `--model`: the recipe file's literal fields, or MODEL_DEFAULTS, with `flags` (Recipe field ->
+    the value given on the command line, None where not given) over them."""
+    base = ({name: value for name, value in recipe_fields(model).items() if value is not None}
+            if is_recipe(model) else dict(MODEL_DEFAULTS))
+    return dataclasses.replace(Recipe(**base), **{name: value for name, value in flags.items() if value is not None})
+
+
+def check_planned(recipe: Recipe, model_config: object) -> None:
+    """The recipe's own refusals that concern the plan, by the recipe's rules (a plan is for GPUs): the model has
+    room for --max_seq_length, and a packed row gets a kernel without a dense mask. Raises one ConfigError with
+    every failure."""
+    problems = Problems()
+    problems.check(check_context_length, recipe, model_config)
+    problems.check(check_packed_attention, recipe)
+    problems.raise_any()
+
+
+def recipe_peft(recipe: Recipe) -> Peft | None:
+    return Peft(recipe.lora_r, recipe.lora_target_modules, recipe.load_in_4bit) if recipe.use_peft else None
+
+
+def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recipe: Recipe) -> MemoryPlan:
+    """The plan of `recipe` under `strategy`: every field of the recipe that memory depends on."""
+    return plan(shape, hardware, strategy, recipe.per_device_train_batch_size, recipe.max_seq_length,
+                recipe.gradient_checkpointing, PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe),
+                recipe.packing, async_save=recipe.async_save, save_only_model=recipe.save_only_model,
+                eval_batch=recipe.per_device_eval_batch_size)
+
+
+def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, fix_micro_batch: bool,
+                  fix_checkpointing: bool, configs_dir: str = CONFIGS_DIR) -> Search:
+    """The search for the fastest config for `recipe`, holding its micro-batch and checkpointing where told to.
+    A fixed micro-batch must keep the global batch on `hardware` (ConfigError, by the recipe's rule, when it
+    cannot); a recipe's accumulation without a global batch keeps the global batch it makes there."""
+    global_batch = recipe.global_batch_size
+    if fix_micro_batch and (global_batch is not None or recipe.gradient_accumulation_steps is not None):
+        global_batch = batch_sizes(recipe, hardware.world_size).global_batch
+    return Search(global_batch, recipe.max_seq_length, mixed_precision, configs_dir,
+                  PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe), recipe.packing,
+                  recipe.per_device_train_batch_size if fix_micro_batch else None,
+                  recipe.gradient_checkpointing if fix_checkpointing else None,
+                  recipe.per_device_eval_batch_size, recipe.async_save, recipe.save_only_model)
