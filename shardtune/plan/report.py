@@ -73,8 +73,9 @@ def chart_bars(plans: list[MemoryPlan]) -> dict[str, list[float]]:
     return {component: [peak_components(p)[component] / 1e9 for p in plans] for component in PEAK_COMPONENTS}
 
 
-def write_chart(plans: list[MemoryPlan], path: str) -> None:
-    """Stacked bars of each config's peak phase, in the table's components, with the usable capacity as a line."""
+def write_chart(plans: list[MemoryPlan], path: str) -> dict[str, float]:
+    """Stacked bars of each config's peak phase, in the table's components, with the usable capacity as a line.
+    Returns the height of each config's drawn bar in GB, read back from the chart."""
     import matplotlib  # here only: the planner itself stays light
 
     matplotlib.use("Agg")  # no display on training nodes or CI
@@ -93,4 +94,9 @@ def write_chart(plans: list[MemoryPlan], path: str) -> None:
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, format="png")
+    heights = dict.fromkeys(names, 0.0)
+    for container in axes.containers:
+        for name, bar in zip(names, container, strict=True):
+            heights[name] += bar.get_height()
     plt.close(figure)
+    return heights

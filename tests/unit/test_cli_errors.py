@@ -10,7 +10,7 @@ import torch
 from transformers import get_scheduler
 
 from shardtune.config import Recipe
-from shardtune.flag_hints import MEANINGS, RENAMED
+from shardtune.flag_hints import CONFIG_FILE_NAMES, MEANINGS, RENAMED
 from shardtune.flags import ALIASES, parse_flags, parse_recipe
 from tests.conftest import REPO
 
@@ -122,3 +122,16 @@ def test_hint_tables_name_real_flags_and_files():
     configs = {path for hint in MEANINGS.values() for path in re.findall(r"accelerate_configs/[\w.]+\.yaml", hint)}
     assert configs and all((REPO / path).is_file() for path in configs)
     assert parse_recipe(Recipe(), ["--learning-rate", "2e-5"]).learning_rate == 2e-5  # hyphens are the flag's own
+
+
+@pytest.mark.parametrize("argv", [["--config", "x.yaml"], ["--config=x.yaml"], ["--accelerate_config", "x.yaml"],
+                                  ["--confg_file", "x.yaml"], ["--cfg", "x.yaml"]])
+def test_a_config_flag_is_pointed_at_the_launcher_not_the_recipe_s_config_file(argv):
+    """The recipe's --config_file only plans a config (with --dry_run): a name for an accelerate config, or a
+    misspelling nearest to --config_file, gets the launch line that trains under it."""
+    known = {f"--{item.name}" for item in dataclasses.fields(Recipe)} | set(ALIASES)
+    assert not known & {f"--{name}" for name in CONFIG_FILE_NAMES}
+    _, problems = parse_flags(Recipe(), argv)
+    assert len(problems) == 1 and "did you mean" not in problems[0], problems
+    assert "is read by the launcher: accelerate launch --config_file x.yaml " in problems[0], problems[0]
+    assert problems[0].endswith("(a recipe's own --config_file only plans it, with --dry_run).")

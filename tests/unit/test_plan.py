@@ -20,7 +20,7 @@ from shardtune.hardware import HardwareError, nominal_gpu_memory, parse_hardware
 from shardtune.plan.__main__ import main
 from shardtune.plan.activations import activation_bytes, layer_activation_bytes, saved_activation_bytes
 from shardtune.plan.planner import plan, usable_capacity
-from shardtune.plan.search import recommend
+from shardtune.plan.search import Search, recommend
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
 from shardtune.tiny import tiny_llama_config
@@ -72,7 +72,7 @@ def test_70b_zero3_does_not_fit_8xh100():
 
 def test_planning_70b_is_fast():
     start = time.perf_counter()
-    recommend(resolve_model("llama-3.1-70b"), H100, 64, 4096)
+    recommend(resolve_model("llama-3.1-70b"), H100, Search(64, 4096))
     assert time.perf_counter() - start < 5
 
 
@@ -106,7 +106,7 @@ def test_fp32_deepspeed_keeps_an_fp32_master_clone():
 
 
 def test_70b_recommendation_is_cpu_offload_with_host_ram():
-    found = recommend(resolve_model("llama-3.1-70b"), H100, 64, 4096)
+    found = recommend(resolve_model("llama-3.1-70b"), H100, Search(64, 4096))
     assert found.plan is not None and not found.gpu_only
     assert "offload" in found.plan.config and "nvme" not in found.plan.config
     assert found.plan.host_ram_per_node <= found.plan.host_ram_capacity == 0.9 * 2e12  # 2 TB per 8-GPU node
@@ -117,34 +117,34 @@ def test_70b_recommendation_is_cpu_offload_with_host_ram():
 def test_capacity_keeps_headroom_and_a_launch_reads_gpus_by_the_cli_rule():
     assert usable_capacity(H100) == int(80e9 * 0.9 - 2 * 2**30)
     assert nominal_gpu_memory(int(79.6 * 2**30)) == 80e9  # a card's label in GiB, planned as the CLI reads it
-    found = recommend(resolve_model("llama-3.1-8b"), H100, 64, 4096)
+    found = recommend(resolve_model("llama-3.1-8b"), H100, Search(64, 4096))
     assert found.plan.per_gpu["total"] <= usable_capacity(H100) < 0.9 * 80e9
 
 
 def test_host_ram_binds_and_the_smallest_node_count_is_named():
     """405B: micro-batch 1 fits the GPUs of one node only with NVMe offload, whose host-side gradient
     partitions exceed 2 TB: the message says host RAM binds, and names the node count that fits."""
-    found = recommend(resolve_model("llama-3.1-405b"), H100, 128, 4096)
+    found = recommend(resolve_model("llama-3.1-405b"), H100, Search(128, 4096))
     assert found.plan is None
     assert "binding limit is host RAM" in found.message and "--host_ram_gb" in found.message
     nodes = int(re.search(r"It fits on (\d+) such nodes", found.message).group(1))
     assert 128 % (8 * nodes) == 0
-    assert recommend(resolve_model("llama-3.1-405b"), H100.with_nodes(nodes), 128, 4096).plan is not None
-    assert recommend(resolve_model("llama-3.1-405b"), H100.with_nodes(nodes // 2), 128, 4096).plan is None
+    assert recommend(resolve_model("llama-3.1-405b"), H100.with_nodes(nodes), Search(128, 4096)).plan is not None
+    assert recommend(resolve_model("llama-3.1-405b"), H100.with_nodes(nodes // 2), Search(128, 4096)).plan is None
 
 
 def test_nothing_fits_skips_node_counts_the_global_batch_does_not_divide(tmp_path):
     """70B full fine-tuning without offload: 3 nodes (24 GPUs) cannot keep a global batch of 64, so the
     smallest count named is one that can; the binding limit on one node is GPU memory."""
     shutil.copy(os.path.join(CONFIGS_DIR, "fsdp_full_shard.yaml"), tmp_path)
-    found = recommend(resolve_model("llama-3.1-70b"), H100, 64, 4096, configs_dir=str(tmp_path))
+    found = recommend(resolve_model("llama-3.1-70b"), H100, Search(64, 4096, configs_dir=str(tmp_path)))
     assert found.plan is None and "binding limit is GPU memory" in found.message
     nodes = int(re.search(r"It fits on (\d+) such nodes", found.message).group(1))
     assert nodes >= 2 and 64 % (8 * nodes) == 0
     for fewer in range(1, nodes):
         if 64 % (8 * fewer) == 0:
-            assert recommend(resolve_model("llama-3.1-70b"), H100.with_nodes(fewer), 64, 4096,
-                             configs_dir=str(tmp_path)).plan is None
+            assert recommend(resolve_model("llama-3.1-70b"), H100.with_nodes(fewer),
+                             Search(64, 4096, configs_dir=str(tmp_path))).plan is None
 
 
 def test_qlora_loads_its_base_in_4_bits_not_fp32():
@@ -156,13 +156,13 @@ def test_qlora_loads_its_base_in_4_bits_not_fp32():
 
 
 def test_small_model_recommendation_is_ddp_and_keeps_global_batch():
-    found = recommend(resolve_model("llama-3.2-1b"), H100, 64, 4096)
+    found = recommend(resolve_model("llama-3.2-1b"), H100, Search(64, 4096))
     assert found.gpu_only and found.plan.config == "ddp"
     assert found.plan.micro_batch * found.accumulation * 8 == 64
 
 
 def test_too_small_host_ram_names_the_way_out():
-    found = recommend(resolve_model("llama-3.1-405b"), parse_hardware("8x80gb", host_ram_gb=512), 64, 4096)
+    found = recommend(resolve_model("llama-3.1-405b"), parse_hardware("8x80gb", host_ram_gb=512), Search(64, 4096))
     assert found.plan is None
     assert "Nothing fits" in found.message and "LoRA" in found.message
     assert "460.8 GB is usable" in found.message  # 512 GB less 10%

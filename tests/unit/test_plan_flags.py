@@ -1,0 +1,160 @@
+"""The planner CLI plans the run it is given: every flag acts or is refused with one line, a recipe's fields are
+the recipe's run, the recipe's refusals hold, and the compare table and chart show the same sums."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from shardtune.config import ConfigError, Recipe
+from shardtune.flops import resolve_config, resolve_model
+from shardtune.hardware import parse_hardware
+from shardtune.model_checks import check_context_length
+from shardtune.plan.__main__ import main
+from shardtune.plan.planner import plan
+from shardtune.plan.report import PEAK_COMPONENTS, format_compare, peak_components, write_chart
+from shardtune.plan.search import config_paths
+from shardtune.plan.states import Peft
+from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
+from tests.conftest import REPO
+
+H100 = parse_hardware("8xh100-80gb")
+LORA_RECIPE = str(REPO / "recipes" / "llama8b_lora.py")
+DDP = os.path.join(CONFIGS_DIR, "ddp.yaml")
+
+
+def run_json(capsys, *argv: str) -> tuple[int, dict | list]:
+    code = main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def refusal(capsys, *argv: str) -> str:
+    """The one line a refused command prints; it must exit 2 and print nothing else."""
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and not captured.out, (code, captured)
+    return lines[0]
+
+
+def test_a_recommendation_keeps_the_micro_batch_and_checkpointing_given(capsys):
+    code, found = run_json(capsys, "--model", "llama-3.1-8b", "--gradient_checkpointing", "true",
+                           "--per_device_train_batch_size", "4")
+    assert code == 0 and found["micro_batch"] == 4 and found["gradient_checkpointing"] is True
+    assert found["micro_batch"] * found["accumulation"] * 8 == 64 or found["accumulation"] == 1
+    assert found["held"] == ("Kept as given (--per_device_train_batch_size, --gradient_checkpointing): micro-batch 4 "
+                             "and gradient checkpointing on; searched: the accelerate config.")
+    # One of the two given: the other is searched, and the line says so.
+    code, found = run_json(capsys, "--model", "llama-3.1-8b", "--global_batch_size", "64",
+                           "--gradient_checkpointing", "true")
+    assert code == 0 and found["gradient_checkpointing"] is True
+    assert found["micro_batch"] * found["accumulation"] * 8 == 64
+    assert found["held"].endswith("gradient checkpointing on; searched: the accelerate config and micro-batch.")
+    assert main(["--model", "llama-3.1-8b", "--per_device_train_batch_size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 4 x accumulation" in out.splitlines()[0]
+    assert out.splitlines()[1] == ("Kept as given (--per_device_train_batch_size): micro-batch 4; searched: the "
+                                   "accelerate config and checkpointing.")
+    # A micro-batch that cannot keep the global batch is refused by the recipe's rule, before any search.
+    line = refusal(capsys, "--model", "llama-3.1-8b", "--per_device_train_batch_size", "3", "--global_batch_size",
+                   "64")
+    assert "--global_batch_size 64 is not divisible by per_device_train_batch_size x processes = 3 x 8 = 24" in line
+
+
+def test_a_recipe_recommendation_keeps_the_recipe_s_micro_batch_and_checkpointing(capsys):
+    code, found = run_json(capsys, "--model", str(REPO / "recipes" / "llama70b.py"))
+    assert code == 0 and (found["micro_batch"], found["gradient_checkpointing"]) == (2, True)
+    assert "llama70b.py): micro-batch 2 and gradient checkpointing on; searched: the accelerate config." in \
+        found["held"]
+    # A flag over the recipe's value is what is kept.
+    code, found = run_json(capsys, "--model", str(REPO / "recipes" / "llama70b.py"), "--per_device_train_batch_size",
+                           "1")
+    assert found["micro_batch"] == 1 and found["accumulation"] == 8
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["--model", "llama-3.1-8b", "--compare", "--config_file", DDP], "--compare plans every shipped config"),
+    (["--model", "llama-3.1-8b", "--chart", "x.png", "--config_file", DDP], "--chart plans every shipped config"),
+    (["--model", "llama-3.1-8b", "--config_file", DDP, "--global_batch_size", "64"],
+     "--global_batch_size sets the recommendation's accumulation; the plan of --config_file"),
+    (["--model", "llama-3.1-8b", "--compare", "--global_batch_size", "64"],
+     "--global_batch_size sets the recommendation's accumulation; the plan of --compare"),
+    (["--model", str(REPO / "recipes" / "llama8b.py"), "--lora_r", "8"], "--lora_r shapes LoRA adapters: add"),
+    (["--model", LORA_RECIPE, "--use_peft", "false", "--load_in_4bit", "true"], "--load_in_4bit shapes LoRA"),
+    (["--model", "llama-3.1-8b", "--packing", "true"], "--packing true with --attn_implementation sdpa"),
+    (["--model", LORA_RECIPE, "--attn_implementation", "eager", "--config_file", DDP],
+     "--packing true with --attn_implementation eager"),
+])
+def test_a_flag_that_would_not_act_is_refused_in_one_line(capsys, argv, names):
+    assert names in refusal(capsys, *argv)
+
+
+def test_a_flag_over_a_recipe_s_value_acts(capsys):
+    """--packing false over a recipe's true, with SDPA and a micro-batch of 2: two padded rows with their masks,
+    as plan() plans them."""
+    shape = resolve_model("llama-3.1-8b")
+    _, planned = run_json(capsys, "--model", LORA_RECIPE, "--config_file", DDP, "--packing", "false",
+                          "--attn_implementation", "sdpa", "--per_device_train_batch_size", "2")
+    expected = plan(shape, H100, read_accelerate_config(DDP, "bf16"), 2, 4096, False, "sdpa", Peft(16))
+    assert planned["per_gpu"] == pytest.approx(expected.per_gpu)
+
+
+def test_the_planner_refuses_a_length_past_the_model_s_context_by_the_recipe_s_rule(capsys):
+    _, config = resolve_config("llama-3.1-8b")
+    with pytest.raises(ConfigError) as refused:
+        check_context_length(Recipe(max_seq_length=200000), config)
+    for argv in (["--model", "llama-3.1-8b", "--max_seq_length", "200000"],
+                 ["--model", "llama-3.1-8b", "--max_seq_length", "200000", "--config_file", DDP],
+                 ["--model", "llama-3.1-8b", "--max_seq_length", "200000", "--compare"],
+                 ["--model", LORA_RECIPE, "--max_seq_length", "200000"]):
+        assert refusal(capsys, *argv) == f"shardtune.plan: error: {refused.value.messages[0]}"
+    assert "max_position_embeddings 131072" in refused.value.messages[0]
+    assert main(["--model", "llama-3.1-8b", "--max_seq_length", "131072", "--config_file", DDP]) in (0, 1)
+
+
+def test_a_recipe_is_planned_with_its_own_fields(capsys):
+    """llama8b_lora.py: flex attention on packed rows (no dense mask), LoRA r=16, checkpointing off, bf16."""
+    shape = resolve_model("llama-3.1-8b")
+    _, planned = run_json(capsys, "--model", LORA_RECIPE, "--config_file", DDP)
+    flex = plan(shape, H100, read_accelerate_config(DDP, "bf16"), 1, 4096, False, "flash", Peft(16), packing=True)
+    dense = plan(shape, H100, read_accelerate_config(DDP, "bf16"), 1, 4096, False, "sdpa", Peft(16), packing=True)
+    assert planned["per_gpu"] == pytest.approx(flex.per_gpu)
+    assert planned["per_gpu"]["activations"] < dense.per_gpu["activations"]
+    _, found = run_json(capsys, "--model", LORA_RECIPE)
+    assert found["per_gpu"]["activations"] == pytest.approx(flex.per_gpu["activations"])
+
+
+def test_a_recipe_s_unstated_fields_are_the_recipe_s_defaults(tmp_path, capsys):
+    """A recipe that states no length runs at Recipe's default, not the planner's 4096; its precision and eval
+    batch are its own."""
+    recipe = tmp_path / "short.py"
+    recipe.write_text('from shardtune import Recipe\n\nRECIPE = Recipe(model_name_or_path="meta-llama/Llama-3.1-8B", '
+                      'mixed_precision="no", per_device_eval_batch_size=2)\n')
+    _, planned = run_json(capsys, "--model", str(recipe), "--config_file", DDP)
+    defaults = Recipe()
+    assert planned["max_seq_length"] == defaults.max_seq_length != 4096
+    assert planned["mixed_precision"] == "no"
+    assert planned["gradient_checkpointing"] is defaults.gradient_checkpointing
+    expected = plan(resolve_model("llama-3.1-8b"), H100, read_accelerate_config(DDP, "no"), 1, defaults.max_seq_length,
+                    defaults.gradient_checkpointing, eval_batch=2)
+    assert planned["phases"]["eval"]["total"] == pytest.approx(expected.phases["eval"]["total"])
+
+
+def test_compare_table_and_chart_show_the_peak_phase_s_parts(tmp_path):
+    """ddp's peak for 8B is the optimizer step: its bar, its table columns and its total are the same quantity."""
+    shape = resolve_model("llama-3.1-8b")
+    plans = [plan(shape, H100, read_accelerate_config(path, "bf16"), 1, 4096, True) for path in config_paths()]
+    assert {p.peak_phase for p in plans} > {"forward_backward"}  # the test covers another peak phase
+    heights = write_chart(plans, str(tmp_path / "plan.png"))
+    table = format_compare(plans).splitlines()
+    assert table[0].split()[1:len(PEAK_COMPONENTS) + 2] == [*PEAK_COMPONENTS, "total"]
+    for p in plans:
+        assert heights[p.config] == pytest.approx(p.per_gpu["total"] / 1e9)
+        assert sum(peak_components(p).values()) == pytest.approx(p.per_gpu["total"])
+        row = next(line.split() for line in table if line.split()[0] == p.config)
+        cells = [float(cell.rstrip("G")) for cell in row[1:len(PEAK_COMPONENTS) + 2]]
+        assert cells[-1] == pytest.approx(p.per_gpu["total"] / 1e9, abs=0.05)
+        assert sum(cells[:-1]) == pytest.approx(cells[-1], abs=0.05 * len(PEAK_COMPONENTS))
+        assert row[len(PEAK_COMPONENTS) + 2] == p.peak_phase.replace("_", "/")
