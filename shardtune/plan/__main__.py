@@ -86,14 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                                         "--compare)")
     parser.add_argument("--json", action="store_true", help="Print the plan as one JSON object instead of a table")
     args = parser.parse_args(argv)
-    problems = check_args(args)
-    if not problems:
-        try:
+    try:
+        problems = check_args(args)
+        if not problems:
             return _run(args)
-        except (PlanError, HardwareError, ModelError) as error:
-            problems = [str(error)]
-        except ConfigError as error:
-            problems = error.messages
+    except (PlanError, HardwareError, ModelError) as error:
+        problems = [str(error)]
+    except ConfigError as error:
+        problems = error.messages
     for problem in problems:
         print(f"shardtune.plan: error: {problem}", file=sys.stderr)
     return 2
