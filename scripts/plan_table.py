@@ -11,6 +11,7 @@ import argparse
 import re
 from pathlib import Path
 
+from shardtune.config import PLANNED_ATTENTION
 from shardtune.flops import recipe_fields, resolve_model
 from shardtune.hardware import parse_hardware
 from shardtune.plan.search import Recommendation, fewest_nodes, recommend
@@ -61,10 +62,10 @@ def recipe_plan(path: Path) -> tuple[int, Recommendation]:
     if fields.get("use_peft"):
         peft = Peft(fields.get("lora_r", 16), fields.get("lora_target_modules", "all-linear"),
                     fields.get("load_in_4bit", False))
-    attn = "eager" if fields.get("attn_implementation") == "eager" else "sdpa"  # flex and flash save as SDPA does
+    attn = PLANNED_ATTENTION[fields.get("attn_implementation", "sdpa")]  # as the recipe's own --dry_run plans it
     found = fewest_nodes(resolve_model(str(path)), parse_hardware(RECIPE_NODE), fields.get("global_batch_size"),
                          fields.get("max_seq_length", 2048), fields.get("mixed_precision", "bf16"), CONFIGS_DIR, attn,
-                         peft)
+                         peft, fields.get("packing", False))
     if found is None:
         raise SystemExit(f"{path.name}: nothing fits on up to 64 nodes of {RECIPE_NODE}")
     return found
