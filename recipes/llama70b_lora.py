@@ -1,4 +1,4 @@
-r"""meta-llama/Llama-3.1-70B-Instruct LoRA (r=16 on every linear layer), the frozen bf16 base sharded by ZeRO-3.
+r"""meta-llama/Llama-3.1-70B-Instruct LoRA (r=16 on every linear layer), the frozen bf16 base sharded by FSDP2.
 
 Launch (one node, 8xH100-80GB):
     accelerate launch --config_file accelerate_configs/fsdp_full_shard.yaml \
