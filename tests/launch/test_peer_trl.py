@@ -119,6 +119,8 @@ def target_positions(labels: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("data_format", FORMATS)
 def test_sft_trainer_and_shardtune_agree(data_format, tmp_path, tiny_assets):
+    """Both trainers side by side (one core each); shardtune's rows come from its own data pipeline, TRL's from
+    SFTTrainer's prepared train_dataset."""
     make_rows, chat_template, trl_extra = FORMATS[data_format]
     rows, target_counts = make_rows()
     data_file = write_jsonl(tmp_path / f"{data_format}.jsonl", rows)
