@@ -25,6 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.launch import LaunchDescription
+from shardtune.plan.host import PINNED_MAX_CACHED_MB
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,6 +37,7 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
     plugin = fsdp_plugin(recipe.mixed_precision, on_cpu) if uses_fsdp else None
     if uses_deepspeed:
         deepspeed_launch_env(recipe, launch)
+        exact_pinned_host_memory()
     accelerator = Accelerator(
         # On CPU, accelerate would start N unconnected single processes for DDP/FSDP configs: ask for
         # MULTI_CPU over gloo. DeepSpeed ignores `cpu=True`; it gets gloo through the process-group kwargs.
@@ -99,6 +101,19 @@ def deepspeed_launch_env(recipe: Recipe, launch: LaunchDescription) -> None:
     if recipe.offload_nvme_path:
         for kind in ("OPTIMIZER", "PARAM"):
             os.environ[f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind}_NVME_PATH"] = recipe.offload_nvme_path
+
+
+def exact_pinned_host_memory() -> None:
+    """DeepSpeed pins its host buffers with `tensor.pin_memory()` (abstract_accelerator.py), through torch's
+    caching host allocator, which by default takes the next power of two for every block and keeps freed blocks
+    (ATen/core/CachingHostAllocator.h `allocate`, `maybe_cache_block`): a 35.3 GB gradient partition would take
+    68.7 GB. A block above pinned_max_cached_size_mb is allocated at its size and freed back to the system; the
+    planner counts that (shardtune.plan.host.pinned_rounding_bytes). Set before anything is pinned; read on
+    every allocation. DeepSpeed runs only: FSDP's CPU offload pins a new gradient copy per parameter every step,
+    which the cache serves. An environment that names the option keeps its own value."""
+    configured = ",".join(os.environ.get(name, "") for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
+    if "pinned_max_cached_size_mb" not in configured:
+        torch._C._accelerator_setAllocatorSettings(f"pinned_max_cached_size_mb:{PINNED_MAX_CACHED_MB}")
 
 
 def configure_deepspeed(config: dict, recipe: Recipe) -> None:

@@ -1,13 +1,26 @@
 """Host RAM of a run: the checkpoint staging copy of --async_save, the weights while they load, the checkpoint's
-page cache, and NVMe offload's pinned swap buffers."""
+page cache, NVMe offload's pinned swap buffers, what torch's pinned-memory allocator adds to pinned buffers, the
+optimizer shard a resumed DeepSpeed run loads, and the final export's gathered model."""
 
 from __future__ import annotations
 
 from shardtune.flops import ModelShape
-from shardtune.plan.states import CHECKPOINT_SHARD_BYTES, NF4_BYTES, Peft, largest_sub_group
+from shardtune.plan.states import (
+    CHECKPOINT_SHARD_BYTES,
+    NF4_BYTES,
+    Peft,
+    decay_tensors,
+    largest_sub_group,
+    parameter_sizes,
+    sub_group_sizes,
+)
 from shardtune.plan.strategy import Strategy
 
 CHECKPOINT_BYTES = 2  # bytes per parameter of a Hugging Face Llama-class checkpoint (bf16)
+# DeepSpeed runs set torch's pinned_max_cached_size_mb to this (shardtune.distributed.exact_pinned_host_memory):
+# a pinned block above it is allocated at its size, not the next power of two, and freed back to the system.
+PINNED_MAX_CACHED_MB = 1
+MB = 1024 * 1024  # the allocator config's "mb"
 
 
 def staging_host_bytes(strategy: Strategy, params: int, world: int, gpus_per_node: int,
@@ -63,3 +76,83 @@ def swap_buffer_bytes(strategy: Strategy, shape: ModelShape, trainable: int, wor
     if strategy.offload_optimizer == "nvme":
         total += strategy.nvme_optimizer_buffers * 4 * largest_sub_group(strategy, shape, trainable, world)
     return total
+
+
+def pinned_block_bytes(nbytes: int, max_cached_bytes: float = float("inf"),
+                       round_threshold_bytes: float = float("inf")) -> int:
+    """Bytes torch's caching host allocator takes for a pinned request of `nbytes` (torch 2.13,
+    ATen/core/CachingHostAllocator.h `allocate`): the next power of two (c10::llvm::PowerOf2Ceil) unless the
+    request exceeds pinned_max_round_threshold_mb or pinned_max_cached_size_mb (both unlimited by default), then
+    `nbytes`. A freed block stays cached unless it exceeds pinned_max_cached_size_mb (`maybe_cache_block`)."""
+    if nbytes <= 0:
+        return 0
+    if nbytes <= round_threshold_bytes and nbytes <= max_cached_bytes:
+        return 1 << (nbytes - 1).bit_length()
+    return nbytes
+
+
+def pinned_buffers(strategy: Strategy, shape: ModelShape, world: int, peft: Peft | None = None) -> list[int]:
+    """Bytes of each pinned host buffer one rank holds from torch's caching host allocator (DeepSpeed's CUDA
+    accelerator pins with `tensor.pin_memory()`, abstract_accelerator.py `_torch_pin_memory`; its NVMe swap
+    buffers come from its own page-locked allocator and are not listed). Shipped JSON files pin (pin_memory true).
+    - ZeRO-3 offload_optimizer (stage3.py): the fp32 gradient partition every micro-batch reduces into
+      (`grad_partitions_flat_buffer`, one block of every trainable partition), and with device cpu one fp32
+      gradient buffer per optimizer sub-group (`initialize_optimizer_states`; NVMe sub-groups swap instead).
+    - ZeRO-3 offload_param: one 16-bit flat block per parameter group, up to max_in_cpu elements under NVMe
+      (`_create_param_groups_fp16_flat_cpu_memory`). The per-parameter partitions zero.Init pins first are copied
+      in and freed, back to the system under shardtune's setting (larger than PINNED_MAX_CACHED_MB).
+    - FSDP2 CPUOffloadPolicy (pin_memory by default): every parameter's padded shard, ceil(rows / N) rows
+      (_fsdp_param.py), and each step the fp32 gradient shard of every trainable parameter, copied to the host
+      into a new pinned tensor (`.to("cpu", non_blocking=True)`, _fsdp_collectives.py) and cached by the
+      allocator when freed."""
+    trainable = [(n, d) for n, d in parameter_sizes(shape)] if peft is None else \
+        [(n, True) for n in peft.adapter_sizes(shape)]
+    if strategy.kind == "fsdp" and strategy.offload_params != "none":
+        norms = [(shape.hidden, 1)] * (2 * shape.layers + 1)
+        shards = [-(-rows // world) * columns for rows, columns in decay_tensors(shape) + norms]
+        if peft is None:
+            return [4 * numel for numel in shards] * 2  # fp32 weights, then fp32 gradients
+        adapters = [4 * -(-numel // world) for numel, _ in trainable]  # small: taken as finely divisible
+        return [strategy.compute_bytes * numel for numel in shards] + adapters * 2
+    if strategy.kind != "deepspeed" or strategy.shard < 3:
+        return []
+    blocks: list[int] = []
+    if strategy.offload_optimizer != "none":
+        blocks.append(4 * sum(-(-n // world) for n, _ in trainable))
+        if strategy.offload_optimizer == "cpu":
+            blocks += [4 * size for size in sub_group_sizes(strategy, trainable, world)]
+    if strategy.offload_params != "none" and peft is None:
+        in_cpu = float("inf") if strategy.offload_params == "cpu" else strategy.nvme_max_in_cpu
+        for decayed in (True, False):
+            group = sum(-(-n // world) for n, d in trainable if d == decayed)
+            kept = int(min(group, max(0, in_cpu)))
+            in_cpu -= group
+            if kept:
+                blocks.append(strategy.compute_bytes * kept)
+    return blocks
+
+
+def pinned_rounding_bytes(strategy: Strategy, shape: ModelShape, world: int, peft: Peft | None = None) -> float:
+    """What the caching host allocator takes per rank beyond the pinned buffers' own bytes (which the states
+    count): DeepSpeed runs under shardtune's setting (PINNED_MAX_CACHED_MB), FSDP under torch's defaults."""
+    limit = PINNED_MAX_CACHED_MB * MB if strategy.kind == "deepspeed" else float("inf")
+    return float(sum(pinned_block_bytes(b, limit) - b for b in pinned_buffers(strategy, shape, world, peft)))
+
+
+def resume_host_bytes(strategy: Strategy, params: int, trainable: int, world: int) -> float:
+    """Host RAM per rank that resuming a DeepSpeed run adds to what is resident when it loads: each rank reads its
+    whole ZeRO shard into host RAM (torch_checkpoint_engine.py: torch.load, map_location cpu, no mmap): the fp32
+    master partition and Adam's m and v, 12 bytes per trainable parameter / N. Adam's states are created at the
+    first step (cpu_adam.py and torch's Adam alike), so a resumed run has none yet: the loaded m and v become them
+    (torch Optimizer.load_state_dict keeps a tensor already of the parameter's dtype and device), and only the
+    loaded master copy (4 bytes / N) is extra where they live in host RAM (offload_optimizer cpu); on the GPU or
+    on NVMe, the whole shard is a transient copy. Below ZeRO-3 every rank first reads the 16-bit module
+    (mp_rank_00_model_states.pt, released before the shard loads). DDP and FSDP load on the device (accelerate's
+    map_location "on_device"; torch.distributed.checkpoint): nothing."""
+    if strategy.kind != "deepspeed":
+        return 0.0
+    shard = 12 * trainable / world
+    lazy = 8 * trainable / world if strategy.offload_optimizer == "cpu" else 0.0
+    module = strategy.compute_bytes * params if strategy.shard < 3 else 0.0
+    return float(max(shard, module) - lazy)
+

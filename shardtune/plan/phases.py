@@ -95,6 +95,18 @@ def save_gather_bytes(strategy: Strategy, shape: ModelShape, params: int, world:
     return (float(export_bytes * params) if export_bytes != 4 else 0.0), 0.0
 
 
+def export_host_bytes(strategy: Strategy, shape: ModelShape, world: int, gpus_per_node: int,
+                      peft: Peft | None = None, export_bytes: int = 2) -> float:
+    """Host RAM per node of the final export's gathered state dict (save_gather_bytes), beside the run's resident
+    host RAM: on the main process alone, except under ZeRO-1/2, where every rank copies the 16-bit module
+    (the main process alone adds the fp32 masters of an fp32 export)."""
+    _, on_host = save_gather_bytes(strategy, shape, shape.params, world, 4 if peft else export_bytes)
+    if strategy.kind == "deepspeed" and strategy.shard < 3:
+        module = float(strategy.compute_bytes * shape.params)
+        return module * min(gpus_per_node, world) + (on_host - module)
+    return on_host
+
+
 def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backward: dict[str, float],
                 eval_batch: int, seq: int, peft: Peft | None = None, foreach: bool = True,
                 host: float = 0.0, export_bytes: int = 2, attn: str = "sdpa", graph: float = 0.0

@@ -9,7 +9,7 @@ from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware
 from shardtune.plan.activations import activation_bytes, activation_mode, dtype_bytes
 from shardtune.plan.buffers import buffers, freed_under_layer_gradients
-from shardtune.plan.host import checkpoint_page_cache_bytes, loading_host_bytes, staging_host_bytes, swap_buffer_bytes
+from shardtune.plan.host_fit import host_ram_peak, host_ram_terms
 from shardtune.plan.phases import PHASES, phase_bytes
 from shardtune.plan.states import Peft, model_states, peft_states
 from shardtune.plan.strategy import Strategy
@@ -115,15 +115,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
                          export_bytes, attn, graph)
     peak_phase = max(PHASES, key=lambda name: phases[name]["total"])
     per_gpu["total"] = phases[peak_phase]["total"]
-    offloaded = states.host * hardware.gpus_per_node
-    swap_buffers = swap_buffer_bytes(strategy, shape, peft.trainable_params(shape) if peft else params, world)
-    swap_buffers *= hardware.gpus_per_node
-    loading = loading_host_bytes(strategy, params, hardware.gpus_per_node, peft)
-    staging = (staging_host_bytes(strategy, params, world, hardware.gpus_per_node, save_only_model)
-               if async_save else 0.0)
-    host = {"offloaded_states": offloaded, "swap_buffers": swap_buffers, "model_loading": loading,
-            "checkpoint_page_cache": checkpoint_page_cache_bytes(params), "checkpoint_staging": staging}
-    training_host = offloaded + swap_buffers + staging  # held while training; loading comes before
+    host = host_ram_terms(strategy, shape, world, hardware.gpus_per_node, states.host, peft, async_save,
+                          save_only_model, export_bytes)
     capacity = usable_capacity(hardware)
     notes = []
     if strategy.kind == "ddp" and mode == "autocast":
@@ -134,9 +127,9 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         trainable_params=peft.trainable_params(shape) if peft else params, world_size=world,
         micro_batch=micro_batch, max_seq_length=seq, gradient_checkpointing=checkpointing,
         mixed_precision=strategy.mixed_precision, activation_mode=mode, per_gpu=per_gpu,
-        host_ram_per_node=max(training_host, loading), host_ram=host,
+        host_ram_per_node=host_ram_peak(host), host_ram=host,
         nvme_per_node=states.nvme * hardware.gpus_per_node,
         capacity=capacity, gpu_fits=per_gpu["total"] <= capacity, host_ram_capacity=usable_host_ram(hardware),
-        host_ram_fits=max(training_host, loading) <= usable_host_ram(hardware), notes=notes,
+        host_ram_fits=host_ram_peak(host) <= usable_host_ram(hardware), notes=notes,
         phases=phases, peak_phase=peak_phase,
     )

@@ -26,6 +26,8 @@ def peak_components(p: MemoryPlan) -> dict[str, float]:
 
 def phase_name(phase: str) -> str:
     return phase.replace("_", "/")
+HOST_EXTRAS = (("pinned_rounding", "pinned-memory rounding"), ("resume", "a resume's loaded optimizer shards"),
+               ("export", "the final export's gathered model"))
 
 
 def format_plan(p: MemoryPlan) -> str:
@@ -45,6 +47,7 @@ def format_plan(p: MemoryPlan) -> str:
                 f"{gb(p.host_ram['model_loading'])} and the checkpoint's page cache "
                 f"{gb(p.host_ram['checkpoint_page_cache'])}, which the kernel can drop"
                 + (f", NVMe swap buffers {gb(p.host_ram['swap_buffers'])}" if p.host_ram["swap_buffers"] else "")
+                + "".join(f", {label} {gb(p.host_ram[key])}" for key, label in HOST_EXTRAS if p.host_ram.get(key))
                 + (f", checkpoint staging {gb(p.host_ram['checkpoint_staging'])}"
                    if p.host_ram["checkpoint_staging"] else "") + ")"
                 + ("" if p.host_ram_fits else "   -> host RAM binds"))

@@ -104,24 +104,32 @@ def decay_tensors(shape: ModelShape) -> list[tuple[int, int]]:
 
 
 def largest_sub_group(strategy: Strategy, shape: ModelShape | None, params: int, world: int) -> float:
-    """Elements of the largest ZeRO-3 optimizer sub-group of one rank, as stage3.py `_create_fp16_sub_groups`
-    cuts them: within each parameter group, partitions (ceil(numel / N) each) are added in order until the sum
-    reaches sub_group_size. Without a shape (LoRA's adapters: many small matrices) the partition is taken as
-    finely divisible: min(sub_group_size, P/N)."""
+    """Elements of the largest ZeRO-3 optimizer sub-group of one rank (see sub_group_sizes). Without a shape
+    (LoRA's adapters: many small matrices) the partition is taken as finely divisible: min(sub_group_size, P/N)."""
     sub_group = strategy.sub_group if strategy.sub_group is not None else DS_SUB_GROUP
     if shape is None or params != shape.params:
         return float(min(sub_group, -(-params // world)))
-    largest = 0
+    return float(max(sub_group_sizes(strategy, parameter_sizes(shape), world)))
+
+
+def sub_group_sizes(strategy: Strategy, sizes: list[tuple[int, bool]], world: int) -> list[int]:
+    """Elements of every ZeRO-3 optimizer sub-group of one rank, from the trainable parameters' (elements,
+    weight-decayed) in parameter order, as stage3.py `_create_fp16_sub_groups` cuts them: within each parameter
+    group, partitions (ceil(numel / N) each) are added in order until the sum reaches sub_group_size."""
+    sub_group = strategy.sub_group if strategy.sub_group is not None else DS_SUB_GROUP
+    groups = []
     for decayed in (True, False):
         current = 0
-        for numel, decay in parameter_sizes(shape):
+        for numel, decay in sizes:
             if decay != decayed:
                 continue
             current += -(-numel // world)
             if current >= sub_group:
-                largest, current = max(largest, current), 0
-        largest = max(largest, current)
-    return float(largest)
+                groups.append(current)
+                current = 0
+        if current:
+            groups.append(current)
+    return groups
 
 
 def persistent_elements(strategy: Strategy, shape: ModelShape, peft: Peft | None = None) -> int:
