@@ -6,11 +6,14 @@ consumer fails here. The trainer's own pieces run in this process as one rank of
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import re
 import socket
 from datetime import timedelta
 from types import SimpleNamespace
 
+import datasets
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,6 +36,7 @@ from shardtune.step import train_step
 from shardtune.tiny import reversal_examples
 from shardtune.tracking import wandb_init_kwargs
 from shardtune.trainer import build, start
+from tests.conftest import REPO
 
 ROWS = reversal_examples(96, seed=3)
 
@@ -232,3 +236,27 @@ def test_gradients_are_clipped_to_max_grad_norm(one_rank, max_grad_norm):
     config = {"zero_optimization": {"stage": 3}}
     configure_deepspeed(config, dataclasses.replace(one_rank.recipe, max_grad_norm=max_grad_norm))
     assert config["gradient_clipping"] == max_grad_norm
+
+
+def test_prepare_data_benchmark_times_the_rows_and_file_asked_for(tiny_assets, data_file, tmp_path, capsys):
+    """scripts/prepare_data.py --benchmark_rows N --benchmark_file F: N rows of F (short reversal rows), not the
+    synthetic instruction-sized ones it takes without F."""
+    recipe_file = tmp_path / "recipe.py"
+    recipe_file.write_text(f"from shardtune import Recipe\nRECIPE = Recipe(model_name_or_path={tiny_assets[0]!r})\n")
+    spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
+    prepare_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_data)
+    try:
+        assert prepare_data.main([str(recipe_file), "--benchmark_rows", "24", "--benchmark_file", data_file]) == 0
+        from_file = capsys.readouterr().out
+        assert prepare_data.main([str(recipe_file), "--benchmark_rows", "8"]) == 0
+        synthetic = capsys.readouterr().out
+    finally:
+        datasets.enable_caching()  # the benchmark turns the cache off for the whole process
+
+    def rows_and_tokens(out: str) -> tuple[int, int]:
+        rows, tokens = re.search(r"prepare_data: (\d+) rows, ([\d,]+) tokens a row", out).groups()
+        return int(rows), int(tokens.replace(",", ""))
+
+    (file_rows, file_tokens), (synthetic_rows, synthetic_tokens) = map(rows_and_tokens, (from_file, synthetic))
+    assert (file_rows, synthetic_rows) == (24, 8) and file_tokens < 40 < synthetic_tokens
