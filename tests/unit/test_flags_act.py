@@ -213,6 +213,17 @@ def test_negations_switch_their_flag_off(tiny_assets):
                              gradient_checkpointing_interval=2)).model.layers[0].gradient_checkpointing
 
 
+def test_lora_flags_shape_the_adapters(tiny_assets):
+    model = load_model(Recipe(model_name_or_path=tiny_assets[0], mixed_precision="no", use_peft=True, lora_r=4,
+                              lora_alpha=12, lora_dropout=0.2, lora_target_modules="q_proj,v_proj"))
+    adapted = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name, param in model.named_parameters()
+               if param.requires_grad}
+    assert adapted == {"q_proj", "v_proj"}
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert layer.lora_A["default"].weight.shape[0] == 4 and layer.scaling["default"] == 12 / 4
+    assert layer.lora_dropout["default"].p == 0.2
+
+
 @pytest.mark.parametrize("max_grad_norm", [0.5, 0.01])
 def test_gradients_are_clipped_to_max_grad_norm(one_rank, max_grad_norm):
     """train_step clips to the norm it is given (SGD at rate 1: the update is the clipped gradient); DeepSpeed,
