@@ -45,6 +45,16 @@ def check_dataset_sources(recipe: Recipe) -> None:
             raise ConfigError(f"--dataset {recipe.dataset!r} has an empty source between commas: separate the "
                               "sources with single commas.")
         check_dataset_path(source)
+        if recipe.dataset_split != "train" and holds_one_split(source):
+            raise ConfigError(f"--dataset_split {recipe.dataset_split!r}: {source!r} has one split, loaded whole "
+                              "whatever the flag names. Drop --dataset_split, or give a dataset with that split (a "
+                              "saved DatasetDict or a Hub dataset).")
+
+
+def holds_one_split(source: str) -> bool:
+    """A data file, or a directory that `save_to_disk` wrote from a single Dataset: either loads whole, as "train"."""
+    return os.path.isfile(source) or (os.path.isdir(source)
+                                      and not os.path.exists(os.path.join(source, "dataset_dict.json")))
 
 
 def check_dataset_weights(recipe: Recipe) -> None:

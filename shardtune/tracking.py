@@ -42,9 +42,15 @@ def start_tracking(accelerator: Accelerator, recipe: Recipe, launch: LaunchDescr
     accelerator.init_trackers(
         recipe.wandb_project,
         config=config,
-        init_kwargs={"wandb": {"dir": recipe.resolved_output_dir, "name": recipe.run_name or recipe.name,
-                               "id": run_id, "resume": "allow"}} if accelerator.is_main_process else {},
+        init_kwargs={"wandb": wandb_init_kwargs(recipe, run_id)} if accelerator.is_main_process else {},
     )
+
+
+def wandb_init_kwargs(recipe: Recipe, run_id: str) -> dict:
+    """wandb.init's arguments beside the project: the run's files under output_dir, its name (--run_name, else
+    --name), and the id that a resumed run continues."""
+    return {"dir": recipe.resolved_output_dir, "name": recipe.run_name or recipe.name, "id": run_id,
+            "resume": "allow"}
 
 
 def run_config(accelerator: Accelerator, recipe: Recipe, launch: LaunchDescription) -> dict:
