@@ -3,6 +3,8 @@ r"""meta-llama/Llama-3.1-405B full fine-tune, BF16 with fp32 master weights and 
 Launch (8 nodes x 8xH100-80GB with local NVMe: add --num_machines 8 --num_processes 64 --machine_rank N
 --main_process_ip HOST; without offload, python -m shardtune.plan --model recipes/llama405b.py says
 "Without offload it fits on no number of nodes up to 64 with this global batch."):
+    OMP_NUM_THREADS=$(python -m shardtune.cpu_threads --ranks_per_node 8 \
+        accelerate_configs/ds_zero3_nvme_offload.yaml) \
     accelerate launch --config_file accelerate_configs/ds_zero3_nvme_offload.yaml \
         recipes/llama405b.py --dataset data/train.jsonl --offload_nvme_path /local_nvme
 Plan on 8x8xh100-80gb, from python -m shardtune.plan --model recipes/llama405b.py --hardware 8x8xh100-80gb

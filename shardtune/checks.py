@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from shardtune.config import (
     ATTENTION_PACKAGES,
@@ -258,6 +259,55 @@ def check_nvme_path(recipe: Recipe, nvme_offloaded: Sequence[str]) -> None:
         raise ConfigError(f"--offload_nvme_path {path!r} is not a directory: create it on a local NVMe disk.")
 
 
+@dataclass(frozen=True)
+class AsyncIOReadiness:
+    """DeepSpeed's verdict on its async_io op (NVMe offload's reads and writes) on this machine. Unless DeepSpeed was
+    installed with it built (DS_BUILD_AIO=1), the first rank to swap compiles it, long after the model loaded:
+    against libaio, and on a GPU as a CUDA op, with the CUDA toolkit's nvcc."""
+
+    prebuilt: bool
+    libaio: bool  # AsyncIOBuilder().is_compatible(): libaio's header and library compile and link
+    missing_toolkit: str | None = None  # on a GPU, why DeepSpeed finds no CUDA toolkit to compile with
+
+    @classmethod
+    def of_this_machine(cls, has_gpu: bool) -> AsyncIOReadiness:
+        from deepspeed.git_version_info import installed_ops
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        from deepspeed.ops.op_builder.builder import CUDAOpBuilder, MissingCUDAException, installed_cuda_version
+
+        if installed_ops.get("async_io", False):
+            return cls(prebuilt=True, libaio=True)
+        builder = AsyncIOBuilder()
+        missing_toolkit = None
+        if has_gpu and isinstance(builder, CUDAOpBuilder):  # built for the CPU where torch sees no GPU
+            try:
+                installed_cuda_version()
+            except MissingCUDAException as error:
+                missing_toolkit = str(error)
+        return cls(prebuilt=False, libaio=builder.is_compatible(verbose=False), missing_toolkit=missing_toolkit)
+
+
+def check_async_io(readiness: AsyncIOReadiness) -> None:
+    """NVMe offload's async_io op can be built here: refused before the model loads rather than at the first swap."""
+    if readiness.prebuilt:
+        return
+    if not readiness.libaio:
+        raise ConfigError("NVMe offload needs DeepSpeed's async_io op, which builds against libaio, and DeepSpeed "
+                          "cannot compile and link a libaio call here: install libaio-dev (apt-get install "
+                          "libaio-dev; libaio-devel on RHEL) and a C compiler, or point CFLAGS and LDFLAGS at a "
+                          "libaio built from source, or launch with ds_zero3_cpu_offload.yaml.")
+    if readiness.missing_toolkit:
+        raise ConfigError(f"NVMe offload needs DeepSpeed's async_io op, which compiles as a CUDA op on a GPU node, "
+                          f"and no CUDA toolkit was found ({readiness.missing_toolkit}): install the CUDA toolkit "
+                          "(nvcc) matching torch's CUDA and set CUDA_HOME, or install DeepSpeed with the op built "
+                          "(DS_BUILD_AIO=1 pip install deepspeed).")
+
+
+def offloads_to_nvme(launch: LaunchDescription) -> bool:
+    settings = launch.deepspeed_settings
+    return launch.uses_deepspeed and "nvme" in (settings.get("offload_optimizer"), settings.get("offload_param"))
+
+
 def check_recipe(recipe: Recipe, problems: Problems, launch: LaunchDescription | None) -> BatchSizes | None:
     """Run every check that needs the command line and the launch alone, recording failures in `problems`.
     `launch`: None when the launch environment failed its own checks (the checks that depend on it are then
@@ -272,12 +322,14 @@ def check_recipe(recipe: Recipe, problems: Problems, launch: LaunchDescription |
 
 def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: LaunchDescription) -> None:
     """The checks that depend on this machine: a GPU, or CPU mode asked for; the attention kernel, 4-bit
-    quantization and fp16's loss scaler on it. `has_gpu`: CUDA is available."""
+    quantization and fp16's loss scaler on it; NVMe offload's async_io op. `has_gpu`: CUDA is available."""
     problems.check(check_device, recipe, has_gpu)
     on_gpu = has_gpu and not recipe.use_cpu
     problems.check(check_attention, recipe, on_gpu)
     problems.check(check_quantization, recipe, on_gpu)
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
+    if offloads_to_nvme(launch):
+        problems.check(check_async_io, AsyncIOReadiness.of_this_machine(has_gpu))
 
 
 def validate(recipe: Recipe, launch: LaunchDescription, has_gpu: bool) -> BatchSizes:

@@ -251,3 +251,19 @@ def peak_memory_gb(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30}
     return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def reset_phase_peak(device: torch.device) -> None:
+    """Start a phase's peak (phase_peak_gb): the CUDA allocator's, else this process's resident set size's."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
+
+
+def phase_peak_gb(device: torch.device, phase: str) -> dict[str, float]:
+    """The peak since reset_phase_peak, named like peak_memory_gb's: <phase>_peak_memory_gb (allocated on the GPU)
+    or <phase>_peak_rss_gb (resident on the CPU)."""
+    if device.type == "cuda":
+        return {f"{phase}_peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+    return {f"{phase}_peak_rss_gb": peak_rss_bytes() / 2**30}

@@ -37,7 +37,9 @@ from shardtune.memory import (
     ModelStateProbe,
     local_parameter_bytes,
     peak_rss_bytes,
+    phase_peak_gb,
     reset_peak_rss,
+    reset_phase_peak,
     rss_bytes,
 )
 from shardtune.metrics import StepSummary, TrainMetrics
@@ -240,10 +242,12 @@ def save_and_stop(accelerator: Accelerator, checkpointer: Checkpointer, step: in
 
 
 def log_eval(accelerator: Accelerator, run: Run, output_dir: str, step: int) -> dict[str, float]:
+    reset_phase_peak(accelerator.device)  # the eval's own peak, logged apart from the training windows'
     with phase("eval"):
         eval_metrics = evaluate(run.model, run.eval_loader, accelerator)
     accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
     log_metrics(accelerator, output_dir, step, eval_metrics)
+    log_metrics(accelerator, output_dir, step, phase_peak_gb(accelerator.device, "eval"))
     if run.held_out is not None:  # under ZeRO-3 / FSDP one full parameter gather per token: the time is shown
         started = time.perf_counter()
         samples = generate_samples(accelerator, run.model, run.tokenizer, run.held_out)
@@ -260,8 +264,10 @@ def finish(accelerator: Accelerator, recipe: Recipe, run: Run, checkpointer: Che
     output_dir = recipe.resolved_output_dir
     if recipe.save_model:  # before the final eval: an eval that fails must not cost the trained model
         set_collective_timeout(recipe.startup_timeout_minutes)  # gathering the full weights is no step's wait
+        reset_phase_peak(accelerator.device)
         with phase("save"):
             save_hf_model(accelerator, run.model, run.tokenizer, output_dir, run.save_dtype)
+        log_metrics(accelerator, output_dir, run.max_steps, phase_peak_gb(accelerator.device, "save"))
         set_collective_timeout(recipe.collective_timeout_minutes)
     eval_metrics = log_eval(accelerator, run, output_dir, run.max_steps)
     if metrics.first_loss is not None:

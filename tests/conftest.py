@@ -199,11 +199,15 @@ def pytest_sessionstart(session) -> None:
 
 
 def deepspeed_op_names() -> list[str]:
-    from deepspeed.ops.op_builder import AsyncIOBuilder
+    """What scripts/build_deepspeed_ops.py builds: of the ops the configs load, those this machine's DeepSpeed
+    accelerator has (the CUDA one has no shared-memory collectives) and, for async I/O, can build (libaio)."""
+    from deepspeed.accelerator import get_accelerator
 
-    names = ["cpu_adam", "deepspeed_shm_comm"]
-    if AsyncIOBuilder().is_compatible(verbose=False):
-        names.append("async_io")
+    builders = [get_accelerator().create_op_builder(name) for name in ("CPUAdamBuilder", "ShareMemCommBuilder")]
+    names = [builder.NAME for builder in builders if builder is not None]
+    async_io = get_accelerator().create_op_builder("AsyncIOBuilder")
+    if async_io is not None and async_io.is_compatible(verbose=False):
+        names.append(async_io.NAME)
     return names
 
 

@@ -220,7 +220,9 @@ def test_two_node_job_checkpoints_requeues_and_resumes(slurm, reference_run, tin
         report()
     port = 10000 + int(job_id) % 20000
     batch = batch_log.read_text()
-    assert f"job {job_id} attempt 0: 2 nodes x 1, rendezvous {slurm.head}:{port}" in batch, batch
+    # fsdp_full_shard steps the optimizer on the GPU: one OpenMP thread per rank.
+    assert f"job {job_id} attempt 0: 2 nodes x 1, rendezvous {slurm.head}:{port}, OMP_NUM_THREADS=1 per rank" \
+        in batch, batch
     assert f"requeueing job {job_id}" in batch and f"job {job_id} attempt 1:" in batch, batch
 
     # Attempt 0: both nodes' ranks stopped at the same step boundary, after saving a complete checkpoint there.

@@ -3,13 +3,14 @@ is one line naming the problem, exit code 2, before anything is launched."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import CONFIGS, REPO
 from tests.unit.test_help import help_entries
 
 SCRIPTS = sorted(path.name for path in (REPO / "scripts").glob("*.py"))
@@ -57,3 +58,39 @@ def test_flops_unknown_gpu_is_one_clean_line():
     assert result.stderr.splitlines() == ["shardtune.flops: warning: Unknown GPU 'h1000': no BF16 peak known, so no "
                                           "MFU is reported."]
     assert "MFU: unknown GPU peak, not reported" in result.stdout
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_build_deepspeed_ops_builds_what_the_shipped_configs_need():
+    ops = {op.builder: set(op.configs) for op in load_script("build_deepspeed_ops").needed_ops(
+        sorted(CONFIGS.glob("*.yaml")))}
+    deepspeed = {path.stem for path in CONFIGS.glob("ds_*.yaml")}
+    assert ops == {"ShareMemCommBuilder": deepspeed,
+                   "CPUAdamBuilder": {"ds_zero3_cpu_offload", "ds_zero3_nvme_offload", "ds_zero3_offload_optimizer"},
+                   "AsyncIOBuilder": {"ds_zero3_nvme_offload"}}
+
+
+@pytest.mark.parametrize("accelerator", ["cuda", "cpu"])
+def test_build_deepspeed_ops_asks_each_accelerator_only_for_the_ops_it_has(accelerator):
+    """DeepSpeed's CUDA accelerator (constructible without a GPU) lists no shared-memory collectives op: the
+    script names it and builds the others; the CPU accelerator has all three."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    script = load_script("build_deepspeed_ops")
+    ops = script.needed_ops(sorted(CONFIGS.glob("*.yaml")))
+    present, absent = script.split_by_accelerator(ops, {"cuda": CUDA_Accelerator, "cpu": CPU_Accelerator}[
+        accelerator]())
+    built = {builder.NAME for _, builder in present}
+    if accelerator == "cuda":
+        assert [op.builder for op in absent] == ["ShareMemCommBuilder"]
+        assert built == {"cpu_adam", "async_io"}
+    else:
+        assert absent == [] and built == {"cpu_adam", "async_io", "deepspeed_shm_comm"}

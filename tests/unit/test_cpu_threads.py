@@ -1,0 +1,97 @@
+"""OpenMP threads per rank where the optimizer steps on the CPU, for every shipped accelerate config: as
+scripts/slurm/train.sbatch sets them, and as the recipes' launch lines do.
+
+The SLURM script runs without a cluster, as a job's batch shell would, with `srun` and `scontrol` on PATH replaced
+by stand-ins that record what the job's step would be started with (tests/launch/test_slurm.py runs it under a real
+SLURM). A recipe's launch line is run by bash up to `accelerate launch`."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONFIGS, REPO, TINY_RECIPE
+
+SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
+CPUS_ON_NODE, PROCS_PER_NODE = 96, 8
+# The configs whose optimizer steps on the CPU: its states offloaded to CPU RAM or NVMe (DeepSpeed's CPU Adam), or
+# FSDP's parameters offloaded with them. Every other config steps on the GPU.
+CPU_OPTIMIZER_STEP = {"ds_zero3_cpu_offload", "ds_zero3_nvme_offload", "ds_zero3_offload_optimizer",
+                      "fsdp_full_shard_cpu_offload"}
+SHIPPED = sorted(path.stem for path in CONFIGS.glob("*.yaml"))
+STAND_INS = {
+    "srun": '#!/bin/sh\necho "step environment: OMP_NUM_THREADS=$OMP_NUM_THREADS"\necho "step command: $*"\n',
+    "scontrol": "#!/bin/sh\necho node-a\necho node-b\n",
+}
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("bin")
+    for name, text in STAND_INS.items():
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    return folder
+
+
+def run_job(config: str, stand_ins: Path, tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "OMP_"))}
+    env.update(PATH=f"{stand_ins}:{Path(sys.executable).parent}:{env['PATH']}", PYTHONPATH=str(REPO),
+               SLURM_JOB_ID="4242", SLURM_JOB_NAME="shardtune", SLURM_JOB_NODELIST="node-[a-b]", SLURM_NNODES="2",
+               SLURM_CPUS_ON_NODE=str(CPUS_ON_NODE), SHARDTUNE_PROCS_PER_NODE=str(PROCS_PER_NODE),
+               SHARDTUNE_LOG_DIR=str(tmp_path / "logs"), **extra)
+    return subprocess.run(["bash", str(SCRIPT), str(TINY_RECIPE), config], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_every_shipped_config_is_judged():
+    assert CPU_OPTIMIZER_STEP < set(SHIPPED) and len(SHIPPED) == 10
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+def test_threads_per_rank_follow_where_the_optimizer_steps(config, stand_ins, tmp_path):
+    result = run_job(str(CONFIGS / f"{config}.yaml"), stand_ins, tmp_path, OMP_NUM_THREADS="5")
+    assert result.returncode == 0, result.stderr
+    threads = CPUS_ON_NODE // PROCS_PER_NODE if config in CPU_OPTIMIZER_STEP else 1
+    # The environment srun hands to every node, whatever the submitting shell had: accelerate launch and torchrun
+    # pass it on to the ranks.
+    assert f"step environment: OMP_NUM_THREADS={threads}\n" in result.stdout, result.stdout
+    assert f"OMP_NUM_THREADS={threads} per rank" in result.stdout
+    assert "--num_processes 16" in result.stdout and "--main_process_ip node-a" in result.stdout
+
+
+def test_an_unreadable_config_stops_the_job_before_srun(stand_ins, tmp_path):
+    result = run_job(str(tmp_path / "nothere.yaml"), stand_ins, tmp_path)
+    assert result.returncode == 2
+    assert "step command" not in result.stdout
+    assert result.stderr.splitlines() == [
+        f"shardtune.cpu_threads: error: Cannot read accelerate config '{tmp_path}/nothere.yaml': [Errno 2] No such "
+        f"file or directory: '{tmp_path}/nothere.yaml'; give an accelerate config, e.g. "
+        "accelerate_configs/ds_zero3.yaml."]
+
+
+RECIPES = sorted((REPO / "recipes").glob("*.py"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.stem)
+def test_a_recipe_launch_line_sets_threads_where_its_config_steps_on_the_cpu(recipe):
+    header = recipe.read_text().split('"""')[1]
+    config = re.search(r"accelerate launch --config_file (accelerate_configs/\w+\.yaml)", header).group(1)
+    ranks_per_node = 8
+    # The line's prefix, as bash runs it: the thread count it gives accelerate launch.
+    prefix = re.search(r"^ *(OMP_NUM_THREADS=\$\(.*?\)) \\\n *accelerate launch", header, re.S | re.M)
+    if Path(config).stem not in CPU_OPTIMIZER_STEP:
+        assert prefix is None and "OMP_NUM_THREADS" not in header
+        return
+    assert prefix, f"{recipe.name}: its launch line must give OMP_NUM_THREADS (shardtune.cpu_threads)"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(["bash", "-c", f"{prefix.group(1)}; echo $OMP_NUM_THREADS"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    assert int(result.stdout) == max(1, (os.cpu_count() or 1) // ranks_per_node)
+    assert f"--ranks_per_node {ranks_per_node} " in prefix.group(1) and config in prefix.group(1)

@@ -1,0 +1,76 @@
+"""scripts/gpu_check.py's arithmetic, without a GPU: a case's figures from its metrics.jsonl rows (the first
+window apart as the warm-up), the lengths a packed row is planned at, and the table, a FAILED row included."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+GIB = 2**30 / 1e9  # GB per GiB: metrics.jsonl logs GiB, the table and the planner speak GB
+
+
+def metrics_rows() -> list[dict]:
+    """Three windows of two steps (the first compiles), then the export's and the eval's peaks."""
+    windows = [(2, 9.0, 1000.0, 0.10, 20.0), (4, 1.0, 9000.0, 0.40, 21.0), (6, 1.2, 7000.0, 0.30, 21.5)]
+    rows = [{"step": step, "loss": 3.0, "step_time_s": seconds, "tokens_per_second_per_device": rate, "mfu": mfu,
+             "peak_memory_gb": peak} for step, seconds, rate, mfu, peak in windows]
+    return rows + [{"step": 6, "save_peak_memory_gb": 12.0}, {"step": 6, "eval_loss": 3.1},
+                   {"step": 6, "eval_peak_memory_gb": 10.0}]
+
+
+def test_a_case_is_summarized_with_its_warmup_apart(gpu_check):
+    planned = {"train": 23.0, "save": 12.0 * GIB, "eval": 12.0}
+    summary = gpu_check.summarize(metrics_rows(), planned)
+    assert summary["warmup_s"] == 18.0  # the first window: 2 steps of 9 s
+    assert summary["tokens_per_second_per_gpu"] == 8000.0 and summary["mfu"] == pytest.approx(0.35)
+    assert summary["step_time_s"] == 1.1  # median of the timed windows
+    assert summary["train_gb"] == pytest.approx(21.5 * GIB) and summary["save_error"] == pytest.approx(0.0)
+    assert summary["eval_error"] == pytest.approx(12.0 / (10.0 * GIB) - 1)
+    assert summary["train_error"] == pytest.approx(23.0 / (21.5 * GIB) - 1)
+
+
+def test_a_case_without_a_phase_peak_is_an_error(gpu_check):
+    rows = [row for row in metrics_rows() if "save_peak_memory_gb" not in row]
+    assert gpu_check.summarize(rows, {"train": 1.0, "save": 1.0, "eval": 1.0})["error"] == \
+        "metrics.jsonl has no save_peak_memory_gb"
+
+
+def test_a_packed_row_is_planned_at_the_lengths_the_data_gives(gpu_check):
+    micro = gpu_check.MICRO
+    assert gpu_check.planned_seq([1536] * 50, packing=True) == 1536  # one row of micro x 1536 tokens
+    assert gpu_check.planned_seq([1000, 2000, 1500, 1200, 1999, 1100], packing=False) == 2000
+    lengths = [1000, 2000, 1500, 1200, 1999, 1100]
+    assert gpu_check.planned_seq(lengths, packing=True) == math.ceil(sum(sorted(lengths)[-micro:]) / micro)
+
+
+def test_the_table_prints_every_figure_and_failed_rows(gpu_check, capsys):
+    summary = gpu_check.summarize(metrics_rows(), {"train": 25.0, "save": 13.0, "eval": 10.0})
+    rows = [{"case": "ddp packed x1", "seconds": 50.0, **summary},
+            {"case": "ds_zero3 padded x1", "error": "exit 1: CUDA out of memory; log logs/gpu-check/x.log"}]
+    gpu_check.print_table(rows)
+    header, good, failed = capsys.readouterr().out.splitlines()
+    assert header.split() == ["case", "warm-up", "s", "tok/s/GPU", "MFU", "step", "s", "train", "GB", "plan",
+                              "save", "GB", "plan", "eval", "GB", "plan", "worst"]
+    worst = max(25.0 / (21.5 * GIB) - 1, 13.0 / (12.0 * GIB) - 1, 10.0 / (10.0 * GIB) - 1, key=abs)
+    assert good.split() == ["ddp", "packed", "x1", "18.0", "8,000", "35.0%", "1.10", f"{21.5 * GIB:.1f}", "25.0",
+                            f"{12.0 * GIB:.1f}", "13.0", f"{10.0 * GIB:.1f}", "10.0", f"{worst:+.1%}"]
+    assert failed == "ds_zero3 padded x1         FAILED: exit 1: CUDA out of memory; log logs/gpu-check/x.log"
+    assert good.split()[-1] == "+8.3%"  # training: 25.0 GB planned, 23.1 measured
+    assert gpu_check.failed_cases(rows) == ["ds_zero3 padded x1"]
+    missed = gpu_check.summarize(metrics_rows(), {"train": 26.0, "save": 13.0, "eval": 10.0})
+    assert gpu_check.failed_cases([{"case": "ddp packed x1", **missed}]) == ["ddp packed x1"]  # +12.6%
