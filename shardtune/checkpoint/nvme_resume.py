@@ -47,9 +47,10 @@ def load_state(accelerator: Accelerator, path: str) -> None:
 
 def restore_nvme_optimizer(optimizer, saved: dict) -> None:
     """Put back from `saved` (a rank's ZeRO-3 optimizer state dict) what the NVMe load left out: the param
-    groups' hyperparameters (the learning rate of the step being resumed); every sub-group's step count; the swapped sub-groups' Adam moments, registered with the swapper so that it reads them from the
-    swap files load_checkpoint copied back; the unswapped sub-groups' fp32 weights and moments, and their
-    16-bit partitions."""
+    groups' hyperparameters (the learning rate of the step being resumed); every sub-group's step count; the
+    swapped sub-groups' Adam moments, registered with the swapper so that it reads them from the swap files
+    load_checkpoint copied back; the unswapped sub-groups' fp32 weights and moments, and their 16-bit
+    partitions."""
     base = saved["optimizer_state_dict"]
     sub_groups = sub_groups_in_state_order(optimizer, base["param_groups"])
     for group, saved_group in zip(optimizer.optimizer.param_groups, base["param_groups"], strict=True):
