@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -53,6 +55,8 @@ def export(checkpoint: Path, output: Path, dtype: torch.dtype | None = None) -> 
         export_single(checkpoint / "model.safetensors", output / "model.safetensors", dtype)
     elif fsdp_state.is_dir():
         export_fsdp(fsdp_state, output, dtype)
+    elif (checkpoint / "pytorch_model" / "offloaded_tensors").is_dir():
+        export_zero_nvme(checkpoint / "pytorch_model", output, dtype)
     elif (checkpoint / "pytorch_model").is_dir():
         # DeepSpeed takes seconds to import and only ZeRO checkpoints need it.
         from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
@@ -69,6 +73,59 @@ def export(checkpoint: Path, output: Path, dtype: torch.dtype | None = None) -> 
         if (checkpoint / name).is_file():
             shutil.copy2(checkpoint / name, output / name)
     write_config_dtype(output, written_dtype(output))
+
+
+def export_zero_nvme(ds_dir: Path, output: Path, dtype: torch.dtype | None) -> None:
+    """A ZeRO-3 checkpoint of a run whose optimizer was on NVMe: DeepSpeed saves the swapped sub-groups' fp32
+    master weights as empty tensors in optim_states.pt and their data in offloaded_tensors/ (the swap files), so
+    zero_to_fp32 alone fails on the element count. The swap files fill the empty sub-groups, then zero_to_fp32
+    assembles the parameters, written one output shard at a time."""
+    from deepspeed.utils import zero_to_fp32
+
+    model_states = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(str(ds_dir)))
+    optim_files = zero_to_fp32.get_optim_files(str(ds_dir))
+    world = len(optim_files)
+    flat_groups = [nvme_filled_flat_groups(Path(path), ds_dir / "offloaded_tensors" / f"rank{rank:02d}",
+                                           model_states[rank].param_shapes, world)
+                   for rank, path in enumerate(optim_files)]
+    state = zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states, False)
+    empty = zero_to_fp32.to_torch_tensor(state, return_empty_tensor=True, dtype=dtype or torch.float32)
+    split = split_torch_state_dict_into_shards(empty, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=MAX_SHARD_SIZE)
+    for filename, keys in split.filename_to_tensors.items():
+        shard = zero_to_fp32.to_torch_tensor({key: state.pop(key) for key in keys}, dtype=dtype or torch.float32)
+        save_file(shard, str(output / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def nvme_filled_flat_groups(optim_file: Path, swap_dir: Path, sub_group_shapes: list[dict],
+                            world: int) -> list[torch.Tensor]:
+    """One rank's fp32 master partitions, one flat tensor per optimizer sub-group, the swapped ones read from
+    their swap files. A sub-group's partition holds ceil(numel / world) elements of each of its parameters
+    (`sub_group_shapes`: the model states' param_shapes, one dict per sub-group); a swap file is that, padded to
+    DeepSpeed's I/O alignment. The swap files are named <first ds_id>_<last ds_id>: in id order within each
+    optimizer param group, so each goes to the next swapped sub-group of the group whose size it fits."""
+    saved = torch.load(optim_file, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+    flat = list(saved["fp32_flat_groups"])
+    lengths = [sum(math.ceil(shape.numel() / world) for shape in shapes.values()) for shapes in sub_group_shapes]
+    waiting = [[index for index in group["params"] if flat[index].numel() != lengths[index]]
+               for group in saved["optimizer_state_dict"]["param_groups"]]
+    files = [path for path in swap_dir.glob("*.tensor.swp") if re.fullmatch(r"\d+_\d+\.tensor\.swp", path.name)]
+    files.sort(key=lambda path: int(path.name.split("_")[0]))  # the Adam moments' files are named exp_avg-…
+    for path in files:
+        elements = path.stat().st_size // 4
+        fits = [queue for queue in waiting if queue and lengths[queue[0]] <= elements < lengths[queue[0]] + 4096]
+        if len(fits) != 1:
+            raise SystemExit(f"export_hf: error: {path} matches {len(fits)} of the checkpoint's swapped optimizer "
+                             "sub-groups; export the run's own model.safetensors instead.")
+        index = fits[0].pop(0)
+        flat[index] = torch.from_file(str(path), size=elements, dtype=torch.float32)[:lengths[index]]
+    missing = [index for queue in waiting for index in queue]
+    if missing:
+        raise SystemExit(f"export_hf: error: {swap_dir} lacks the swap files of optimizer sub-groups {missing}.")
+    return flat
 
 
 def export_single(source: Path, target: Path, dtype: torch.dtype | None) -> None:

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.batches import counted_steps, global_batches, make_collator
+from shardtune.checkpoint.nvme_resume import load_state
 from shardtune.checkpoint.saver import Checkpointer
 from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.data import load_splits
@@ -178,7 +179,7 @@ def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch
     output_dir = recipe.resolved_output_dir
     if resume_path:
         started = time.perf_counter()
-        accelerator.load_state(resume_path)
+        load_state(accelerator, resume_path)
         accelerator.print(f"shardtune: resumed from {resume_path} at step {start_step} "
                           f"(state loaded in {time.perf_counter() - started:.1f}s)")
     elif recipe.overwrite_output_dir and accelerator.is_main_process:
