@@ -80,3 +80,25 @@ def test_fsdp_bf16_loss_is_the_fp32_loss_of_the_bf16_logits(fsdp_bf16, tiny_asse
     # bf16 keeps 8 significant bits: a rounded loss sits up to 2**-9 (2e-3) away; fp32 sums differ by ~1e-7.
     assert out.loss.item() == pytest.approx(expected.item(), rel=1e-6)
     assert out.loss.item() != pytest.approx(expected.to(torch.bfloat16).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_fsdp_saves_take_the_shards_where_they_live(monkeypatch, state_dict_type):
+    """The plugin accelerate builds from the launch environment asks for offload_to_cpu; a sharded save must not
+    pass it on (each save would copy every shard to new pageable host memory before the stager's own copy, and
+    miss the stager's buffer cache). The loading side and a full state dict keep accelerate's options."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import _prepare_sd_options
+
+    from shardtune.checkpoint.staging import fsdp_save_options
+
+    for name, value in {**FSDP_ENV, "FSDP_STATE_DICT_TYPE": state_dict_type}.items():
+        monkeypatch.setenv(name, value)
+    plugin = FullyShardedDataParallelPlugin()
+    loading = _prepare_sd_options(plugin)
+    assert loading.cpu_offload  # accelerate's, what load_state reads with
+    saving = fsdp_save_options(plugin)
+    full = state_dict_type == "FULL_STATE_DICT"
+    assert saving.full_state_dict is full
+    assert saving.cpu_offload is full
+    assert saving.broadcast_from_rank0 == loading.broadcast_from_rank0
