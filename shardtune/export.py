@@ -84,6 +84,10 @@ def save_hf_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer: P
         if is_peft_model(unwrapped):
             unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
         else:
+            # save_pretrained drops a tied weight (Llama-3.2's lm_head.weight) only where its tensor shares storage
+            # with the one it is tied to; FSDP2's gathered copies and the casts below share none: drop it here.
+            for tied in unwrapped.all_tied_weights_keys:
+                state_dict.pop(tied, None)
             # save_pretrained writes the dtype of the live parameters into config.json; the copy states the cast.
             unwrapped.save_pretrained(output_dir, state_dict=cast_floating(state_dict, dtype),
                                       safe_serialization=True, max_shard_size="5GB")
