@@ -79,7 +79,9 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
 def fsdp_plugin(mixed_precision: str, on_cpu: bool) -> FullyShardedDataParallelPlugin:
     """The plugin from the FSDP_* variables `accelerate launch` set, with gradients reduced in fp32: bf16
     compute, but the reduce-scatter sums N ranks' gradients into the fp32 master shard, and a bf16 sum loses
-    the low bits of every addend (torchtitan reduces in fp32 too)."""
+    the low bits of every addend (torchtitan reduces in fp32 too). The output cast to bf16 keeps eval's logits in
+    bf16 (accelerate's autocast wrapper returns them in fp32); it casts every floating output of the root module,
+    so the step computes its loss outside the forward (shardtune.step.token_loss)."""
     plugin = FullyShardedDataParallelPlugin()
     if on_cpu and isinstance(plugin.cpu_offload, CPUOffloadPolicy):
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)  # pinning host memory needs an accelerator

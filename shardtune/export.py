@@ -5,6 +5,7 @@ it needs for that."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import sys
@@ -68,18 +69,25 @@ def save_hf_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer: P
                   output_dir: str, dtype: torch.dtype | None = None) -> None:
     """Full weights gathered from FSDP / ZeRO-3 shards, cast to `dtype` (None: as trained), written as
     safetensors by the main process, with a config.json that states the dtype written. A PEFT model writes its
-    adapter in peft's format, as trained (fp32 adapters: small, and peft upcasts them on load anyway), taken
-    from the same gathered state dict (under ZeRO-3 the local adapter tensors are empty shards)."""
-    state_dict = accelerator.get_state_dict(model)  # ZeRO-3: on the main process only (None elsewhere)
+    adapter in peft's format, as trained (fp32 adapters: small, and peft upcasts them on load anyway), gathered
+    alone (`adapter_state_dict`): the frozen base stays sharded."""
+    unwrapped = accelerator.unwrap_model(model)
+    if is_peft_model(unwrapped):
+        state_dict = adapter_state_dict(accelerator, unwrapped)
+    else:
+        state_dict = accelerator.get_state_dict(model)  # ZeRO-3: on the main process only (None elsewhere)
     masters = {}
     if dtype == torch.float32 and deepspeed_half(accelerator):
         masters = deepspeed_master_weights(accelerator, model)  # a collective: every rank takes part
     if accelerator.is_main_process:
         state_dict.update(masters)
-        unwrapped = accelerator.unwrap_model(model)
         if is_peft_model(unwrapped):
             unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
         else:
+            # save_pretrained drops a tied weight (Llama-3.2's lm_head.weight) only where its tensor shares storage
+            # with the one it is tied to; FSDP2's gathered copies and the casts below share none: drop it here.
+            for tied in unwrapped.all_tied_weights_keys:
+                state_dict.pop(tied, None)
             # save_pretrained writes the dtype of the live parameters into config.json; the copy states the cast.
             unwrapped.save_pretrained(output_dir, state_dict=cast_floating(state_dict, dtype),
                                       safe_serialization=True, max_shard_size="5GB")
@@ -91,6 +99,29 @@ def save_hf_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer: P
     del state_dict, masters
     gc.collect()
     accelerator.wait_for_everyone()
+
+
+def adapter_state_dict(accelerator: Accelerator, unwrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters of a PEFT model (its adapters), whole, on the main process's host (empty
+    elsewhere), under the names peft's save_pretrained selects from: gathered from FSDP2's shards or ZeRO-3's
+    partitions, the frozen base never. accelerator.get_state_dict would gather the whole model to write an
+    adapter (for a 70B base, 141 GB in bf16 for an adapter under 1 GB). A collective: every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    adapters = [(name, param) for name, param in unwrapped.named_parameters() if param.requires_grad]
+    gathered = contextlib.nullcontext()
+    if any(hasattr(param, "ds_id") for _, param in adapters):  # ZeRO-3 partitions
+        import deepspeed  # DeepSpeed runs only
+
+        # All adapters in one gather (read only: modifier_rank None), released when the block ends.
+        gathered = deepspeed.zero.GatheredParameters([param for _, param in adapters])
+    state = {}
+    with gathered:
+        for name, param in adapters:  # FSDP2: one all-gather per adapter tensor, in the same order on every rank
+            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            if accelerator.is_main_process:
+                state[name] = whole.detach().to("cpu", copy=True)
+    return state
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:

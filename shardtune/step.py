@@ -1,8 +1,11 @@
 """The optimizer, and one optimizer step: this rank's micro-batches, the token-normalised loss, backward, clip, step.
 
 Nothing here reads a value back from the device: the step returns device tensors (and the learning rate it
-used, already a host number), and the metrics window (shardtune.metrics) syncs once per step. Mixing devices is
-the usual way a loop that runs on CPU crashes on CUDA: every tensor made here is made on the model's device.
+used, already a host number), and the metrics window (shardtune.metrics) syncs once per step. DeepSpeed's own
+step is the exception: with gradient clipping on it checks its device norm for inf/NaN on the host
+(deepspeed.runtime.utils.is_invalid_grad_norm, in every ZeRO stage), one sync inside `backward` that this module
+cannot remove. Mixing devices is the usual way a loop that runs on CPU crashes on CUDA: every tensor made here is
+made on the model's device.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 from shardtune.config import BatchSizes, Recipe
@@ -61,12 +65,13 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     (shardtune.metrics.TrainMetrics.global_targets). `after_backward(i)` runs after the backward of micro-batch
     i (the memory probe, fault injection)."""
     device = accelerator.device
+    unwrapped = accelerator.unwrap_model(model)
     # Read before anything steps the scheduler: afterwards it holds the next step's rate.
     lr = scheduler.get_last_lr()[0]
     loss_sum = torch.zeros((), device=device)
     for index, batch in enumerate(micro_batches):
         with accelerator.accumulate(model):
-            loss = model(**batch, num_items_in_batch=targets).loss  # this micro-batch's share of the mean
+            loss = token_loss(model, unwrapped, batch, targets)  # this micro-batch's share of the mean
             loss_sum += loss.detach()
             # accelerate divides by the accumulation steps and the ranks average gradients: undo both.
             accelerator.backward(loss * batching.accumulation * batching.world_size)
@@ -75,11 +80,34 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
             del loss
             if after_backward is not None:
                 after_backward(index)
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)  # only on the update
+    grad_norm = global_grad_norm(accelerator, model, max_grad_norm)  # only on the update
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad()
     return StepOutput(loss=loss_sum, grad_norm=norm_on_device(grad_norm, device), lr=lr)
+
+
+def token_loss(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict, targets: torch.Tensor
+               ) -> torch.Tensor:
+    """The micro-batch's summed target-token loss over `targets`, in fp32, by the model's own loss function
+    (transformers' ForCausalLMLoss: it upcasts the logits) applied outside the model's forward. A loss the forward
+    returned would pass through FSDP2's output cast (MixedPrecisionPolicy.output_dtype, bf16 here so that eval's
+    logits stay bf16), which casts every floating output of the root module: the loss would come back rounded to
+    bf16 (up to 0.4%). The logits lose nothing in that cast: they are computed in bf16."""
+    logits = model(**{key: value for key, value in batch.items() if key != "labels"}).logits
+    return unwrapped.loss_function(logits=logits, labels=batch["labels"], vocab_size=unwrapped.config.vocab_size,
+                                   num_items_in_batch=targets)
+
+
+def global_grad_norm(accelerator: Accelerator, model: torch.nn.Module, max_grad_norm: float
+                     ) -> torch.Tensor | float | None:
+    """Clip (DDP, FSDP) and return the global gradient norm before clipping. DeepSpeed clipped inside the step
+    `accelerator.backward` ran on the last micro-batch; its engine holds that step's norm, a device tensor (a float
+    inf after an overflow, None where it computes none). Read from the engine, not through
+    accelerator.clip_grad_norm_, which calls `.item()` on it: a host sync that waits for the whole optimizer step."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return model.get_global_grad_norm()
+    return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
 
 
 def norm_on_device(norm: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | None:

@@ -9,6 +9,7 @@ accelerate's and torch's private APIs by checkpointing is in this module: the ac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from datetime import timedelta
@@ -24,7 +25,7 @@ from accelerate.utils.constants import FSDP_MODEL_NAME
 from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
 
 from shardtune.checkpoint.pending import PendingSave
@@ -98,7 +99,7 @@ def stage_replicated(accelerator: Accelerator, pending: PendingSave, stager: Def
 def stage_fsdp(accelerator: Accelerator, pending: PendingSave, stager: DefaultStager, dcp_groups: list) -> None:
     """FSDP2: model and optimizer shards through torch.distributed.checkpoint's async_save: async_save copies
     each rank's shards to host memory before it returns and writes them from its own thread."""
-    options = _prepare_sd_options(accelerator.state.fsdp_plugin)  # the options load_state reads them with
+    options = fsdp_save_options(accelerator.state.fsdp_plugin)
     saves = [(f"{FSDP_MODEL_NAME}_{index}", {"model": _get_model_state_dict(model, sd_options=options)})
              for index, model in enumerate(accelerator._models)]
     saves += [(f"{OPTIMIZER_NAME}_{index}",
@@ -131,7 +132,7 @@ def stage_model_only(accelerator: Accelerator, pending: PendingSave, kind: str, 
     """--save_only_model: FSDP writes its model shards (torch.distributed.checkpoint, as save_state does);
     the other strategies write model.safetensors from the main process, gathered from ZeRO-3 partitions."""
     if kind == "fsdp":
-        options = _prepare_sd_options(accelerator.state.fsdp_plugin)
+        options = fsdp_save_options(accelerator.state.fsdp_plugin)
         state = {"model": _get_model_state_dict(accelerator._models[0], sd_options=options)}
         path = os.path.join(pending.scratch, f"{FSDP_MODEL_NAME}_0")
         if stager is not None:
@@ -146,6 +147,20 @@ def stage_model_only(accelerator: Accelerator, pending: PendingSave, kind: str, 
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+
+
+def fsdp_save_options(plugin) -> StateDictOptions:
+    """The state-dict options load_state reads FSDP2 shards with (accelerate's), but with the shards left where
+    they live. accelerate's SHARDED_STATE_DICT config asks for offload_to_cpu, and get_*_state_dict's cpu_offload
+    then copies every shard into new pageable host memory (torch.distributed._state_dict_utils.
+    _offload_state_dict_to_cpu): a second host copy beside the stager's, and a miss in the stager's buffer cache
+    on every save, since that cache is keyed by the source tensors' storages (torch.distributed.checkpoint.
+    _state_dict_stager): new pinned buffers, pinned anew, each time. The live shards last from one save to the
+    next, so the stager copies them once into the buffers it keeps; dcp.save writes device shards as they are.
+    The files are the same either way. A full state dict keeps the offload: it gathers whole tensors, which it
+    must not hold on every GPU."""
+    options = _prepare_sd_options(plugin)
+    return options if options.full_state_dict else dataclasses.replace(options, cpu_offload=False)
 
 
 def dcp_async_save(pending: PendingSave, state: dict, path: str, stager: DefaultStager, dcp_groups: list,

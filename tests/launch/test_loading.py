@@ -68,3 +68,32 @@ def test_fsdp_reads_the_weights_on_rank_0_only(medium_assets, tmp_path):
         planned += readers * checkpoint_page_cache_bytes(params)
         print(f"{config}: loading rose the resident sets by {measured / 1e6:.1f} MB, planned {planned / 1e6:.1f} MB")
         assert measured == pytest.approx(planned, rel=0.1), config
+
+
+def test_tied_embeddings_stay_tied_through_rank0_loading(tmp_path):
+    """Llama-3.2-1B and 3B tie lm_head to embed_tokens (the tiny model does not). Under RAM-efficient loading the
+    ranks shard a meta-device model and receive rank 0's weights: were the tie lost there, lm_head would train as a
+    matrix of its own and the loss would leave DDP's after the first update. FSDP's losses, gradient norms and
+    exported weights equal DDP's, and the export holds the one shared matrix."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import grad_norms, train_losses
+    from tests.launch.test_batch_split import WEIGHT_ATOL, WEIGHT_RTOL
+
+    root = tmp_path / "tied"
+    write_tiny_assets(str(root), num_examples=256, tie_word_embeddings=True)
+    assets = (str(root / "model"), str(root / "data.jsonl"))
+    runs = {}
+    for config in ("ddp", "fsdp_full_shard"):
+        runs[config] = tmp_path / config
+        run_recipe(runs[config], assets, "--max_steps", "4", "--per_device_train_batch_size", "4",
+                   "--global_batch_size", "16", "--save_steps", "0", "--mixed_precision", "no", "--eval_steps", "0",
+                   config=config, processes=2)
+    fsdp, ddp = runs["fsdp_full_shard"], runs["ddp"]
+    assert train_losses(fsdp) == pytest.approx(train_losses(ddp), rel=1e-5)
+    assert grad_norms(fsdp) == pytest.approx(grad_norms(ddp), rel=1e-5)
+    weights, reference = load_file(fsdp / "model.safetensors"), load_file(ddp / "model.safetensors")
+    assert "model.embed_tokens.weight" in reference and "lm_head.weight" not in reference  # tied: written once
+    assert weights.keys() == reference.keys()
+    for key, tensor in reference.items():
+        torch.testing.assert_close(weights[key], tensor, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL, msg=key)

@@ -148,3 +148,21 @@ def test_planned_lora_states_equal_the_bytes_each_rank_holds(lora_runs, tiny_ass
         assert row["held_weights_bytes"] == pytest.approx(planned.weights, rel=1e-2), config
         assert row["held_optimizer_bytes"] == pytest.approx(planned.optimizer, rel=1e-2), config
         assert row["held_gradients_bytes"] == pytest.approx(planned.gradients, rel=0.05), config
+
+
+@pytest.mark.parametrize("config", ["fsdp_full_shard", "ds_zero3"])
+def test_adapter_export_gathers_the_adapter_only(config, tiny_assets, tmp_path):
+    """The export of a LoRA run on sharded strategies all-gathers the adapter tensors and nothing of the frozen base
+    (for a 70B base, 141 GB against an adapter under 1 GB), and writes the adapter accelerate's whole gathered state
+    dict holds (tests/launch/adapter_gather_probe.py, the recipe's model as the trainer prepares it)."""
+    import json
+
+    result = run_recipe(tmp_path / "out", tiny_assets, *LORA_ARGS, config=config, processes=2,
+                        recipe=REPO / "tests" / "launch" / "adapter_gather_probe.py")
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("probe: ")]
+    probe = json.loads(line.removeprefix("probe: "))
+    print(config, probe)
+    assert probe["same_adapter"]
+    assert 0 < probe["adapter_bytes"] < probe["model_bytes"] / 10
+    assert probe["export_gathered_bytes"] == probe["adapter_bytes"]  # each adapter tensor gathered once
+    assert probe["state_dict_gathered_bytes"] >= probe["model_bytes"]  # what the export gathered before

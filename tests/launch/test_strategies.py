@@ -42,12 +42,15 @@ def test_every_config_trains_and_matches_one_process_in_fp32(config, reference_r
 
 # One run per bf16 mechanism (conftest.bf16_run), each against its own fp32 reference run.
 # Between mechanisms: each rounds to bf16 (8-bit mantissa, ~0.4% per rounding) at different places, so their
-# curves part: observed up to 1.9e-3 in the losses and 2.9e-3 in the gradient norms (FSDP against autocast; the
-# runs are deterministic). 5e-3 allows that with a margin and stays below the change of the loss from one step to
-# the next (0.5% to 8% here), so a curve one optimizer step behind fails it (checked below).
+# curves part: observed up to 6.7e-4 in the losses (FSDP against autocast; ZeRO-3 6.2e-4) and 2.3e-3 in the
+# gradient norms (FSDP; the runs are deterministic). The losses are logged in fp32 under every mechanism: a loss
+# rounded to bf16 on its way out of the model (FSDP2's output cast did that) parts by 1.9e-3 and fails
+# BF16_LOSS_RTOL. BF16_RTOL allows the norms with a margin and stays below the change of the loss from one step
+# to the next (0.5% to 8% here), so a curve one optimizer step behind fails it (checked below).
+BF16_LOSS_RTOL = 1e-3
 BF16_RTOL = 5e-3
 # bf16 is on when a curve moves from its own fp32 run by far more than the fp32-vs-fp32 noise of the ranks:
-# observed noise 1.2e-7, bf16 against its own fp32 run 3.3e-4 (autocast) to 1.6e-3 (FSDP). A run that silently
+# observed noise 8e-8, bf16 against its own fp32 run 3.4e-4 (autocast) to 4.3e-4 (ZeRO-3). A run that silently
 # stayed in fp32 sits at the noise.
 BF16_OVER_NOISE = 100
 
@@ -67,7 +70,7 @@ def test_bf16_strategies_agree_and_really_run_in_bf16(reference_run, bf16_run):
     for config in BF16_CONFIGS:
         assert from_fp32[config] > BF16_OVER_NOISE * max(fp32_noise, 1e-7), f"{config}: bf16 is not on"
     for config in BF16_CONFIGS[1:]:
-        assert curves[config] == pytest.approx(curves[None], rel=BF16_RTOL), config
+        assert curves[config] == pytest.approx(curves[None], rel=BF16_LOSS_RTOL), config
         assert norms[config] == pytest.approx(norms[None], rel=BF16_RTOL), config
     # The tolerance can see a curve one step behind (the same run, shifted).
     reference = curves[None]
