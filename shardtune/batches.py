@@ -11,6 +11,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, Pre
 
 from shardtune.config import BatchSizes
 from shardtune.data import IGNORE_INDEX
+from shardtune.packing import SEQUENCE_LENGTHS, split_rows
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -27,7 +28,9 @@ def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False, att
     the micro-batch's sequences concatenated into one row with position ids restarting at every sequence and
     the first label of each sequence masked. Flash attention gets the sequence boundaries from the collator
     (`cu_seq_lens`, computed on the host: no device sync in every layer); flex attention, SDPA and eager derive
-    per-sequence attention from the position ids (SDPA and eager through a dense mask, see checks.check_attention)."""
+    per-sequence attention from the position ids (SDPA and eager through a dense mask, see checks.check_attention).
+    Rows packed before (--packing_strategy bfd, shardtune.packing) are split into their sequences first, so a
+    micro-batch of them is packed the same way."""
     if packing:
         inner = DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX,
                                            return_flash_attn_kwargs=attn_implementation in FLASH_ATTENTION)
@@ -41,12 +44,15 @@ class CountingCollator:
     """Adds, under COUNTS, what the trainer needs to know of a micro-batch as plain integers counted on the host
     while the batch is built: the step never reads them back from the device.
     targets: tokens that carry loss (labels shifted by one, as the causal LM loss compares them);
-    tokens: sequence tokens (not padding); processed: tokens the model runs on; sequences: rows before packing."""
+    tokens: sequence tokens (not padding); processed: tokens the model runs on; sequences: sequences before
+    packing (several per row packed by shardtune.packing, whose rows are split into them here)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
 
     def __call__(self, features: list[dict]) -> dict:
+        if SEQUENCE_LENGTHS in features[0]:
+            features = split_rows(features)
         batch = self.inner(features)
         lengths = [len(feature["input_ids"]) for feature in features]
         batch[COUNTS] = {

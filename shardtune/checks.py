@@ -15,6 +15,7 @@ from shardtune.config import (
     DATASET_FORMATS,
     LR_SCHEDULERS,
     MIXED_PRECISIONS,
+    PACKING_STRATEGIES,
     SAVE_DTYPES,
     BatchSizes,
     ConfigError,
@@ -64,6 +65,15 @@ def check_packed_attention(recipe: Recipe) -> None:
         raise ConfigError(f"--packing true with --attn_implementation {name} builds a dense mask over the whole "
                           "packed row (micro-batch x length squared) and leaves the flash kernel: use "
                           "--attn_implementation flash_attention_2 (pip install flash-attn) or flex_attention.")
+
+
+def check_packing_strategy(recipe: Recipe) -> None:
+    """A known strategy, and bfd only with packing: unlike TRL, where a strategy without `packing` is ignored, a
+    flag given here acts or is refused."""
+    check_choice("--packing_strategy", recipe.packing_strategy, PACKING_STRATEGIES)
+    if recipe.packing_strategy == "bfd" and not recipe.packing:
+        raise ConfigError("--packing_strategy bfd packs sequences into rows only with --packing true: add "
+                          "--packing true, or drop --packing_strategy.")
 
 
 def check_inputs_named(recipe: Recipe) -> None:
@@ -234,6 +244,7 @@ RECIPE_CHECKS: tuple[Callable[[Recipe], None], ...] = (
     check_dataset_num_proc,
     check_chat_template,
     check_choices,
+    check_packing_strategy,
     check_lora,
     check_numbers,
     check_tracking,

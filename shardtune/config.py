@@ -19,6 +19,9 @@ ZERO_STAGES = ("1", "2", "3")
 # transformers' attention implementations for training, and the package each needs beyond torch.
 ATTENTION_PACKAGES = {"sdpa": None, "eager": None, "flex_attention": None, "flash_attention_2": "flash_attn",
                       "flash_attention_3": "flash_attn_interface"}
+# --packing_strategy: padding_free flattens each micro-batch as it comes (TRL's `padding_free`); bfd first packs the
+# sequences into full rows, best-fit decreasing (TRL's `packing_strategy="bfd"`), then flattens those.
+PACKING_STRATEGIES = ("padding_free", "bfd")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 SAVE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 # How the memory planner models each of them (the same names, in the planner CLI's order): SDPA and eager take a
@@ -113,6 +116,10 @@ class Recipe:
     truncation: str = field(default="truncate", metadata={"help": "Rows over --max_seq_length: truncate or drop."})
     packing: bool = field(default=False, metadata={
         "help": "Padding-free: each micro-batch is one row of its sequences, attention isolated per sequence."})
+    packing_strategy: str = field(default="padding_free", metadata={
+        "help": "With --packing: padding_free (each micro-batch's sequences as they come) or bfd (the sequences "
+                "first bin-packed, best-fit decreasing, into rows of --max_seq_length tokens, so that a micro-batch "
+                "of 1 holds a full row; batch sizes then count rows)."})
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters; the base stays frozen."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank: the inner dimension of each adapter."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling: the adapters' update is scaled by "
@@ -126,10 +133,12 @@ class Recipe:
     max_seq_length: int = field(default=2048, metadata={
         "help": "Tokens per sequence at most (see --truncation); with --packing, tokens per packed row."})
     per_device_train_batch_size: int = field(default=1, metadata={
-        "help": "The batch size per device for training: sequences in one micro-batch."})
+        "help": "The batch size per device for training: sequences in one micro-batch (packed rows with "
+                "--packing_strategy bfd)."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "The batch size per device for evaluation."})
     global_batch_size: int | None = field(
-        default=None, metadata={"help": "Sequences per optimizer step over all ranks; accumulation is derived."}
+        default=None, metadata={"help": "Sequences (packed rows with --packing_strategy bfd) per optimizer step over "
+                                      "all ranks; accumulation is derived."}
     )
     gradient_accumulation_steps: int | None = field(
         default=None, metadata={"help": "Micro-batches per optimizer step; must agree with --global_batch_size."}

@@ -97,6 +97,9 @@ class TrainMetrics:
             "tokens_per_second": tokens / elapsed,
             "tokens_per_second_per_device": tokens / elapsed / world,
             "token_utilization": tokens / self.counts["processed"],  # padding wastes the rest
+            # means over the window: with --packing_strategy bfd a step's rows hold a varying number of sequences
+            "sequences_per_step": self.counts["sequences"] / self.steps,
+            "tokens_per_step": tokens / self.steps,
             "step_time_s": elapsed / self.steps,
             "epoch": step / self.steps_per_epoch,
             **peak_memory_gb(self.accelerator.device),

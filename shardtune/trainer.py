@@ -45,6 +45,7 @@ from shardtune.memory import (
 )
 from shardtune.metrics import StepSummary, TrainMetrics
 from shardtune.model import load_model, load_tokenizer
+from shardtune.packing import pack_rows
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.profiling import begin_phase, end_phase, phase, profile_memory, start_phases
 from shardtune.ranks import check_ranks_agree, launch_fingerprint, set_collective_timeout, watch_ranks
@@ -89,6 +90,7 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes) -> Run
     tokenizer = load_tokenizer(recipe)
     with accelerator.local_main_process_first():  # once per node: nodes need not share the datasets cache
         train_set, eval_set = load_splits(recipe, tokenizer)
+        train_set = pack_rows(train_set, recipe)  # here, not in load_splits: prepare_data.py saves sequences
     steps_per_epoch = len(train_set) // batching.global_batch
     if steps_per_epoch == 0:
         raise ConfigError(

@@ -75,6 +75,10 @@ CASES = {
     "negative learning rate": Case(("--learning_rate", "-0.0001"), "--learning_rate must be > 0, got -0.0001"),
     "max_seq_length 0": Case(("--max_seq_length", "0"), "--max_seq_length must be >= 2, got 0"),
     "not a boolean": Case(("--packing", "maybe"), "Bad command line: argument --packing: Truthy value expected"),
+    "TRL's wrapped packing": Case(("--packing", "true", "--packing_strategy", "wrapped"),
+                                  "--packing_strategy must be one of padding_free, bfd; got 'wrapped'"),
+    "bfd without packing": Case(("--packing_strategy", "bfd"), "--packing_strategy bfd packs sequences into rows "
+                                "only with --packing true: add --packing true"),
     "not a number": Case(("--max_steps", "ten"), "invalid int value: 'ten'"),
     "LoRA rank 0": Case(("--use_peft", "true", "--lora_r", "0"), "LoRA needs --lora_r >= 1"),
     "LoRA rank without LoRA": Case(("--lora_r", "8"), "--lora_r shapes LoRA adapters, which train only with "
