@@ -71,8 +71,25 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Recipe]:
     args, rest = parser.parse_known_args(argv)
     if bool(args.output_dir) == bool(args.benchmark_rows):
         raise ConfigError("Give --output_dir (to prepare the data) or --benchmark_rows N (to measure), one of them.")
+    check_data_flags(rest)
     recipe = parse_recipe(load_recipe(args.recipe), rest)
     return args, recipe
+
+
+# The recipe flags that change what tokenization writes; the others (optimizer, packing, strategy ...) act only
+# in training, so here they would be accepted and do nothing.
+DATA_FLAGS = {"model_name_or_path", "chat_template", "dataset", "dataset_weights", "dataset_split", "eval_split",
+              "eval_fraction", "dataset_format", "dataset_num_proc", "max_seq_length", "truncation",
+              "completion_only_loss", "no_completion_only_loss", "seed"}
+
+
+def check_data_flags(argv: list[str]) -> None:
+    given = [token[2:].split("=", 1)[0] for token in argv if token.startswith("--")]
+    ignored = [f"--{name}" for name in given if name not in DATA_FLAGS]
+    if ignored:
+        raise ConfigError(f"{', '.join(ignored)}: not used in preparing data (only in training); give "
+                          f"{'it' if len(ignored) == 1 else 'them'} to the training run. prepare_data.py takes "
+                          f"--{', --'.join(sorted(DATA_FLAGS))}.")
 
 
 def check_output_dir(path: str) -> None:

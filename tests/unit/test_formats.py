@@ -270,6 +270,20 @@ def test_prepared_data_trains_without_tokenizing_again(tmp_path, tiny_assets, ca
     assert "already exists" in capsys.readouterr().err
 
 
+def test_prepare_data_refuses_training_only_flags(tmp_path, tiny_assets, capsys):
+    """A flag that acts only in training (--learning_rate, --packing_strategy ...) would be accepted and do
+    nothing here: refused in one line, before anything is read."""
+    recipe_file = tmp_path / "recipe.py"
+    recipe_file.write_text("from shardtune import Recipe\n"
+                           f"RECIPE = Recipe(model_name_or_path={tiny_assets[0]!r}, max_seq_length=64)\n")
+    argv = [str(recipe_file), "--output_dir", str(tmp_path / "out"), "--learning_rate=1e-4", "--packing", "true",
+            "--max_seq_length", "32"]
+    assert load_prepare_script().main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--learning_rate, --packing: not used in preparing data" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_template_refusal_names_the_row(tmp_path, tokenizer):
     path = tmp_path / "strict.jinja"
     path.write_text("{% for message in messages %}{% if message['role'] == 'system' %}"
