@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from shardtune.config import (
     ATTENTION_PACKAGES,
+    CHECKPOINTING_MODES,
     DATASET_FORMATS,
     LR_SCHEDULERS,
     MIXED_PRECISIONS,
@@ -98,7 +99,9 @@ def check_choices(recipe: Recipe) -> None:
                                  ("--truncation", recipe.truncation, ("truncate", "drop")),
                                  ("--mixed_precision", recipe.mixed_precision, MIXED_PRECISIONS),
                                  ("--lr_scheduler_type", recipe.lr_scheduler_type, LR_SCHEDULERS),
-                                 ("--report_to", recipe.report_to, ("wandb", "none"))):
+                                 ("--report_to", recipe.report_to, ("wandb", "none")),
+                                 ("--gradient_checkpointing_mode", recipe.gradient_checkpointing_mode,
+                                  CHECKPOINTING_MODES)):
         problems.check(check_choice, flag, value, choices)
     problems.raise_any()
 
@@ -113,6 +116,21 @@ def check_quantization(recipe: Recipe, on_gpu: bool, loads: bool = True) -> None
                           "Use --use_peft true without --load_in_4bit (LoRA on a 16-bit base).")
     if loads and recipe.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
+
+
+def check_checkpointing_mode(recipe: Recipe) -> None:
+    """--gradient_checkpointing_mode chooses what a checkpointed layer keeps: without checkpointing it would not act."""
+    if recipe.gradient_checkpointing_mode != "full" and not recipe.gradient_checkpointing:
+        raise ConfigError(f"--gradient_checkpointing_mode {recipe.gradient_checkpointing_mode} chooses what "
+                          "checkpointed layers keep: add --gradient_checkpointing true, or drop it.")
+
+
+def check_activation_offloading(recipe: Recipe, on_gpu: bool) -> None:
+    """TRL's OffloadActivations copies to the host from a CUDA device (it reads the current accelerator, None on a
+    CPU-only machine); on CPU the activations are in host memory already."""
+    if recipe.activation_offloading and not on_gpu:
+        raise ConfigError("--activation_offloading moves activations from a CUDA GPU to host memory: on CPU they are "
+                          "in host memory already; drop it on this machine.")
 
 
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
@@ -246,6 +264,7 @@ RECIPE_CHECKS: tuple[Callable[[Recipe], None], ...] = (
     check_choices,
     check_packing_strategy,
     check_lora,
+    check_checkpointing_mode,
     check_numbers,
     check_tracking,
     check_checkpoints,
@@ -338,6 +357,7 @@ def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: Lau
     on_gpu = has_gpu and not recipe.use_cpu
     problems.check(check_attention, recipe, on_gpu)
     problems.check(check_quantization, recipe, on_gpu)
+    problems.check(check_activation_offloading, recipe, on_gpu)
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
     if offloads_to_nvme(launch):
         problems.check(check_async_io, AsyncIOReadiness.of_this_machine(has_gpu))

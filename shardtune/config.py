@@ -24,6 +24,7 @@ ATTENTION_PACKAGES = {"sdpa": None, "eager": None, "flex_attention": None, "flas
 PACKING_STRATEGIES = ("padding_free", "bfd")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 SAVE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+CHECKPOINTING_MODES = ("full", "selective")
 # How the memory planner models each of them (the same names, in the planner CLI's order): SDPA and eager take a
 # dense mask; the flash kernels (flash-attn's varlen kernels, flex attention's block mask) none.
 PLANNED_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash", "flash_attention_3": "flash",
@@ -166,6 +167,13 @@ class Recipe:
     gradient_checkpointing_interval: int = field(
         default=1, metadata={"help": "Recompute every k-th decoder layer (1 = all layers)."}
     )
+    gradient_checkpointing_mode: str = field(default="full", metadata={
+        "help": "full: recompute each checkpointed layer whole; selective: keep its attention output and every "
+                "other matmul's output (torchtitan's op-level policy), recompute the rest: more memory, less "
+                "recompute."})
+    activation_offloading: bool = field(default=False, metadata={
+        "help": "Move the tensors the forward saves for backward to pinned host memory and back in backward "
+                "(TRL's OffloadActivations; CUDA GPUs): less GPU memory, more host RAM and PCIe traffic."})
     mixed_precision: str = field(default="bf16", metadata={"help": "bf16, fp16 (with a loss scaler) or no (fp32)."})
     attn_implementation: str = field(default="sdpa", metadata={
         "help": f"One of {', '.join(ATTENTION_PACKAGES)}. With --packing on a GPU: flash_attention_2 or "

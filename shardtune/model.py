@@ -1,12 +1,15 @@
-"""Model and tokenizer loading through `from_pretrained`, and gradient checkpointing."""
+"""Model and tokenizer loading through `from_pretrained`, gradient checkpointing (full or selective) and
+activation offloading."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from accelerate import init_empty_weights
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -47,7 +50,8 @@ def load_model(recipe: Recipe, main_process: bool = True) -> PreTrainedModel:
         )
     model.config.use_cache = False  # no KV cache in training
     if recipe.gradient_checkpointing:
-        enable_gradient_checkpointing(model, recipe.gradient_checkpointing_interval)
+        enable_gradient_checkpointing(model, recipe.gradient_checkpointing_interval,
+                                      recipe.gradient_checkpointing_mode)
     if recipe.use_peft:
         from peft import get_peft_model  # --use_peft only: importing peft costs every rank about 3 s
 
@@ -94,8 +98,64 @@ def quantization(recipe: Recipe, compute_dtype: torch.dtype | None):
                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
 
 
-def enable_gradient_checkpointing(model: PreTrainedModel, interval: int) -> list[int]:
-    """Recompute every `interval`-th decoder layer in backward (non-reentrant). Returns their indices."""
-    model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=interval)
+# Op-level selective checkpointing (torchtitan's "op" mode): the outputs of these ops are kept from the forward and
+# every other op is recomputed in backward. Matmuls (every other one, below) and the attention kernels: the SDPA
+# backends' exact overloads, CPU's included, as TRL's selective checkpointing lists them.
+SAVED_MATMUL = torch.ops.aten.mm.default
+SAVED_ATTENTION = {getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name)}
+
+
+def selective_policy() -> Callable[..., CheckpointPolicy]:
+    """One checkpointed call's policy: save the attention kernel's outputs and the 1st, 3rd, ... matmul of the
+    layer (a Llama layer's q, v, gate and down projections), recompute the rest. The forward and the recompute
+    count their matmuls apart, so both make the same choice for the same matmul."""
+    matmuls = {False: 0, True: 0}
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func == SAVED_MATMUL:
+            matmuls[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if matmuls[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        if func in SAVED_ATTENTION or "flash_attn" in str(func):  # flash-attn registers under hashed namespaces
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def selective_contexts():
+    """torch.utils.checkpoint's context_fn: called once per checkpointed call, so each call counts afresh."""
+    return create_selective_checkpoint_contexts(selective_policy())
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel, interval: int, mode: str = "full") -> list[int]:
+    """Recompute every `interval`-th decoder layer in backward (non-reentrant: ZeRO-3's and FSDP2's parameter hooks
+    run inside the recompute, and selective checkpointing needs it). `mode` "full" recomputes the whole layer,
+    "selective" only what selective_policy does not save. Returns the checkpointed layers' indices."""
+    options = {"use_reentrant": False}
+    if mode == "selective":
+        options["context_fn"] = selective_contexts
+    model.activation_checkpointing_enable(options, every_n_layers=interval)
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
     return [index for index, layer in enumerate(layers) if layer.gradient_checkpointing]
+
+
+def enable_activation_offloading(model: torch.nn.Module) -> None:
+    """Hold the tensors each training forward saves for backward in pinned host memory and bring them back in
+    backward (TRL's OffloadActivations, on a side CUDA stream; parameters, tensors under 1 KiB and lm_head's input
+    stay on the GPU). `model`: the prepared model, whose parameters TRL's manager must know. Its context is entered
+    around the model's forward only: the loss, computed outside it, keeps its logits on the GPU."""
+    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+    offloading = get_act_offloading_ctx_manager(model)
+
+    def enter(*_) -> None:
+        offloading.__enter__()
+
+    def leave(*_) -> None:  # returns None: the forward's output stays as it is
+        offloading.__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)

@@ -44,7 +44,7 @@ from shardtune.memory import (
     rss_bytes,
 )
 from shardtune.metrics import StepSummary, TrainMetrics
-from shardtune.model import load_model, load_tokenizer
+from shardtune.model import enable_activation_offloading, load_model, load_tokenizer
 from shardtune.packing import pack_rows
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.profiling import begin_phase, end_phase, phase, profile_memory, start_phases
@@ -119,6 +119,8 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes) -> Run
         model, optimizer, train_loader, eval_loader, scheduler
     )
     loaded["peak_rss_bytes"] = peak_rss_bytes()  # loading and sharding: FSDP reads rank 0's copy only now
+    if recipe.activation_offloading:  # on the prepared model: TRL's manager skips its (sharded) parameters
+        enable_activation_offloading(model)
     return Run(tokenizer, model, optimizer, scheduler, train_loader, eval_loader, steps_per_epoch, max_steps, shape,
                loaded, held_out_prompts(eval_set, recipe.generation_samples, recipe.max_seq_length),
                export_dtype(recipe))

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from shardtune.config import PLANNED_ATTENTION, ConfigError, below_lowest
+from shardtune.config import CHECKPOINTING_MODES, PLANNED_ATTENTION, ConfigError, below_lowest
 from shardtune.flops import ModelError, recipe_fields, resolve_config, shape_from_config
 from shardtune.hardware import HardwareError, parse_hardware
 from shardtune.plan.planned_run import (
@@ -33,7 +33,7 @@ from shardtune.plan.strategy import PlanError, read_accelerate_config
 # The flags that set a field of the planned run (Recipe's names); each overrides the recipe's value.
 RUN_FLAGS = ("per_device_train_batch_size", "global_batch_size", "max_seq_length", "gradient_checkpointing",
              "mixed_precision", "attn_implementation", "packing", "use_peft", "lora_r", "lora_target_modules",
-             "load_in_4bit")
+             "load_in_4bit", "gradient_checkpointing_mode", "activation_offloading")
 # The flags the recommendation searches over when they are not given (a recipe gives both).
 SEARCHED_FLAGS = ("per_device_train_batch_size", "gradient_checkpointing")
 
@@ -66,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gradient_checkpointing", type=_bool,
                         help="true or false (default: the recipe's, else true; a recommendation for a model "
                              "searches it unless given)")
+    parser.add_argument("--gradient_checkpointing_mode", choices=CHECKPOINTING_MODES,
+                        help="What a checkpointed layer keeps: full (its input) or selective (also its attention "
+                             "output and every other matmul's; default: the recipe's, else full)")
+    parser.add_argument("--activation_offloading", type=_bool,
+                        help="true: the layers' saved activations in pinned host RAM instead of on the GPU "
+                             "(default: the recipe's, else false)")
     parser.add_argument("--mixed_precision", choices=("bf16", "fp16", "no"),
                         help="Training precision (default: the recipe's, else the accelerate config's; a "
                              "recommendation's: bf16)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from shardtune.config import EVAL_CHUNK_POSITIONS
 from shardtune.flops import ModelShape
+from shardtune.plan.host import pinned_block_bytes
 from shardtune.plan.strategy import Strategy
 
 
@@ -79,36 +80,108 @@ def head_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, fr
     return (0 if frozen else 8 * n) + norm + 4 * n * shape.vocab + 8 * n
 
 
+# The matmuls of a Llama decoder layer, in the order its forward runs them (shardtune.model.selective_policy saves
+# the 1st, 3rd, ... of them).
+LAYER_MATMULS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def matmul_outputs(shape: ModelShape, mode: str, lora_rank: int = 0, lora_targets: tuple[str, ...] = ()
+                   ) -> list[int]:
+    """Bytes per token of each matmul output of one layer, in the order they run: each projection in the compute
+    dtype, and after a LoRA target's base matmul its adapter's two (A: rank wide, B: the output's width), in fp32
+    (peft casts the adapter's input to the adapters' fp32)."""
+    compute, _ = dtype_bytes(mode)
+    q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    widths = {"q_proj": q_dim, "k_proj": kv_dim, "v_proj": kv_dim, "o_proj": shape.hidden,
+              "gate_proj": shape.intermediate, "up_proj": shape.intermediate, "down_proj": shape.hidden}
+    outputs = []
+    for name in LAYER_MATMULS:
+        outputs.append(compute * widths[name])
+        if name in lora_targets:
+            outputs += [4 * lora_rank, 4 * widths[name]]
+    return outputs
+
+
+def selective_layer_bytes(shape: ModelShape, batch: int, seq: int, mode: str, attn: str = "sdpa",
+                          lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> int:
+    """What op-level selective checkpointing (--gradient_checkpointing_mode selective) keeps per layer beside its
+    input: the outputs of the layer's 1st, 3rd, ... matmul (q, v, gate and down without LoRA) and the attention
+    kernel's output (c·n·heads·head_dim) with its fp32 logsumexp (4·n·heads). Eager attention runs no kernel that
+    is kept: its products are recomputed."""
+    compute, _ = dtype_bytes(mode)
+    n = batch * seq
+    kept = sum(matmul_outputs(shape, mode, lora_rank, lora_targets)[::2])
+    attention = 0 if attn == "eager" else compute * n * shape.heads * shape.head_dim + 4 * n * shape.heads
+    return n * kept + attention
+
+
 def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
-                           attn: str = "sdpa", masked: bool = True, frozen: bool = False) -> int:
-    """Everything saved for backward at the end of the forward (what saved_tensors_hooks see). With full
-    recomputation (non-reentrant) a layer saves only its input (r·n·h); masks and RoPE tables are then held by
-    the recompute closure, not the graph, and are counted in the transient peak instead."""
+                           attn: str = "sdpa", masked: bool = True, frozen: bool = False, selective: bool = False,
+                           lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> int:
+    """Everything saved for backward at the end of the forward (what saved_tensors_hooks see, and with `selective`
+    checkpointing what its policy keeps, selective_layer_bytes). With full recomputation (non-reentrant) a layer
+    saves only its input (r·n·h); masks and RoPE tables are then held by the recompute closure, not the graph, and
+    are counted in the transient peak instead."""
     _, residual = dtype_bytes(mode)
     head = head_activation_bytes(shape, batch, seq, mode, frozen)
     if checkpointing:
-        return shape.layers * residual * batch * seq * shape.hidden + head
+        kept = selective_layer_bytes(shape, batch, seq, mode, attn, lora_rank, lora_targets) if selective else 0
+        return shape.layers * (residual * batch * seq * shape.hidden + kept) + head
     per_layer = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
     return shape.layers * per_layer + shared_activation_bytes(shape, batch, seq, mode, attn, masked) + head
 
 
+def offloaded_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
+                               attn: str = "sdpa", masked: bool = True, frozen: bool = False) -> int:
+    """Bytes per rank that --activation_offloading moves from the GPU to host memory: what the decoder layers save
+    through autograd's saved-tensor hooks (TRL's OffloadActivations packs those). With recomputation that is each
+    layer's input (a selective policy's kept outputs stay on the GPU: torch's checkpoint caches them itself);
+    without, every layer's saved tensors. The head's (lm_head's input, which TRL keeps, and the loss, computed
+    outside the offloaded forward) stays on the GPU."""
+    _, residual = dtype_bytes(mode)
+    if checkpointing:
+        return shape.layers * residual * batch * seq * shape.hidden
+    return shape.layers * layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
+
+
+def offloaded_host_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
+                         attn: str = "sdpa", masked: bool = True, frozen: bool = False) -> float:
+    """Pinned host RAM per rank that holds the offloaded activations: with recomputation one block per layer, as
+    torch's caching host allocator sizes it (host.pinned_block_bytes: the next power of two); without, their
+    bytes (many tensors of many sizes: the allocator's rounding is not counted)."""
+    _, residual = dtype_bytes(mode)
+    if checkpointing:
+        return float(shape.layers * pinned_block_bytes(residual * batch * seq * shape.hidden))
+    return float(offloaded_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen))
+
+
 def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
-                     attn: str = "sdpa", masked: bool = True, frozen: bool = False) -> dict[str, int]:
+                     attn: str = "sdpa", masked: bool = True, frozen: bool = False, selective: bool = False,
+                     lora_rank: int = 0, lora_targets: tuple[str, ...] = (), offloading: bool = False
+                     ) -> dict[str, int]:
     """Peak activation memory = saved + the largest transient on top of it:
     - the loss: the forward holds the logits (c·n·vocab) and their fp32 upcast (4·n·vocab); its backward holds
       two fp32 n x vocab gradients (d log-probs, d logits) - the larger, 8·n·vocab, is taken;
-    - with recomputation, one layer's full activations while it is recomputed in backward;
-    - the MLP backward's two intermediate-size gradients (2·c·n·intermediate)."""
+    - with recomputation, one layer's full activations while it is recomputed in backward (less what a
+      `selective` policy kept, already counted as saved);
+    - the MLP backward's two intermediate-size gradients (2·c·n·intermediate).
+    With `offloading`, offloaded_activation_bytes leave the saved part for host memory ("offloaded")."""
     compute, _ = dtype_bytes(mode)
     n = batch * seq
-    saved = saved_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen)
+    saved = saved_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen, selective,
+                                   lora_rank, lora_targets)
+    offloaded = offloaded_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen) \
+        if offloading else 0
     logits = max(compute * n * shape.vocab + (4 * n * shape.vocab if compute != 4 else 0), 8 * n * shape.vocab)
     recompute = 0
     if checkpointing:
         recompute = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
         recompute += shared_activation_bytes(shape, batch, seq, mode, attn, masked)
+        if selective:
+            recompute -= selective_layer_bytes(shape, batch, seq, mode, attn, lora_rank, lora_targets)
     transient = max(logits, recompute) + 2 * compute * n * shape.intermediate
-    return {"saved": saved, "transient": transient, "total": saved + transient}
+    return {"saved": saved - offloaded, "transient": transient, "total": saved - offloaded + transient,
+            "offloaded": offloaded}
 
 
 def eval_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, masked: bool = True,

@@ -43,5 +43,6 @@ def host_ram_peak(host: dict[str, float]) -> float:
     rounding, the --async_save staging copy); a resume (the same before any staging copy, plus the loaded
     optimizer shards); the final export (training's, plus the gathered model)."""
     resident = host["offloaded_states"] + host["swap_buffers"] + host["pinned_rounding"]
+    resident += host.get("offloaded_activations", 0.0)  # --activation_offloading's pinned activations
     training = resident + host["checkpoint_staging"]
     return max(host["model_loading"], training, resident + host["resume"], training + host["export"])

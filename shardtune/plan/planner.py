@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware
-from shardtune.plan.activations import activation_bytes, activation_mode, dtype_bytes
+from shardtune.plan.activations import activation_bytes, activation_mode, dtype_bytes, offloaded_host_bytes
 from shardtune.plan.buffers import buffers, freed_under_layer_gradients
 from shardtune.plan.host_fit import host_ram_peak, host_ram_terms
 from shardtune.plan.phases import PHASES, phase_bytes
@@ -64,6 +64,8 @@ class MemoryPlan:
     # Per GPU, each phase's parts and "total" (see phase_bytes); per_gpu["total"] is the largest, this one's.
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     peak_phase: str = "forward_backward"
+    gradient_checkpointing_mode: str = "full"
+    activation_offloading: bool = False
 
     @property
     def fits(self) -> bool:
@@ -86,7 +88,8 @@ class MemoryPlan:
 def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch: int = 1, seq: int = 4096,
          checkpointing: bool = True, attn: str = "sdpa", peft: Peft | None = None,
          packing: bool = False, async_save: bool = False, save_only_model: bool = False, eval_batch: int = 8,
-         foreach: bool = True, export_bytes: int = 2) -> MemoryPlan:
+         foreach: bool = True, export_bytes: int = 2, checkpointing_mode: str = "full",
+         activation_offloading: bool = False) -> MemoryPlan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
     headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
@@ -95,13 +98,17 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     built or loaded. With `peft`, activations are the base model's (LoRA's rank-r intermediates and dropout
     copies are not counted). `attn`: "sdpa", "eager" or "flash" (config.PLANNED_ATTENTION). With `packing` a
     training micro-batch is one row of micro_batch x seq tokens (DataCollatorWithFlattening); eval batches are
-    padded."""
+    padded. `checkpointing_mode` "selective" keeps what shardtune.model.selective_policy saves per layer;
+    `activation_offloading` moves the layers' saved tensors to pinned host RAM (activations.offloaded_host_bytes)."""
     params, world = shape.params, hardware.world_size
     mode = activation_mode(strategy)
     states = peft_states(strategy, shape, world, peft) if peft else model_states(strategy, params, world, shape)
     rows, length = (1, micro_batch * seq) if packing else (micro_batch, seq)
     masked = attn != "flash"  # SDPA and eager get a dense mask: a padded batch's, or a packed row's block-diagonal
-    acts = activation_bytes(shape, rows, length, mode, checkpointing, attn, masked, frozen=peft is not None)
+    lora = (peft.rank, tuple(peft.target_names())) if peft else (0, ())
+    selective = checkpointing and checkpointing_mode == "selective"
+    acts = activation_bytes(shape, rows, length, mode, checkpointing, attn, masked, peft is not None, selective,
+                            *lora, offloading=activation_offloading)
     buffer = buffers(strategy, shape, params, world, mode, peft)
     buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked, peft)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
@@ -117,6 +124,9 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     per_gpu["total"] = phases[peak_phase]["total"]
     host = host_ram_terms(strategy, shape, world, hardware.gpus_per_node, states.host, peft, async_save,
                           save_only_model, export_bytes)
+    if activation_offloading:
+        host["offloaded_activations"] = hardware.gpus_per_node * offloaded_host_bytes(
+            shape, rows, length, mode, checkpointing, attn, masked, peft is not None)
     capacity = usable_capacity(hardware)
     notes = []
     if strategy.kind == "ddp" and mode == "autocast":
@@ -132,4 +142,6 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         capacity=capacity, gpu_fits=per_gpu["total"] <= capacity, host_ram_capacity=usable_host_ram(hardware),
         host_ram_fits=host_ram_peak(host) <= usable_host_ram(hardware), notes=notes,
         phases=phases, peak_phase=peak_phase,
+        gradient_checkpointing_mode=checkpointing_mode if checkpointing else "full",
+        activation_offloading=activation_offloading,
     )

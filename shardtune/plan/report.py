@@ -27,7 +27,8 @@ def peak_components(p: MemoryPlan) -> dict[str, float]:
 def phase_name(phase: str) -> str:
     return phase.replace("_", "/")
 HOST_EXTRAS = (("pinned_rounding", "pinned-memory rounding"), ("resume", "a resume's loaded optimizer shards"),
-               ("export", "the final export's gathered model"))
+               ("export", "the final export's gathered model"),
+               ("offloaded_activations", "offloaded activations"))
 
 
 def format_plan(p: MemoryPlan) -> str:

@@ -46,14 +46,15 @@ def measured_peaks(folder: Path, ranks: int) -> tuple[dict[str, int], dict[str, 
 
 
 def compare(strategy: Strategy, assets: tuple[str, str], world: int, checkpointing: bool, folder: Path,
-            peft: Peft | None = None, packing: bool = False) -> None:
+            peft: Peft | None = None, packing: bool = False, checkpointing_mode: str = "full") -> None:
     """Each phase's plan, at the largest batches the run had (a packed micro-batch is one row), against its peak."""
     shape, hardware = resolve_model(assets[0]), parse_hardware(f"{world}x80gb")
     measured, batches = measured_peaks(folder, world)
     (rows, length), (eval_rows, eval_length) = batches["forward_backward"], batches["eval"]
     assert rows == 1 if packing else rows > 1, batches
     # The tiny model is stored in fp32: its export is fp32. CPU runs step torch AdamW with its per-tensor loop.
-    options = dict(checkpointing=checkpointing, peft=peft, packing=packing, foreach=False, export_bytes=4)
+    options = dict(checkpointing=checkpointing, peft=peft, packing=packing, foreach=False, export_bytes=4,
+                   checkpointing_mode=checkpointing_mode)
     training = plan(shape, hardware, strategy, rows, length, **options)
     evaluation = plan(shape, hardware, strategy, rows, eval_length, eval_batch=eval_rows, **options)
     planned = {**{name: training.phases[name] for name in ("forward_backward", "optimizer")},
@@ -67,7 +68,7 @@ def compare(strategy: Strategy, assets: tuple[str, str], world: int, checkpointi
         errors[name] = expected / measured[name] - 1
         rows_out.append(f"{name:<17}{expected:>14,.0f}{measured[name]:>14,}{errors[name]:>+9.1%}")
     worst = max(errors, key=lambda name: abs(errors[name]))
-    label = f"{strategy.name}{' LoRA' if peft else ''}{' packed' if packing else ''} x {world}"
+    label = f"{strategy.name}{' LoRA' if peft else ''}{' packed' if packing else ''} {checkpointing_mode} x {world}"
     table = "\n".join([f"{label} (batches {batches}): phase, planned, measured, error", *rows_out,
                        f"worst: {worst} {errors[worst]:+.1%}"])
     print(table)
