@@ -69,23 +69,39 @@ def shared_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, 
     return 2 * seq * shape.head_dim * residual
 
 
-def head_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, frozen: bool = False) -> int:
+def head_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, frozen: bool = False,
+                          loss_tile: int | None = None) -> int:
     """Outside the layers: input ids (int64, for the embedding's weight gradient), the final RMSNorm (as in a
     layer), the fp32 log-probabilities saved by cross-entropy (4·n·vocab: the upcast logits' log_softmax) and the
-    int64 targets. A `frozen` base saves neither the ids nor lm_head's input, nor the norm's normalised x."""
+    int64 targets. A `frozen` base saves neither the ids nor lm_head's input, nor the norm's normalised x. With a
+    `loss_tile` (--chunked_cross_entropy) each tile is recomputed in backward: no log-probabilities are saved."""
     compute, residual = dtype_bytes(mode)
     n, h = batch * seq, shape.hidden
     norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h + compute * n * h)
-    return (0 if frozen else 8 * n) + norm + 4 * n * shape.vocab + 8 * n
+    log_probs = 0 if loss_tile else 4 * n * shape.vocab
+    return (0 if frozen else 8 * n) + norm + log_probs + 8 * n
+
+
+def loss_transient_bytes(shape: ModelShape, n: int, mode: str, loss_tile: int | None = None) -> int:
+    """The loss's transient on top of what is saved, over n positions. Plain: the forward holds the logits
+    (c·n·vocab) and their fp32 upcast (4·n·vocab); its backward holds two fp32 n x vocab gradients (d log-probs,
+    d logits): the larger, 8·n·vocab. With a `loss_tile` of t positions (shardtune.tiled_loss), one tile at a
+    time: its backward recomputes the tile's log-probabilities (4·t·vocab, fp32) and holds the two fp32 gradients
+    beside them, 12·t·vocab in every mode (measured in tests/unit/test_tiled_loss.py)."""
+    compute, _ = dtype_bytes(mode)
+    if loss_tile:
+        return 12 * min(n, loss_tile) * shape.vocab
+    return max(compute * n * shape.vocab + (4 * n * shape.vocab if compute != 4 else 0), 8 * n * shape.vocab)
 
 
 def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
-                           attn: str = "sdpa", masked: bool = True, frozen: bool = False) -> int:
+                           attn: str = "sdpa", masked: bool = True, frozen: bool = False,
+                           loss_tile: int | None = None) -> int:
     """Everything saved for backward at the end of the forward (what saved_tensors_hooks see). With full
     recomputation (non-reentrant) a layer saves only its input (r·n·h); masks and RoPE tables are then held by
     the recompute closure, not the graph, and are counted in the transient peak instead."""
     _, residual = dtype_bytes(mode)
-    head = head_activation_bytes(shape, batch, seq, mode, frozen)
+    head = head_activation_bytes(shape, batch, seq, mode, frozen, loss_tile)
     if checkpointing:
         return shape.layers * residual * batch * seq * shape.hidden + head
     per_layer = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
@@ -93,16 +109,16 @@ def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, c
 
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
-                     attn: str = "sdpa", masked: bool = True, frozen: bool = False) -> dict[str, int]:
+                     attn: str = "sdpa", masked: bool = True, frozen: bool = False,
+                     loss_tile: int | None = None) -> dict[str, int]:
     """Peak activation memory = saved + the largest transient on top of it:
-    - the loss: the forward holds the logits (c·n·vocab) and their fp32 upcast (4·n·vocab); its backward holds
-      two fp32 n x vocab gradients (d log-probs, d logits) - the larger, 8·n·vocab, is taken;
+    - the loss's (loss_transient_bytes: the full logits, or one `loss_tile` of them);
     - with recomputation, one layer's full activations while it is recomputed in backward;
     - the MLP backward's two intermediate-size gradients (2·c·n·intermediate)."""
     compute, _ = dtype_bytes(mode)
     n = batch * seq
-    saved = saved_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen)
-    logits = max(compute * n * shape.vocab + (4 * n * shape.vocab if compute != 4 else 0), 8 * n * shape.vocab)
+    saved = saved_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen, loss_tile)
+    logits = loss_transient_bytes(shape, n, mode, loss_tile)
     recompute = 0
     if checkpointing:
         recompute = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
