@@ -31,6 +31,9 @@ PLANNED_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "fla
                      "flex_attention": "flash"}
 # Positions of the eval's logits upcast to fp32 at once (shardtune.evaluation), as the planner counts them.
 EVAL_CHUNK_POSITIONS = 1024
+# Positions per tile of the training loss with --chunked_cross_entropy (shardtune.tiled_loss), as the planner
+# counts them: a tile's fp32 logits are 4 x 1024 x vocab bytes (0.5 GB for Llama 3's 128,256 tokens).
+LOSS_TILE_POSITIONS = 1024
 # The smallest value of each counting flag: the recipe's checks and the planner's command line read this one table.
 LOWEST_VALUES = {
     "--max_seq_length": 2,  # a token and one to predict
@@ -174,6 +177,10 @@ class Recipe:
     activation_offloading: bool = field(default=False, metadata={
         "help": "Move the tensors the forward saves for backward to pinned host memory and back in backward "
                 "(TRL's OffloadActivations; CUDA GPUs): less GPU memory, more host RAM and PCIe traffic."})
+    chunked_cross_entropy: bool = field(default=True, metadata={
+        "help": f"Compute the training loss over tiles of {LOSS_TILE_POSITIONS} positions, each tile's logits "
+                "recomputed in backward, so that the full fp32 logits never exist; false: the plain loss over the "
+                "whole micro-batch's logits."})
     mixed_precision: str = field(default="bf16", metadata={"help": "bf16, fp16 (with a loss scaler) or no (fp32)."})
     attn_implementation: str = field(default="sdpa", metadata={
         "help": f"One of {', '.join(ATTENTION_PACKAGES)}. With --packing on a GPU: flash_attention_2 or "

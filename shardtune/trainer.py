@@ -159,7 +159,8 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
         hooks.step = step
         begin_phase("forward_backward")
         out = train_step(accelerator, model, run.optimizer, run.scheduler, batch.micro_batches,
-                         metrics.global_targets(batch), batching, recipe.max_grad_norm, hooks.after_backward)
+                         metrics.global_targets(batch), batching, recipe.max_grad_norm, hooks.after_backward,
+                         chunked_cross_entropy=recipe.chunked_cross_entropy)
         end_phase()
         summary = metrics.after_step(out, batch, stop.requested)  # every rank's verdict reaches every rank
         if summary.non_finite:

@@ -70,14 +70,29 @@ def shared_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, 
     return 2 * seq * shape.head_dim * residual
 
 
-def head_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, frozen: bool = False) -> int:
+def head_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, frozen: bool = False,
+                          loss_tile: int | None = None) -> int:
     """Outside the layers: input ids (int64, for the embedding's weight gradient), the final RMSNorm (as in a
     layer), the fp32 log-probabilities saved by cross-entropy (4·n·vocab: the upcast logits' log_softmax) and the
-    int64 targets. A `frozen` base saves neither the ids nor lm_head's input, nor the norm's normalised x."""
+    int64 targets. A `frozen` base saves neither the ids nor lm_head's input, nor the norm's normalised x. With a
+    `loss_tile` (--chunked_cross_entropy) each tile is recomputed in backward: no log-probabilities are saved."""
     compute, residual = dtype_bytes(mode)
     n, h = batch * seq, shape.hidden
     norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h + compute * n * h)
-    return (0 if frozen else 8 * n) + norm + 4 * n * shape.vocab + 8 * n
+    log_probs = 0 if loss_tile else 4 * n * shape.vocab
+    return (0 if frozen else 8 * n) + norm + log_probs + 8 * n
+
+
+def loss_transient_bytes(shape: ModelShape, n: int, mode: str, loss_tile: int | None = None) -> int:
+    """The loss's transient on top of what is saved, over n positions. Plain: the forward holds the logits
+    (c·n·vocab) and their fp32 upcast (4·n·vocab); its backward holds two fp32 n x vocab gradients (d log-probs,
+    d logits): the larger, 8·n·vocab. With a `loss_tile` of t positions (shardtune.tiled_loss), one tile at a
+    time: its backward recomputes the tile's log-probabilities (4·t·vocab, fp32) and holds the two fp32 gradients
+    beside them, 12·t·vocab in every mode (measured in tests/unit/test_tiled_loss.py)."""
+    compute, _ = dtype_bytes(mode)
+    if loss_tile:
+        return 12 * min(n, loss_tile) * shape.vocab
+    return max(compute * n * shape.vocab + (4 * n * shape.vocab if compute != 4 else 0), 8 * n * shape.vocab)
 
 
 # The matmuls of a Llama decoder layer, in the order its forward runs them (shardtune.model.selective_policy saves
@@ -117,13 +132,13 @@ def selective_layer_bytes(shape: ModelShape, batch: int, seq: int, mode: str, at
 
 def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
                            attn: str = "sdpa", masked: bool = True, frozen: bool = False, selective: bool = False,
-                           lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> int:
+                           lora_rank: int = 0, lora_targets: tuple[str, ...] = (), loss_tile: int | None = None) -> int:
     """Everything saved for backward at the end of the forward (what saved_tensors_hooks see, and with `selective`
     checkpointing what its policy keeps, selective_layer_bytes). With full recomputation (non-reentrant) a layer
     saves only its input (r·n·h); masks and RoPE tables are then held by the recompute closure, not the graph, and
-    are counted in the transient peak instead."""
+    are counted in the transient peak instead. With a `loss_tile` the head saves no full log-probabilities."""
     _, residual = dtype_bytes(mode)
-    head = head_activation_bytes(shape, batch, seq, mode, frozen)
+    head = head_activation_bytes(shape, batch, seq, mode, frozen, loss_tile)
     if checkpointing:
         kept = selective_layer_bytes(shape, batch, seq, mode, attn, lora_rank, lora_targets) if selective else 0
         return shape.layers * (residual * batch * seq * shape.hidden + kept) + head
@@ -157,11 +172,10 @@ def offloaded_host_bytes(shape: ModelShape, batch: int, seq: int, mode: str, che
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
                      attn: str = "sdpa", masked: bool = True, frozen: bool = False, selective: bool = False,
-                     lora_rank: int = 0, lora_targets: tuple[str, ...] = (), offloading: bool = False
-                     ) -> dict[str, int]:
+                     lora_rank: int = 0, lora_targets: tuple[str, ...] = (), offloading: bool = False,
+                     loss_tile: int | None = None) -> dict[str, int]:
     """Peak activation memory = saved + the largest transient on top of it:
-    - the loss: the forward holds the logits (c·n·vocab) and their fp32 upcast (4·n·vocab); its backward holds
-      two fp32 n x vocab gradients (d log-probs, d logits) - the larger, 8·n·vocab, is taken;
+    - the loss's (loss_transient_bytes: the full logits, or one `loss_tile` of them);
     - with recomputation, one layer's full activations while it is recomputed in backward (less what a
       `selective` policy kept, already counted as saved);
     - the MLP backward's two intermediate-size gradients (2·c·n·intermediate).
@@ -169,10 +183,10 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpo
     compute, _ = dtype_bytes(mode)
     n = batch * seq
     saved = saved_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen, selective,
-                                   lora_rank, lora_targets)
+                                   lora_rank, lora_targets, loss_tile)
     offloaded = offloaded_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen) \
         if offloading else 0
-    logits = max(compute * n * shape.vocab + (4 * n * shape.vocab if compute != 4 else 0), 8 * n * shape.vocab)
+    logits = loss_transient_bytes(shape, n, mode, loss_tile)
     recompute = 0
     if checkpointing:
         recompute = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)

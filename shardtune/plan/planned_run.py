@@ -52,7 +52,7 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
                 recipe.gradient_checkpointing, PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe),
                 recipe.packing, async_save=recipe.async_save, save_only_model=recipe.save_only_model,
                 eval_batch=recipe.per_device_eval_batch_size, checkpointing_mode=recipe.gradient_checkpointing_mode,
-                activation_offloading=recipe.activation_offloading)
+                activation_offloading=recipe.activation_offloading, chunked_cross_entropy=recipe.chunked_cross_entropy)
 
 
 def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, fix_micro_batch: bool,
@@ -67,4 +67,5 @@ def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, fix_
                   PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe), recipe.packing,
                   recipe.per_device_train_batch_size if fix_micro_batch else None,
                   recipe.gradient_checkpointing if fix_checkpointing else None,
-                  recipe.per_device_eval_batch_size, recipe.async_save, recipe.save_only_model)
+                  recipe.per_device_eval_batch_size, recipe.async_save, recipe.save_only_model,
+                  recipe.chunked_cross_entropy, recipe.gradient_checkpointing_mode, recipe.activation_offloading)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from shardtune.config import LOSS_TILE_POSITIONS
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware
 from shardtune.plan.activations import activation_bytes, activation_mode, dtype_bytes, offloaded_host_bytes
@@ -52,6 +53,7 @@ class MemoryPlan:
     gradient_checkpointing: bool
     mixed_precision: str
     activation_mode: str
+    chunked_cross_entropy: bool
     per_gpu: dict[str, float]
     host_ram_per_node: float
     host_ram: dict[str, float]
@@ -89,7 +91,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
          checkpointing: bool = True, attn: str = "sdpa", peft: Peft | None = None,
          packing: bool = False, async_save: bool = False, save_only_model: bool = False, eval_batch: int = 8,
          foreach: bool = True, export_bytes: int = 2, checkpointing_mode: str = "full",
-         activation_offloading: bool = False) -> MemoryPlan:
+         activation_offloading: bool = False, chunked_cross_entropy: bool = False) -> MemoryPlan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
     headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
@@ -99,7 +101,10 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     copies are not counted). `attn`: "sdpa", "eager" or "flash" (config.PLANNED_ATTENTION). With `packing` a
     training micro-batch is one row of micro_batch x seq tokens (DataCollatorWithFlattening); eval batches are
     padded. `checkpointing_mode` "selective" keeps what shardtune.model.selective_policy saves per layer;
-    `activation_offloading` moves the layers' saved tensors to pinned host RAM (activations.offloaded_host_bytes)."""
+    `activation_offloading` moves the layers' saved tensors to pinned host RAM (activations.offloaded_host_bytes).
+    `chunked_cross_entropy`: the training loss over tiles of LOSS_TILE_POSITIONS positions (the recipe's
+    default, which plan_recipe passes), not over the micro-batch's full logits; the recommendation's search plans
+    the full logits only where the recipe turns the tiled loss off."""
     params, world = shape.params, hardware.world_size
     mode = activation_mode(strategy)
     states = peft_states(strategy, shape, world, peft) if peft else model_states(strategy, params, world, shape)
@@ -107,8 +112,9 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     masked = attn != "flash"  # SDPA and eager get a dense mask: a padded batch's, or a packed row's block-diagonal
     lora = (peft.rank, tuple(peft.target_names())) if peft else (0, ())
     selective = checkpointing and checkpointing_mode == "selective"
+    loss_tile = LOSS_TILE_POSITIONS if chunked_cross_entropy else None
     acts = activation_bytes(shape, rows, length, mode, checkpointing, attn, masked, peft is not None, selective,
-                            *lora, offloading=activation_offloading)
+                            *lora, offloading=activation_offloading, loss_tile=loss_tile)
     buffer = buffers(strategy, shape, params, world, mode, peft)
     buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked, peft)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
@@ -136,7 +142,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         model=shape.name, hardware=hardware.name, config=strategy.name, params=params,
         trainable_params=peft.trainable_params(shape) if peft else params, world_size=world,
         micro_batch=micro_batch, max_seq_length=seq, gradient_checkpointing=checkpointing,
-        mixed_precision=strategy.mixed_precision, activation_mode=mode, per_gpu=per_gpu,
+        mixed_precision=strategy.mixed_precision, activation_mode=mode,
+        chunked_cross_entropy=chunked_cross_entropy, per_gpu=per_gpu,
         host_ram_per_node=host_ram_peak(host), host_ram=host,
         nvme_per_node=states.nvme * hardware.gpus_per_node,
         capacity=capacity, gpu_fits=per_gpu["total"] <= capacity, host_ram_capacity=usable_host_ram(hardware),

@@ -49,6 +49,10 @@ class Search:
     eval_batch: int = 8
     async_save: bool = False
     save_only_model: bool = False
+    # The levers a recipe sets; the search plans them as given (the tiled loss is the recipe's default).
+    chunked_cross_entropy: bool = True
+    checkpointing_mode: str = "full"
+    activation_offloading: bool = False
 
     def fixed(self) -> str:
         """What the search holds as given, in words: '' when it varies both."""
@@ -92,7 +96,10 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
                 for micro, accumulation in pairs:
                     yield (plan(shape, hardware, strategy, micro, search.seq, checkpointing, search.attn, search.peft,
                                 search.packing, async_save=search.async_save,
-                                save_only_model=search.save_only_model, eval_batch=search.eval_batch),
+                                save_only_model=search.save_only_model, eval_batch=search.eval_batch,
+                                checkpointing_mode=search.checkpointing_mode,
+                                activation_offloading=search.activation_offloading,
+                                chunked_cross_entropy=search.chunked_cross_entropy),
                            accumulation, offload)
 
 

@@ -237,7 +237,7 @@ def test_gradients_are_clipped_to_max_grad_norm(one_rank, max_grad_norm):
     micro_batches = [next(loader) for _ in range(2)]
     targets = torch.tensor(sum(batch.pop(COUNTS)["targets"] for batch in micro_batches))
     out = train_step(accelerator, run.model, optimizer, schedule, micro_batches, targets, BatchSizes(4, 2, 1),
-                     max_grad_norm)
+                     max_grad_norm, chunked_cross_entropy=one_rank.recipe.chunked_cross_entropy)
     update = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(param.detach() - old)
                                                    for param, old in zip(parameters, before, strict=True)]))
     assert out.grad_norm > max_grad_norm and update.item() == pytest.approx(max_grad_norm, rel=1e-3)

@@ -50,7 +50,8 @@ def fsdp_bf16(monkeypatch) -> Iterator[Accelerator]:
             dist.destroy_process_group()
 
 
-def test_fsdp_bf16_loss_is_the_fp32_loss_of_the_bf16_logits(fsdp_bf16, tiny_assets):
+@pytest.mark.parametrize("chunked_cross_entropy", [False, True])
+def test_fsdp_bf16_loss_is_the_fp32_loss_of_the_bf16_logits(fsdp_bf16, tiny_assets, chunked_cross_entropy):
     """FSDP2's output cast (MixedPrecisionPolicy.output_dtype bf16) applies to every floating output of the root
     module: the step's loss must not pass through it. The step's loss equals the fp32 cross-entropy of the bf16
     logits the same parameters give (before the update), to fp32 rounding, not to bf16's 0.4%."""
@@ -75,7 +76,8 @@ def test_fsdp_bf16_loss_is_the_fp32_loss_of_the_bf16_logits(fsdp_bf16, tiny_asse
         loss = token_loss(model, unwrapped, batch, targets)
     assert loss.dtype == torch.float32
     out = train_step(accelerator, model, optimizer, scheduler, [dict(batch)], targets,
-                     BatchSizes(micro_batch=3, accumulation=1, world_size=1), max_grad_norm=1.0)
+                     BatchSizes(micro_batch=3, accumulation=1, world_size=1), max_grad_norm=1.0,
+                     chunked_cross_entropy=chunked_cross_entropy)
     assert out.loss.dtype == torch.float32
     # bf16 keeps 8 significant bits: a rounded loss sits up to 2**-9 (2e-3) away; fp32 sums differ by ~1e-7.
     assert out.loss.item() == pytest.approx(expected.item(), rel=1e-6)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from shardtune.config import ConfigError, Recipe
+from shardtune.config import LOSS_TILE_POSITIONS, ConfigError, Recipe
 from shardtune.flops import resolve_config, resolve_model
 from shardtune.hardware import parse_hardware
 from shardtune.model_checks import check_context_length
@@ -97,8 +97,22 @@ def test_a_flag_over_a_recipe_s_value_acts(capsys):
     shape = resolve_model("llama-3.1-8b")
     _, planned = run_json(capsys, "--model", LORA_RECIPE, "--config_file", DDP, "--packing", "false",
                           "--attn_implementation", "sdpa", "--per_device_train_batch_size", "2")
-    expected = plan(shape, H100, read_accelerate_config(DDP, "bf16"), 2, 4096, False, "sdpa", Peft(16))
+    expected = plan(shape, H100, read_accelerate_config(DDP, "bf16"), 2, 4096, False, "sdpa", Peft(16),
+                    chunked_cross_entropy=True)
     assert planned["per_gpu"] == pytest.approx(expected.per_gpu)
+
+
+def test_chunked_cross_entropy_flag_acts_in_the_plan(capsys):
+    """The recipe's default (the loss in tiles) and --chunked_cross_entropy false (the full logits): the
+    activations differ by the full logits' term less one tile's, and --json says which was planned."""
+    shape = resolve_model("llama-3.1-8b")
+    _, tiled = run_json(capsys, "--model", LORA_RECIPE, "--config_file", DDP)
+    _, full = run_json(capsys, "--model", LORA_RECIPE, "--config_file", DDP, "--chunked_cross_entropy", "false")
+    assert tiled["chunked_cross_entropy"] is True and full["chunked_cross_entropy"] is False
+    positions = 4096  # the recipe's one packed row
+    full_logits = 12 * positions * shape.vocab  # saved fp32 log-probabilities + their two fp32 gradients
+    one_tile = 12 * LOSS_TILE_POSITIONS * shape.vocab
+    assert full["per_gpu"]["activations"] - tiled["per_gpu"]["activations"] == full_logits - one_tile
 
 
 def test_the_planner_refuses_a_length_past_the_model_s_context_by_the_recipe_s_rule(capsys):
@@ -118,12 +132,15 @@ def test_a_recipe_is_planned_with_its_own_fields(capsys):
     """llama8b_lora.py: flex attention on packed rows (no dense mask), LoRA r=16, checkpointing off, bf16."""
     shape = resolve_model("llama-3.1-8b")
     _, planned = run_json(capsys, "--model", LORA_RECIPE, "--config_file", DDP)
-    flex = plan(shape, H100, read_accelerate_config(DDP, "bf16"), 1, 4096, False, "flash", Peft(16), packing=True)
-    dense = plan(shape, H100, read_accelerate_config(DDP, "bf16"), 1, 4096, False, "sdpa", Peft(16), packing=True)
+    flex, dense = (plan(shape, H100, read_accelerate_config(DDP, "bf16"), 1, 4096, False, attn, Peft(16),
+                        packing=True, chunked_cross_entropy=True) for attn in ("flash", "sdpa"))
     assert planned["per_gpu"] == pytest.approx(flex.per_gpu)
     assert planned["per_gpu"]["activations"] < dense.per_gpu["activations"]
     _, found = run_json(capsys, "--model", LORA_RECIPE)
-    assert found["per_gpu"]["activations"] == pytest.approx(flex.per_gpu["activations"])
+    # The recommendation plans the full logits (an upper bound) until its search weighs the tiled loss.
+    full_logits = plan(shape, H100, read_accelerate_config(DDP, "bf16"), 1, 4096, False, "flash", Peft(16),
+                       packing=True)
+    assert found["per_gpu"]["activations"] == pytest.approx(full_logits.per_gpu["activations"])
 
 
 def test_a_recipe_s_unstated_fields_are_the_recipe_s_defaults(tmp_path, capsys):

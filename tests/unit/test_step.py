@@ -136,7 +136,8 @@ def test_each_step_reports_the_learning_rate_its_update_used(tiny_assets, tokeni
         rates = []
         for _ in range(max_steps):
             out = train_step(accelerator, model, optimizer, scheduler, [dict(batch)], targets,
-                             BatchSizes(micro_batch=3, accumulation=1, world_size=1), max_grad_norm=1.0)
+                             BatchSizes(micro_batch=3, accumulation=1, world_size=1), max_grad_norm=1.0,
+                             chunked_cross_entropy=True)
             rates.append(out.lr)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -1,0 +1,85 @@
+"""The training loss over tiles of positions, so that one tile of fp32 logits is alive at a time, never the whole
+micro-batch's (--chunked_cross_entropy, on by default; TRL's SFTTrainer computes its loss in tiles too).
+
+The loss runs as the LM head module's forward, swapped in for one call of the model's forward: the model computes
+the loss where it would compute the logits, inside its own forward, so that each strategy's machinery finds the
+head's weight gathered where the tiles read it, in the forward and in the backward's recomputation:
+- ZeRO-3 partitions every weight outside its module's forward: DeepSpeed's hooks on the head module gather it for
+  this forward and again before its backward (the hook on the module's output). Reading `lm_head.weight` outside
+  a forward of the module reads an empty partition.
+- FSDP2 gathers the root unit (embedding, final norm, head) for the root's forward and, through the pre-backward
+  hook it puts on the root's outputs, for the backward. Differentiating a head applied outside the root's forward
+  runs the head's backward before that hook (measured on CPU: a segmentation fault in the backward).
+- DDP and ZeRO-1/2 hold the whole weight.
+Each tile runs under torch.utils.checkpoint: its forward frees the tile's logits, its backward recomputes them.
+The result is the plain loss of transformers' ForCausalLMLoss (logits upcast to fp32, summed over the target
+tokens, divided by `targets`) up to the order of the fp32 sums.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from shardtune.config import LOSS_TILE_POSITIONS
+from shardtune.data import IGNORE_INDEX
+
+
+def tile_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of one tile of positions: its logits in the compute dtype (autocast's, where on),
+    upcast to fp32 as ForCausalLMLoss does."""
+    return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor,
+                        tile: int = LOSS_TILE_POSITIONS) -> torch.Tensor:
+    """Sum over tiles of `tile` positions of the tile's loss, divided by `targets`. `hidden` (rows, positions, h)
+    and `labels` (rows, positions) are already aligned: position t's label is the token at t + 1."""
+    flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    total = None
+    for start in range(0, flat_labels.shape[0], tile):
+        part = checkpoint(tile_loss, flat_hidden[start:start + tile], weight, flat_labels[start:start + tile],
+                          use_reentrant=False)
+        total = part if total is None else total + part
+    return total / targets
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's next-token label, IGNORE_INDEX after the last, as ForCausalLMLoss shifts them (so the hidden
+    states need no shifted copy)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+@contextmanager
+def forward_replaced(module: torch.nn.Module, forward):
+    """Run `forward` as `module`'s forward for the calls inside: the hooks registered on the module (DeepSpeed's
+    gathering) still run around it."""
+    module.forward = forward
+    try:
+        yield module
+    finally:
+        del module.forward  # back to the class's forward
+
+
+def chunked_token_loss(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict, targets: torch.Tensor,
+                       tile: int = LOSS_TILE_POSITIONS) -> torch.Tensor:
+    """The micro-batch's summed target-token loss over `targets`, in fp32, without its full logits: the model's
+    forward runs with the tiled loss as its LM head's forward, and returns it in place of the logits."""
+    labels = shifted_labels(batch["labels"])
+    head = unwrapped.get_output_embeddings()
+    computed = []
+
+    def loss_forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        loss = tiled_cross_entropy(hidden_states, head.weight, labels, targets, tile)
+        computed.append(loss)
+        return loss
+
+    with forward_replaced(head, loss_forward):
+        returned = model(**{key: value for key, value in batch.items() if key != "labels"}).logits
+    # FSDP2's output cast (MixedPrecisionPolicy.output_dtype) rounds the root's outputs to bf16, after it hooked
+    # its pre-backward on the fp32 tensor the head returned: that one is the loss. Elsewhere the returned tensor is
+    # the one to differentiate: ZeRO-3 hooks the head's backward onto a copy of its output.
+    return returned if returned.dtype == computed[0].dtype else computed[0]
