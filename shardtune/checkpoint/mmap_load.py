@@ -69,16 +69,18 @@ def mapped_deepspeed_loads(accelerator: Accelerator) -> Iterator[set[int]]:
 def detach_from_files(accelerator: Accelerator, mapped: set[int]) -> int:
     """Every optimizer state tensor still backed by a mapped checkpoint file, replaced by an anonymous copy;
     returns how many. Each copy is made before its mapped tensor is dropped: one tensor beyond the states."""
+    return sum(detach_optimizer(inner_torch_optimizer(engine.optimizer), mapped)
+               for engine in deepspeed_engines(accelerator))
+
+
+def detach_optimizer(optimizer: torch.optim.Optimizer | None, mapped: set[int]) -> int:
+    """`detach_from_files` for one torch optimizer."""
     replaced = 0
-    for engine in deepspeed_engines(accelerator):
-        optimizer = inner_torch_optimizer(engine.optimizer)
-        if optimizer is None:
-            continue
-        for state in optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.untyped_storage().data_ptr() in mapped:
-                    state[key] = value.clone()
-                    replaced += 1
+    for state in optimizer.state.values() if optimizer is not None else ():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.untyped_storage().data_ptr() in mapped:
+                state[key] = value.clone()
+                replaced += 1
     return replaced
 
 
