@@ -15,14 +15,14 @@ import sys
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, broadcast_object_list
 from huggingface_hub import StateDictSplit, split_torch_state_dict_into_shards
-from safetensors.torch import save_file
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from shardtune.checkpoint.durable import durable, fsync_path
+from shardtune.checkpoint.tensor_files import write_safetensors
 from shardtune.config import Recipe
 
 # --save_dtype (shardtune.config.SAVE_DTYPES, less auto) as torch dtypes.
@@ -116,16 +116,30 @@ def export_entries(unwrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
     return entries
 
 
-def export_layout(entries: dict[str, torch.Tensor], dtype: torch.dtype | None,
+def export_layout(unwrapped: torch.nn.Module, entries: dict[str, torch.Tensor], dtype: torch.dtype | None,
                   max_shard_size: int | str = MAX_SHARD_SIZE) -> StateDictSplit:
     """The output shards, planned by huggingface_hub as save_pretrained plans them, from each tensor's full shape
-    and the dtype it is written in (meta tensors: no data)."""
+    and the dtype it is written in (meta tensors: no data), in the order save_pretrained gives them:
+    transformers' revert_weight_conversion, which save_pretrained applies first, rebuilds the state dict in
+    sorted key order. A model whose conversion renames or merges tensors is refused (the Llama-class models
+    have none)."""
+    planned = planned_tensors(entries, dtype)
+    reverted = revert_weight_conversion(unwrapped, planned)
+    if reverted.keys() != planned.keys():
+        raise NotImplementedError(f"{type(unwrapped).__name__} saves its weights under other names than it trains "
+                                  "them (a transformers weight conversion): the streamed export writes them as "
+                                  "named in training only.")
+    return split_torch_state_dict_into_shards(reverted, filename_pattern=SHARD_PATTERN, max_shard_size=max_shard_size)
+
+
+def planned_tensors(entries: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Each entry as a meta tensor of its full shape (ZeRO-3: its ds_shape) in the dtype it is written in."""
     planned = {}
     for name, tensor in entries.items():
-        shape = tensor.ds_shape if hasattr(tensor, "ds_id") else tensor.shape  # ZeRO-3: the unpartitioned shape
+        shape = tensor.ds_shape if hasattr(tensor, "ds_id") else tensor.shape
         written = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         planned[name] = torch.empty(shape, dtype=written, device="meta")
-    return split_torch_state_dict_into_shards(planned, filename_pattern=SHARD_PATTERN, max_shard_size=max_shard_size)
+    return planned
 
 
 def write_streamed_shards(accelerator: Accelerator, unwrapped: torch.nn.Module, output_dir: str,
@@ -134,15 +148,19 @@ def write_streamed_shards(accelerator: Accelerator, unwrapped: torch.nn.Module, 
     at a time: every rank gathers the shard's tensors one by one, the main process copies each to its host in
     the export dtype, writes the shard with safetensors, fsyncs it (its dirty pages written back, not held) and
     frees it before the next. The main process's host holds one shard, never the whole model. An fp32 export of
-    a 16-bit DeepSpeed run writes the fp32 master weights of the trained parameters (deepspeed_master_weights)."""
+    a 16-bit DeepSpeed run writes the fp32 master weights of the trained parameters (safe_get_full_fp32_param).
+    The main process plans the shards and every rank follows its plan: the order save_pretrained writes in
+    depends on how the model was built (a model FSDP built on the meta device has no recorded conversion)."""
     entries = export_entries(unwrapped)
-    layout = export_layout(entries, dtype, max_shard_size)
-    masters = dtype == torch.float32 and deepspeed_half(accelerator)
     main = accelerator.is_main_process
+    layout = [export_layout(unwrapped, entries, dtype, max_shard_size) if main else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(layout)
+    layout = layout[0]
+    masters = dtype == torch.float32 and deepspeed_half(accelerator)
     if main:
         os.makedirs(output_dir, exist_ok=True)
         remove_stale_shards(output_dir, layout)
-    weight_map = {}
     for filename, names in layout.filename_to_tensors.items():
         shard = {}
         for name in names:  # the same order on every rank: each gather is a collective
@@ -150,15 +168,16 @@ def write_streamed_shards(accelerator: Accelerator, unwrapped: torch.nn.Module, 
             if main:
                 shard[name] = whole
         if main:
-            shard = revert_weight_conversion(unwrapped, shard)  # save_pretrained's renamings (none for Llama)
             path = os.path.join(output_dir, filename)
-            save_file(shard, path, metadata={"format": "pt"})
-            fsync_path(path)
-            weight_map.update(dict.fromkeys(shard, filename))
+            write_safetensors(shard, path)  # safetensors' own save_file would build a second copy in memory
+            fsync_path(path)  # its dirty pages written back now, not held in the page cache
         del shard
     if main and layout.is_sharded:
-        index = {"metadata": {"total_parameters": unwrapped.num_parameters(), **layout.metadata},
-                 "weight_map": weight_map}
+        # save_pretrained's num_parameters() counts ZeRO-3's empty partitions as 0: the count here is the model's.
+        names = {name for name, _ in unwrapped.named_parameters(remove_duplicate=False)}
+        parameters = sum(tensor.numel() for name, tensor in planned_tensors(entries, dtype).items() if name in names)
+        index = {"metadata": {"total_parameters": parameters, **layout.metadata},
+                 "weight_map": layout.tensor_to_filename}
         with open(os.path.join(output_dir, SAFE_WEIGHTS_INDEX_NAME), "w", encoding="utf-8") as f:
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
 

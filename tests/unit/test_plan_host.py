@@ -171,7 +171,7 @@ def test_the_export_term_is_the_largest_output_shard(llama70b):
     dropped): the planned term bounds the largest and exceeds it by less than one tensor; a model under
     MAX_SHARD_SIZE is one shard, all of it."""
     assert parse_size_to_int(MAX_SHARD_SIZE) == EXPORT_SHARD_BYTES
-    layout = export_layout(export_entries(llama70b), torch.bfloat16)
+    layout = export_layout(llama70b, export_entries(llama70b), torch.bfloat16)
     entries = export_entries(llama70b)
     shard_bytes = [sum(2 * entries[name].numel() for name in names) for names in layout.filename_to_tensors.values()]
     shape = resolve_model("llama-3.1-70b")
@@ -184,7 +184,7 @@ def test_the_export_term_is_the_largest_output_shard(llama70b):
     entries = export_entries(model)
     assert "lm_head.weight" not in entries  # tied to the embedding
     total = sum(2 * tensor.numel() for tensor in entries.values())
-    assert export_layout(entries, torch.bfloat16).metadata["total_size"] == total
+    assert export_layout(model, entries, torch.bfloat16).metadata["total_size"] == total
     assert plan(small, NODE, config("ds_zero3")).host_ram["export"] == total
 
 
