@@ -1,15 +1,15 @@
 r"""meta-llama/Llama-3.1-405B full fine-tune, BF16 with fp32 master weights and gradient checkpointing.
 
-Launch (8 nodes x 8xH100-80GB with local NVMe: add --num_machines 8 --num_processes 64 --machine_rank N
+Launch (2 nodes x 8xH100-80GB with local NVMe: add --num_machines 2 --num_processes 16 --machine_rank N
 --main_process_ip HOST; without offload, python -m shardtune.plan --model recipes/llama405b.py says
 "Without offload it fits on no number of nodes up to 64 with this global batch."):
     OMP_NUM_THREADS=$(python -m shardtune.cpu_threads --ranks_per_node 8 \
         accelerate_configs/ds_zero3_nvme_offload.yaml) \
     accelerate launch --config_file accelerate_configs/ds_zero3_nvme_offload.yaml \
         recipes/llama405b.py --dataset data/train.jsonl --offload_nvme_path /local_nvme
-Plan on 8x8xh100-80gb, from python -m shardtune.plan --model recipes/llama405b.py --hardware 8x8xh100-80gb
-    (scripts/plan_table.py --write keeps this current): ds_zero3_nvme_offload, micro-batch 2 x accumulation 1,
-    gradient checkpointing on: 53.9 GB of 69.9 GB usable per GPU, 1,623 GB of 1,800 GB usable host RAM per node.
+Plan on 2x8xh100-80gb, from python -m shardtune.plan --model recipes/llama405b.py --hardware 2x8xh100-80gb
+    (scripts/plan_table.py --write keeps this current): ds_zero3_nvme_offload, micro-batch 2 x accumulation 4,
+    gradient checkpointing on: 48.0 GB of 69.9 GB usable per GPU, 1,679 GB of 1,800 GB usable host RAM per node.
 Tested: the trainer, configs and launch path on CPU with the tiny model (make test); not yet run on this hardware.
 Override any field from the command line, e.g. --learning_rate 5e-6 --max_steps 500.
 """

@@ -8,18 +8,28 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import json
+import os
+import re
 import sys
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, broadcast_object_list
+from huggingface_hub import StateDictSplit, split_torch_state_dict_into_shards
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from shardtune.checkpoint.durable import durable
+from shardtune.checkpoint.durable import durable, fsync_path
+from shardtune.checkpoint.tensor_files import write_safetensors
 from shardtune.config import Recipe
 
 # --save_dtype (shardtune.config.SAVE_DTYPES, less auto) as torch dtypes.
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# The largest output shard (save_pretrained's and scripts/export_hf.py's): the export holds one on the host.
+MAX_SHARD_SIZE = "5GB"
+SHARD_PATTERN = SAFE_WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
 
 
 def export_dtype(recipe: Recipe) -> torch.dtype | None:
@@ -66,39 +76,154 @@ def add_model_files(accelerator: Accelerator, model: torch.nn.Module, tokenizer:
 
 
 def save_hf_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
-                  output_dir: str, dtype: torch.dtype | None = None) -> None:
+                  output_dir: str, dtype: torch.dtype | None = None,
+                  max_shard_size: int | str = MAX_SHARD_SIZE) -> None:
     """Full weights gathered from FSDP / ZeRO-3 shards, cast to `dtype` (None: as trained), written as
-    safetensors by the main process, with a config.json that states the dtype written. A PEFT model writes its
-    adapter in peft's format, as trained (fp32 adapters: small, and peft upcasts them on load anyway), gathered
-    alone (`adapter_state_dict`): the frozen base stays sharded."""
+    safetensors by the main process one output shard at a time (`write_streamed_shards`), with a config.json
+    that states the dtype written. A PEFT model writes its adapter in peft's format, as trained (fp32 adapters:
+    small, and peft upcasts them on load anyway), gathered alone (`adapter_state_dict`): the frozen base stays
+    sharded. A collective: every rank calls it."""
     unwrapped = accelerator.unwrap_model(model)
     if is_peft_model(unwrapped):
         state_dict = adapter_state_dict(accelerator, unwrapped)
-    else:
-        state_dict = accelerator.get_state_dict(model)  # ZeRO-3: on the main process only (None elsewhere)
-    masters = {}
-    if dtype == torch.float32 and deepspeed_half(accelerator):
-        masters = deepspeed_master_weights(accelerator, model)  # a collective: every rank takes part
-    if accelerator.is_main_process:
-        state_dict.update(masters)
-        if is_peft_model(unwrapped):
+        if accelerator.is_main_process:
             unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-        else:
-            # save_pretrained drops a tied weight (Llama-3.2's lm_head.weight) only where its tensor shares storage
-            # with the one it is tied to; FSDP2's gathered copies and the casts below share none: drop it here.
-            for tied in unwrapped.all_tied_weights_keys:
-                state_dict.pop(tied, None)
-            # save_pretrained writes the dtype of the live parameters into config.json; the copy states the cast.
-            unwrapped.save_pretrained(output_dir, state_dict=cast_floating(state_dict, dtype),
-                                      safe_serialization=True, max_shard_size="5GB")
-            config_with_dtype(unwrapped.config, dtype).save_pretrained(output_dir)
+        del state_dict
+    else:
+        write_streamed_shards(accelerator, unwrapped, output_dir, dtype, max_shard_size)
+    if accelerator.is_main_process:
+        if not is_peft_model(unwrapped):
+            # save_pretrained names the architecture and the dtype written in config.json; the copy does both.
+            config = config_with_dtype(unwrapped.config, dtype or unwrapped.dtype)
+            config.architectures = [unwrapped.__class__.__name__.removeprefix("FSDP")]
+            config.save_pretrained(output_dir)
+            if unwrapped.can_generate():
+                unwrapped.generation_config.save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
         durable(output_dir, recursive=False)  # the export's files, then output_dir itself, survive a crash
-    # The gathered copies sit in reference cycles that outlive this call until the collector runs: measured, a
-    # bf16 ZeRO-3 run's fp32 masters (4 bytes x P on the host) were still alive through the final eval.
-    del state_dict, masters
-    gc.collect()
+    gc.collect()  # gathered copies can sit in reference cycles until the collector runs
     accelerator.wait_for_everyone()
+
+
+def export_entries(unwrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict as the export writes it, unmaterialized: each key's live parameter or buffer (a
+    ZeRO-3 partition, an FSDP2 DTensor or a whole tensor), in state_dict order, without the tied weights.
+    save_pretrained drops a tied weight (Llama-3.2's lm_head.weight) only where its tensor shares storage with the
+    one it is tied to; FSDP2's gathered copies and the casts share none: it is dropped here."""
+    entries = unwrapped.state_dict(keep_vars=True)
+    for tied in unwrapped.all_tied_weights_keys:
+        entries.pop(tied, None)
+    return entries
+
+
+def export_layout(unwrapped: torch.nn.Module, entries: dict[str, torch.Tensor], dtype: torch.dtype | None,
+                  max_shard_size: int | str = MAX_SHARD_SIZE) -> StateDictSplit:
+    """The output shards, planned by huggingface_hub as save_pretrained plans them, from each tensor's full shape
+    and the dtype it is written in (meta tensors: no data), in the order save_pretrained gives them:
+    transformers' revert_weight_conversion, which save_pretrained applies first, rebuilds the state dict in
+    sorted key order. A model whose conversion renames or merges tensors is refused (the Llama-class models
+    have none)."""
+    planned = planned_tensors(entries, dtype)
+    reverted = revert_weight_conversion(unwrapped, planned)
+    if reverted.keys() != planned.keys():
+        raise NotImplementedError(f"{type(unwrapped).__name__} saves its weights under other names than it trains "
+                                  "them (a transformers weight conversion): the streamed export writes them as "
+                                  "named in training only.")
+    return split_torch_state_dict_into_shards(reverted, filename_pattern=SHARD_PATTERN, max_shard_size=max_shard_size)
+
+
+def planned_tensors(entries: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Each entry as a meta tensor of its full shape (ZeRO-3: its ds_shape) in the dtype it is written in."""
+    planned = {}
+    for name, tensor in entries.items():
+        shape = tensor.ds_shape if hasattr(tensor, "ds_id") else tensor.shape
+        written = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        planned[name] = torch.empty(shape, dtype=written, device="meta")
+    return planned
+
+
+def write_streamed_shards(accelerator: Accelerator, unwrapped: torch.nn.Module, output_dir: str,
+                          dtype: torch.dtype | None, max_shard_size: int | str = MAX_SHARD_SIZE) -> None:
+    """The model's weights as save_pretrained writes them (same files, keys, dtypes and index), one output shard
+    at a time: every rank gathers the shard's tensors one by one, the main process copies each to its host in
+    the export dtype, writes the shard with safetensors, fsyncs it (its dirty pages written back, not held) and
+    frees it before the next. The main process's host holds one shard, never the whole model. An fp32 export of
+    a 16-bit DeepSpeed run writes the fp32 master weights of the trained parameters (safe_get_full_fp32_param).
+    The main process plans the shards and every rank follows its plan: the order save_pretrained writes in
+    depends on how the model was built (a model FSDP built on the meta device has no recorded conversion)."""
+    entries = export_entries(unwrapped)
+    main = accelerator.is_main_process
+    layout = [export_layout(unwrapped, entries, dtype, max_shard_size) if main else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(layout)
+    layout = layout[0]
+    masters = dtype == torch.float32 and deepspeed_half(accelerator)
+    if main:
+        os.makedirs(output_dir, exist_ok=True)
+        remove_stale_shards(output_dir, layout)
+    for filename, names in layout.filename_to_tensors.items():
+        shard = {}
+        for name in names:  # the same order on every rank: each gather is a collective
+            whole = gathered_host_tensor(entries[name], dtype, masters, main)
+            if main:
+                shard[name] = whole
+        if main:
+            path = os.path.join(output_dir, filename)
+            write_safetensors(shard, path)  # safetensors' own save_file would build a second copy in memory
+            fsync_path(path)  # its dirty pages written back now, not held in the page cache
+        del shard
+    if main and layout.is_sharded:
+        # save_pretrained's num_parameters() counts ZeRO-3's empty partitions as 0: the count here is the model's.
+        names = {name for name, _ in unwrapped.named_parameters(remove_duplicate=False)}
+        parameters = sum(tensor.numel() for name, tensor in planned_tensors(entries, dtype).items() if name in names)
+        index = {"metadata": {"total_parameters": parameters, **layout.metadata},
+                 "weight_map": layout.tensor_to_filename}
+        with open(os.path.join(output_dir, SAFE_WEIGHTS_INDEX_NAME), "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def gathered_host_tensor(tensor: torch.Tensor, dtype: torch.dtype | None, masters: bool,
+                         main: bool) -> torch.Tensor | None:
+    """One tensor whole, in the export dtype, on the main process's host (None elsewhere): a ZeRO-3 partition
+    gathered alone and copied before the gather is released, an FSDP2 DTensor's full_tensor, the fp32 master
+    weights of a trained parameter of a 16-bit DeepSpeed run where `masters`, a whole tensor as it is. Each is
+    whole on the device for one tensor's time (as the gathers of accelerate's get_state_dict are). Every rank
+    calls it, for the same tensors in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    if masters:
+        from deepspeed.utils import safe_get_full_fp32_param  # DeepSpeed runs only
+
+        full = safe_get_full_fp32_param(tensor)  # None for frozen parameters: their 16-bit value is written
+        if full is not None:
+            return host_copy(full, dtype) if main else None
+    if hasattr(tensor, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([tensor]):  # read only: modifier_rank None
+            return host_copy(tensor, dtype) if main else None
+    if isinstance(tensor, DTensor):
+        whole = tensor.full_tensor()
+        return host_copy(whole, dtype) if main else None
+    return host_copy(tensor, dtype) if main else None
+
+
+def host_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A new host tensor: `tensor` cast on its device to the export dtype (floating point only), then copied,
+    so that the host holds the written bytes alone and nothing aliases a live or gathered buffer."""
+    tensor = tensor.detach()
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        return tensor.to(dtype).to("cpu").contiguous()
+    return tensor.to("cpu", copy=True).contiguous()
+
+
+def remove_stale_shards(output_dir: str, layout: StateDictSplit) -> None:
+    """Shard files of an earlier export to this directory that this one does not overwrite, removed as
+    save_pretrained removes them (model-NNNNN-of-NNNNN.safetensors only)."""
+    for filename in os.listdir(output_dir):
+        if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", filename) and \
+                filename not in layout.filename_to_tensors:
+            os.remove(os.path.join(output_dir, filename))
 
 
 def adapter_state_dict(accelerator: Accelerator, unwrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -134,17 +259,3 @@ def is_peft_model(model: torch.nn.Module) -> bool:
 def deepspeed_half(accelerator: Accelerator) -> bool:
     """DeepSpeed in bf16 / fp16: its module holds 16-bit weights, the fp32 master weights are the optimizer's."""
     return accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.mixed_precision in ("bf16", "fp16")
-
-
-def deepspeed_master_weights(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The fp32 master weights of the trained parameters, assembled one parameter at a time from the ranks'
-    partitions (a collective under every ZeRO stage: all ranks walk the parameters in the same order); on the
-    main process, on the host. An fp32 export of a bf16 DeepSpeed run holds these, not upcast 16-bit weights."""
-    from deepspeed.utils import safe_get_full_fp32_param  # DeepSpeed runs only: imported where it is used
-
-    weights = {}
-    for name, param in accelerator.unwrap_model(model).named_parameters():
-        full = safe_get_full_fp32_param(param)  # None for frozen parameters: their 16-bit value stays
-        if full is not None and accelerator.is_main_process:
-            weights[name] = full.detach().cpu()
-    return weights

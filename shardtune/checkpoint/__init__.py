@@ -17,6 +17,7 @@ the end of training first wait for it.
 Modules: `saver` (the Checkpointer: when to save, and a save from start to marker), `staging` (each strategy's
 state copied or written, one function per strategy), `markers` (completion markers and the resume lookup; the
 standard library only, so that the command line resolves a resume before torch loads), `durable` (fsync),
-`tensor_files` (torch and safetensors files, streamed), `pending` (a save in flight), `nvme_resume` (what
-DeepSpeed's load leaves out when the optimizer is on NVMe).
+`tensor_files` (torch and safetensors files, streamed), `pending` (a save in flight), `mmap_load` (DeepSpeed's
+checkpoint loads memory-mapped), `nvme_resume` (the resume's load_state, and what DeepSpeed's load leaves out
+when the optimizer is on NVMe).
 """

@@ -24,6 +24,8 @@ import os
 import torch
 from accelerate import Accelerator
 
+from shardtune.checkpoint.mmap_load import detach_from_files, load_mapped, mapped_deepspeed_loads
+
 
 def nvme_optimizers(accelerator: Accelerator) -> list:
     """The ZeRO-3 optimizers of this run whose states are swapped to NVMe."""
@@ -32,16 +34,20 @@ def nvme_optimizers(accelerator: Accelerator) -> list:
 
 
 def load_state(accelerator: Accelerator, path: str) -> None:
-    """accelerate's load_state, completed for NVMe-offloaded optimizers (see the module docstring)."""
-    accelerator.load_state(path)
+    """accelerate's load_state, with DeepSpeed's files memory-mapped (shardtune.checkpoint.mmap_load), completed
+    for NVMe-offloaded optimizers (see the module docstring)."""
+    with mapped_deepspeed_loads(accelerator) as mapped:
+        accelerator.load_state(path)
+    detach_from_files(accelerator, mapped)
     optimizers = nvme_optimizers(accelerator)
     if not optimizers:
         return
     if len(optimizers) > 1:
         raise NotImplementedError("resuming more than one NVMe-offloaded DeepSpeed model")
     rank = torch.distributed.get_rank(group=optimizers[0].dp_process_group)
-    saved = torch.load(os.path.join(path, "pytorch_model", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),
-                       map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    # Mapped: what restore_nvme_optimizer keeps it copies, the rest stays page cache.
+    saved = load_mapped(os.path.join(path, "pytorch_model", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),
+                        map_location="cpu")["optimizer_state_dict"]
     restore_nvme_optimizer(optimizers[0], saved)
 
 

@@ -1,6 +1,6 @@
 """Host RAM of a run: the checkpoint staging copy of --async_save, the weights while they load, the checkpoint's
 page cache, NVMe offload's pinned swap buffers, what torch's pinned-memory allocator adds to pinned buffers, the
-optimizer shard a resumed DeepSpeed run loads, and the final export's gathered model."""
+moment tensor a resumed DeepSpeed run copies off its mapped checkpoint, and the final export's shard."""
 
 from __future__ import annotations
 
@@ -139,20 +139,17 @@ def pinned_rounding_bytes(strategy: Strategy, shape: ModelShape, world: int, pef
     return float(sum(pinned_block_bytes(b, limit) - b for b in pinned_buffers(strategy, shape, world, peft)))
 
 
-def resume_host_bytes(strategy: Strategy, params: int, trainable: int, world: int) -> float:
-    """Host RAM per rank that resuming a DeepSpeed run adds to what is resident when it loads: each rank reads its
-    whole ZeRO shard into host RAM (torch_checkpoint_engine.py: torch.load, map_location cpu, no mmap): the fp32
-    master partition and Adam's m and v, 12 bytes per trainable parameter / N. Adam's states are created at the
-    first step (cpu_adam.py and torch's Adam alike), so a resumed run has none yet: the loaded m and v become them
-    (torch Optimizer.load_state_dict keeps a tensor already of the parameter's dtype and device), and only the
-    loaded master copy (4 bytes / N) is extra where they live in host RAM (offload_optimizer cpu); on the GPU or
-    on NVMe, the whole shard is a transient copy. Below ZeRO-3 every rank first reads the 16-bit module
-    (mp_rank_00_model_states.pt, released before the shard loads). DDP and FSDP load on the device (accelerate's
-    map_location "on_device"; torch.distributed.checkpoint): nothing."""
-    if strategy.kind != "deepspeed":
+def resume_host_bytes(strategy: Strategy, shape: ModelShape, trainable: int, world: int) -> float:
+    """Anonymous host RAM per rank that resuming a DeepSpeed run adds to what is resident when it loads.
+    shardtune.checkpoint.mmap_load maps every file DeepSpeed loads (the rank's ZeRO shard: fp32 master and Adam's
+    m and v, 12 bytes per trainable parameter / N; below ZeRO-3 the 16-bit module first): what is copied into
+    existing buffers (the master partition, the module, states bound for the GPU or NVMe) is read through the
+    page cache, clean and reclaimable, not counted. With the optimizer on the host (offload_optimizer cpu), the
+    loaded m and v become the optimizer's states (it has none before its first step) and are copied off the file
+    one tensor at a time (detach_from_files): the largest, one flat fp32 sub-group under ZeRO-3, the whole fp32
+    partition (P / N) of the weight-decayed group under ZeRO-1/2. DDP and FSDP load on the device: nothing."""
+    if strategy.kind != "deepspeed" or strategy.offload_optimizer != "cpu":
         return 0.0
-    shard = 12 * trainable / world
-    lazy = 8 * trainable / world if strategy.offload_optimizer == "cpu" else 0.0
-    module = strategy.compute_bytes * params if strategy.shard < 3 else 0.0
-    return float(max(shard, module) - lazy)
-
+    if strategy.shard >= 3:
+        return 4.0 * largest_sub_group(strategy, shape, trainable, world)
+    return 4.0 * -(-trainable // world)

@@ -32,7 +32,7 @@ def host_ram_terms(strategy: Strategy, shape: ModelShape, world: int, gpus_per_n
         "checkpoint_page_cache": checkpoint_page_cache_bytes(params),
         "checkpoint_staging": (staging_host_bytes(strategy, params, world, local, save_only_model)
                                if async_save else 0.0),
-        "resume": resume_host_bytes(strategy, params, trainable, world) * min(local, world),
+        "resume": resume_host_bytes(strategy, shape, trainable, world) * min(local, world),
         "export": export_host_bytes(strategy, shape, world, local, peft, export_bytes),
     }
 
@@ -40,8 +40,8 @@ def host_ram_terms(strategy: Strategy, shape: ModelShape, world: int, gpus_per_n
 def host_ram_peak(host: dict[str, float]) -> float:
     """Host RAM per node at the most demanding of a run's moments, from host_ram_terms: the weights loading
     (before anything else is resident); training (offloaded states, pinned swap buffers, the pinned allocator's
-    rounding, the --async_save staging copy); a resume (the same before any staging copy, plus the loaded
-    optimizer shards); the final export (training's, plus the gathered model)."""
+    rounding, the --async_save staging copy); a resume (the same before any staging copy, plus the moment
+    tensor it copies off the mapped checkpoint); the final export (training's, plus one output shard)."""
     resident = host["offloaded_states"] + host["swap_buffers"] + host["pinned_rounding"]
     resident += host.get("offloaded_activations", 0.0)  # --activation_offloading's pinned activations
     training = resident + host["checkpoint_staging"]

@@ -13,6 +13,8 @@ from shardtune.plan.states import Peft, decay_tensors, deepspeed_sizes, paramete
 from shardtune.plan.strategy import DS_SUB_GROUP, Strategy
 
 PHASES = ("forward_backward", "optimizer", "eval", "save")
+# shardtune.export.MAX_SHARD_SIZE ("5GB") in bytes, as huggingface_hub's parse_size_to_int reads it.
+EXPORT_SHARD_BYTES = 5_000_000_000
 
 
 def optimizer_step_bytes(strategy: Strategy, shape: ModelShape, world: int, peft: Peft | None = None,
@@ -72,39 +74,43 @@ def eval_gather_bytes(strategy: Strategy, shape: ModelShape) -> float:
     return 0.0
 
 
-def save_gather_bytes(strategy: Strategy, shape: ModelShape, params: int, world: int,
-                      export_bytes: int = 2) -> tuple[float, float]:
-    """(GPU bytes, host bytes on the rank that holds most) of export.save_hf_model's accelerator.get_state_dict:
-    - FSDP2: torch's get_model_state_dict(full_state_dict, cpu_offload): each parameter all-gathered in full on the
-      GPU (the gathered tensor and its full copy: 2 x the largest, fp32), then copied to rank 0's host RAM (4P);
-    - ZeRO-3: _zero3_consolidated_16bit_state_dict gathers module by module (the largest module's own weights:
-      the embedding or lm_head), rank 0 keeping a host copy of each (16-bit, or fp32 in fp32 runs);
-    - ZeRO-1/2: clone_tensors_for_torch_save copies the whole 16-bit module to every rank's host RAM;
-    - an fp32 export (`export_bytes` 4) of a 16-bit DeepSpeed run also assembles the fp32 masters on the main
-      process's host beside that state dict (export.deepspeed_master_weights);
-    - DDP: the state dict is the live parameters; an export in another dtype casts each into a new tensor on the
-      GPU (export.cast_floating), `export_bytes` x P in all.
-    FSDP's state dict is cast on the host one tensor at a time (one copy plus one tensor: not counted)."""
-    low = strategy.compute_bytes
+def export_shard_bytes(shape: ModelShape, export_bytes: int = 2) -> float:
+    """The largest output shard of the final export (shardtune.export.write_streamed_shards): huggingface_hub's
+    split_torch_state_dict_into_shards fills each shard up to EXPORT_SHARD_BYTES and gives a larger tensor a
+    shard of its own; a model smaller than that is one shard."""
     largest = max(rows * columns for rows, columns in decay_tensors(shape))
-    if strategy.kind == "fsdp":
-        return 2.0 * 4 * largest, 4.0 * params
-    if strategy.kind == "deepspeed":
-        masters = 4.0 * params if export_bytes == 4 and low == 2 else 0.0
-        return (float(low * largest) if strategy.shard >= 3 else 0.0), float(low * params) + masters
-    return (float(export_bytes * params) if export_bytes != 4 else 0.0), 0.0
+    return float(max(min(EXPORT_SHARD_BYTES, export_bytes * shape.params), export_bytes * largest))
+
+
+def save_gather_bytes(strategy: Strategy, shape: ModelShape, params: int, world: int,
+                      export_bytes: int = 2, peft: Peft | None = None) -> tuple[float, float]:
+    """(GPU bytes, host bytes on the main process) of export.save_hf_model. A full model streams: every rank
+    gathers one tensor at a time, the main process casts it on the device and copies it to its host, which holds
+    one output shard (export_shard_bytes) until it is written. On the GPU, beside the states, one tensor whole
+    (the largest: the embedding or lm_head):
+    - FSDP2: full_tensor() of the fp32 parameter, plus its cast;
+    - ZeRO-3: the parameter gathered in the compute dtype (GatheredParameters), plus its cast; an fp32 export of
+      a 16-bit run assembles a trained parameter's fp32 master instead (safe_get_full_fp32_param), no larger;
+    - ZeRO-1/2 and DDP: the whole local parameter, cast into a new tensor where the export dtype differs.
+    A PEFT model gathers its adapters alone, fp32, all of them on the main process's host (adapter_state_dict)."""
+    low = strategy.compute_bytes
+    largest = float(max(rows * columns for rows, columns in decay_tensors(shape)))
+    stored = 4 if strategy.kind in ("fsdp", "ddp") else low  # FSDP2 and DDP keep fp32 parameters
+    if strategy.kind == "fsdp" or (strategy.kind == "deepspeed" and strategy.shard >= 3):
+        gathered = stored * largest
+    else:
+        gathered = 0.0
+    cast = export_bytes * largest if export_bytes != stored else 0.0
+    if peft is not None:
+        return gathered + cast, 4.0 * peft.trainable_params(shape)
+    return gathered + cast, export_shard_bytes(shape, export_bytes)
 
 
 def export_host_bytes(strategy: Strategy, shape: ModelShape, world: int, gpus_per_node: int,
                       peft: Peft | None = None, export_bytes: int = 2) -> float:
-    """Host RAM per node of the final export's gathered state dict (save_gather_bytes), beside the run's resident
-    host RAM: on the main process alone, except under ZeRO-1/2, where every rank copies the 16-bit module
-    (the main process alone adds the fp32 masters of an fp32 export)."""
-    _, on_host = save_gather_bytes(strategy, shape, shape.params, world, 4 if peft else export_bytes)
-    if strategy.kind == "deepspeed" and strategy.shard < 3:
-        module = float(strategy.compute_bytes * shape.params)
-        return module * min(gpus_per_node, world) + (on_host - module)
-    return on_host
+    """Host RAM per node of the final export beside the run's resident host RAM: on the main process alone,
+    one output shard (a PEFT model: its adapters)."""
+    return save_gather_bytes(strategy, shape, shape.params, world, 4 if peft else export_bytes, peft)[1]
 
 
 def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backward: dict[str, float],
@@ -129,7 +135,7 @@ def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backw
     autocast_cache = buffers(strategy, shape, params, world, mode, peft) \
         if strategy.kind == "ddp" else 0.0
     # A PEFT model exports its adapters as trained: nothing is cast.
-    gathered, saved_on_host = save_gather_bytes(strategy, shape, params, world, 4 if peft else export_bytes)
+    gathered, saved_on_host = save_gather_bytes(strategy, shape, params, world, 4 if peft else export_bytes, peft)
     # ZeRO-3's persistent parameters, whole on every rank: released before the optimizer steps and gathered again
     # after it (stage3.py `_post_step`), so the step holds the larger of its transient and them.
     persistent = float(strategy.compute_bytes * persistent_elements(strategy, shape, peft)) \

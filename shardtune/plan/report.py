@@ -26,8 +26,11 @@ def peak_components(p: MemoryPlan) -> dict[str, float]:
 
 def phase_name(phase: str) -> str:
     return phase.replace("_", "/")
-HOST_EXTRAS = (("pinned_rounding", "pinned-memory rounding"), ("resume", "a resume's loaded optimizer shards"),
-               ("export", "the final export's gathered model"),
+
+
+HOST_EXTRAS = (("pinned_rounding", "pinned-memory rounding"),
+               ("resume", "a resume's copies off its mapped optimizer shards"),
+               ("export", "the final export's largest output shard"),
                ("offloaded_activations", "offloaded activations"))
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from shardtune.flops import resolve_model
-from shardtune.plan.phases import PHASES, optimizer_step_bytes
+from shardtune.plan.phases import EXPORT_SHARD_BYTES, PHASES, optimizer_step_bytes
 from shardtune.plan.strategy import Strategy
 from tests.conftest import (
     CONFIGS,
@@ -58,4 +58,4 @@ def test_json_lists_every_phase_and_the_total_is_the_largest(capsys):
         assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k not in ("total", "on_host")))
     assert result["per_gpu"]["total"] == result["phases"][result["peak_phase"]]["total"]
     assert result["per_gpu"]["total"] == max(parts["total"] for parts in result["phases"].values())
-    assert result["phases"]["save"]["on_host"] == 4 * result["params"]  # FSDP's full state dict on rank 0's host
+    assert result["phases"]["save"]["on_host"] == EXPORT_SHARD_BYTES  # one output shard on rank 0's host

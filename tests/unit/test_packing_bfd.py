@@ -153,6 +153,7 @@ def test_planned_activations_of_bfd_are_those_of_full_rows():
     for micro_batch in (1, 2):
         recipe = Recipe(packing=True, packing_strategy="bfd", per_device_train_batch_size=micro_batch,
                         max_seq_length=4096, attn_implementation="flex_attention", gradient_checkpointing=True)
-        full_row = plan(shape, hardware, strategy, 1, micro_batch * 4096, True, "flash")
+        full_row = plan(shape, hardware, strategy, 1, micro_batch * 4096, True, "flash",
+                        chunked_cross_entropy=recipe.chunked_cross_entropy)
         assert plan_recipe(shape, hardware, strategy, recipe).per_gpu["activations"] == \
             full_row.per_gpu["activations"]

@@ -65,8 +65,8 @@ def test_a_recommendation_keeps_the_micro_batch_and_checkpointing_given(capsys):
 
 def test_a_recipe_recommendation_keeps_the_recipe_s_micro_batch_and_checkpointing(capsys):
     code, found = run_json(capsys, "--model", str(REPO / "recipes" / "llama70b.py"))
-    assert code == 0 and (found["micro_batch"], found["gradient_checkpointing"]) == (2, True)
-    assert "llama70b.py): micro-batch 2 and gradient checkpointing on; searched: the accelerate config." in \
+    assert code == 0 and (found["micro_batch"], found["gradient_checkpointing"]) == (4, True)
+    assert "llama70b.py): micro-batch 4 and gradient checkpointing on; searched: the accelerate config." in \
         found["held"]
     # A flag over the recipe's value is what is kept.
     code, found = run_json(capsys, "--model", str(REPO / "recipes" / "llama70b.py"), "--per_device_train_batch_size",
@@ -137,10 +137,9 @@ def test_a_recipe_is_planned_with_its_own_fields(capsys):
     assert planned["per_gpu"] == pytest.approx(flex.per_gpu)
     assert planned["per_gpu"]["activations"] < dense.per_gpu["activations"]
     _, found = run_json(capsys, "--model", LORA_RECIPE)
-    # The recommendation plans the full logits (an upper bound) until its search weighs the tiled loss.
-    full_logits = plan(shape, H100, read_accelerate_config(DDP, "bf16"), 1, 4096, False, "flash", Peft(16),
-                       packing=True)
-    assert found["per_gpu"]["activations"] == pytest.approx(full_logits.per_gpu["activations"])
+    # The recommendation plans the recipe's levers too: the loss in tiles, not the full logits.
+    assert found["chunked_cross_entropy"] and found["per_gpu"]["activations"] == pytest.approx(
+        flex.per_gpu["activations"])
 
 
 def test_a_recipe_s_unstated_fields_are_the_recipe_s_defaults(tmp_path, capsys):

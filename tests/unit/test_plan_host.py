@@ -1,6 +1,6 @@
 """Host RAM per node as the libraries allocate it: torch's pinned-memory allocator's rounding (and the setting a
-DeepSpeed launch makes so that DeepSpeed's pinned buffers are not rounded), the optimizer shards a resumed
-DeepSpeed run loads, and the final export's gathered model."""
+DeepSpeed launch makes so that DeepSpeed's pinned buffers are not rounded), what a resumed DeepSpeed run copies
+off its memory-mapped optimizer shards, and the final export's largest shard."""
 
 from __future__ import annotations
 
@@ -14,12 +14,17 @@ import pytest
 import torch
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from huggingface_hub.serialization._base import parse_size_to_int
 from transformers import LlamaForCausalLM
 
+from shardtune.checkpoint.mmap_load import MmapCheckpointEngine, detach_optimizer
+from shardtune.export import MAX_SHARD_SIZE, export_entries, export_layout
 from shardtune.flops import builtin_configs, resolve_model
 from shardtune.hardware import parse_hardware
 from shardtune.plan.host import MB, PINNED_MAX_CACHED_MB, pinned_block_bytes
+from shardtune.plan.phases import EXPORT_SHARD_BYTES
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
 from shardtune.step import param_groups
@@ -113,47 +118,86 @@ def test_pinned_rounding_is_planned_as_the_allocator_takes_it(llama70b):
     assert fsdp["pinned_rounding"] == NODE.gpus_per_node * 2 * sum(power_of_two_ceil(b) - b for b in shards)
 
 
-def test_adam_states_loaded_into_a_fresh_optimizer_are_the_loaded_tensors(tmp_path):
-    """Why a resume under CPU offload adds only the loaded master copy: the optimizer has no states before its
-    first step, and load_state_dict keeps each loaded tensor already of the parameter's dtype and device."""
-    param = torch.nn.Parameter(torch.ones(8))
+def test_a_mapped_load_leaves_adam_s_moments_on_the_file_until_detached(tmp_path):
+    """Why a resume under CPU offload still copies the moments: the optimizer has no states before its first
+    step, and load_state_dict keeps each loaded tensor already of the parameter's dtype and device, here a
+    tensor mapped from the checkpoint file; detaching copies it into anonymous memory, one tensor at a time."""
+    param = torch.nn.Parameter(torch.ones(1024))
     trained = torch.optim.AdamW([param])
-    param.grad = torch.ones(8)
+    param.grad = torch.ones(1024)
     trained.step()
-    torch.save(trained.state_dict(), tmp_path / "optim.pt")
+    path = tmp_path / "optim.pt"
+    torch.save(trained.state_dict(), path)  # DeepSpeed's default: the zipfile format
+    engine = MmapCheckpointEngine(TorchCheckpointEngine())
     fresh = torch.optim.AdamW([param])
     assert not fresh.state
-    loaded = torch.load(tmp_path / "optim.pt")
-    fresh.load_state_dict(loaded)
-    assert fresh.state[param]["exp_avg"].data_ptr() == loaded["state"][0]["exp_avg"].data_ptr()
+    fresh.load_state_dict(engine.load(str(path), map_location="cpu"))
+    moment = fresh.state[param]["exp_avg"]
+    assert moment.untyped_storage().data_ptr() in engine.mapped_storages
+    assert str(path) in open("/proc/self/maps").read()  # file-backed pages, not anonymous memory
+    assert detach_optimizer(fresh, engine.mapped_storages) == 3  # exp_avg, exp_avg_sq and the step tensor
+    assert fresh.state[param]["exp_avg"].untyped_storage().data_ptr() not in engine.mapped_storages
+    torch.testing.assert_close(fresh.state[param]["exp_avg"], trained.state[param]["exp_avg"])
+    del moment
 
 
-@pytest.mark.parametrize(("name", "loaded_per_param"), [
-    ("ds_zero3_offload_optimizer", 12 - 8),  # the loaded m and v become the states CPU Adam has not made yet
-    ("ds_zero3_nvme_offload", 12),  # all of the shard, before it is swapped out to NVMe
-    ("ds_zero3", 12),  # all of the shard, before it is copied to the GPU
-    ("fsdp_full_shard", 0),  # loaded on the device
-])
-def test_a_resume_loads_each_rank_s_zero_shard_into_host_ram(name, loaded_per_param):
+def test_a_legacy_format_file_loads_unmapped(tmp_path):
+    """A DeepSpeed config's checkpoint_serialization false writes torch's legacy format, which mmap refuses."""
+    path = tmp_path / "legacy.pt"
+    torch.save({"x": torch.ones(4)}, path, _use_new_zipfile_serialization=False)
+    engine = MmapCheckpointEngine(TorchCheckpointEngine())
+    assert torch.equal(engine.load(str(path))["x"], torch.ones(4))
+
+
+@pytest.mark.parametrize("name", ["ds_zero3_offload_optimizer", "ds_zero3_nvme_offload", "ds_zero3",
+                                  "fsdp_full_shard"])
+def test_a_resume_adds_only_the_largest_moment_copied_off_the_mapped_shard(name, llama70b):
+    """Under CPU offload, the largest optimizer sub-group's fp32 moment, as DeepSpeed's own
+    `_create_fp16_sub_groups` cuts the trainer's parameter groups; the mapped rest is page cache. On the GPU
+    or NVMe every loaded tensor is copied into its buffer: nothing; FSDP loads on the device."""
     shape = resolve_model("llama-3.1-70b")
-    found = plan(shape, NODE, config(name))
-    assert found.host_ram["resume"] == pytest.approx(
-        NODE.gpus_per_node * loaded_per_param * shape.params / NODE.world_size)
+    strategy = config(name)
+    found = plan(shape, NODE, strategy)
+    largest_moment = 0
+    if name == "ds_zero3_offload_optimizer":
+        largest_moment = max(deepspeed_pinned_buffers(llama70b, NODE.world_size, strategy.sub_group)[1:])
+    assert found.host_ram["resume"] == NODE.gpus_per_node * largest_moment
     resident = found.host_ram["offloaded_states"] + found.host_ram["swap_buffers"] + found.host_ram["pinned_rounding"]
     assert found.host_ram_per_node >= resident + found.host_ram["resume"]
 
 
-def test_the_final_export_is_in_the_host_ram_fit():
-    """405B on two nodes under NVMe offload: rank 0 gathers the 16-bit model (2 bytes per parameter) beside its
-    node's offloaded states, which alone fit, and a resume loads 12 bytes per parameter / N on every rank."""
+def test_the_export_term_is_the_largest_output_shard(llama70b):
+    """The export's shards as the code plans them (huggingface_hub over the model's tensors, tied weights
+    dropped): the planned term bounds the largest and exceeds it by less than one tensor; a model under
+    MAX_SHARD_SIZE is one shard, all of it."""
+    assert parse_size_to_int(MAX_SHARD_SIZE) == EXPORT_SHARD_BYTES
+    layout = export_layout(llama70b, export_entries(llama70b), torch.bfloat16)
+    entries = export_entries(llama70b)
+    shard_bytes = [sum(2 * entries[name].numel() for name in names) for names in layout.filename_to_tensors.values()]
+    shape = resolve_model("llama-3.1-70b")
+    planned = plan(shape, NODE, config("ds_zero3_offload_optimizer")).host_ram["export"]
+    largest_tensor = 2 * max(tensor.numel() for tensor in entries.values())
+    assert max(shard_bytes) <= planned < max(shard_bytes) + largest_tensor
+    small = resolve_model("llama-3.2-1b")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(builtin_configs()["llama-3.2-1b"])
+    entries = export_entries(model)
+    assert "lm_head.weight" not in entries  # tied to the embedding
+    total = sum(2 * tensor.numel() for tensor in entries.values())
+    assert export_layout(model, entries, torch.bfloat16).metadata["total_size"] == total
+    assert plan(small, NODE, config("ds_zero3")).host_ram["export"] == total
+
+
+def test_405b_fits_two_nodes_with_the_streamed_export_and_mapped_resume():
+    """405B on two nodes under NVMe offload: the export holds one 5 GB shard beside the node's offloaded
+    states, and the resume maps its shards (nothing copied: the optimizer is on NVMe)."""
     shape = resolve_model("llama-3.1-405b")
     two_nodes = parse_hardware("2x8xh100-80gb")
     found = plan(shape, two_nodes, config("ds_zero3_nvme_offload"), micro_batch=2)
     training = found.host_ram["offloaded_states"] + found.host_ram["swap_buffers"] + found.host_ram["pinned_rounding"]
-    assert training < found.host_ram_capacity
-    assert found.host_ram["export"] == 2 * shape.params
-    assert found.host_ram["resume"] == pytest.approx(8 * 12 * shape.params / 16)
-    assert not found.host_ram_fits
-    assert found.host_ram_per_node == pytest.approx(training + found.host_ram["resume"])
+    assert found.host_ram["export"] == EXPORT_SHARD_BYTES
+    assert found.host_ram["resume"] == 0
+    assert found.host_ram_fits
+    assert found.host_ram_per_node == pytest.approx(training + found.host_ram["export"])
     zero1 = plan(resolve_model("llama-3.1-8b"), NODE, config("ds_zero1"))
-    assert zero1.host_ram["export"] == NODE.gpus_per_node * 2 * zero1.params  # every rank clones the module
+    assert zero1.host_ram["export"] == EXPORT_SHARD_BYTES  # the main process alone, one shard

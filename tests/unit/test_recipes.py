@@ -147,3 +147,14 @@ def test_header_prose_names_the_strategy_it_launches(path):
     strategy = read_accelerate_config(str(REPO / launch_config(path)))
     wrong = strategy_words_wrong(prose, strategy)
     assert not wrong, f"{path.name}: its header says {wrong}, its launch line runs {launch_config(path)}"
+
+
+def test_readme_recipe_table_names_each_recipes_launch_config():
+    """The README's recipe table gives each recipe's config (and node count): the one its header launches."""
+    rows = re.findall(r"^\| `(recipes/\w+\.py)` \| [^|]+ \| `(\w+)`(?:, (\d+) nodes)? \|$",
+                      (REPO / "README.md").read_text(), re.MULTILINE)
+    assert {path for path, _, _ in rows} == {f"recipes/{name}.py" for name in EXPECTED}
+    for path, config, nodes in rows:
+        assert launch_config(REPO / path) == f"accelerate_configs/{config}.yaml", path
+        launched = LAUNCH_NODES.search(header(REPO / path)).group(1)
+        assert (nodes or None) == launched, path
