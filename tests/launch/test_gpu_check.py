@@ -93,7 +93,7 @@ def test_a_hanging_accelerate_launch_loses_its_ranks_too(tmp_path):
     command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(CONFIGS / "ddp.yaml"),
                "--num_processes", "2", "--main_process_port", str(free_port()), str(tmp_path / "rank.py"),
                str(tmp_path / "pids")]
-    finished = script.run_killing_group(command, 60, tmp_path / "launch.log", ENV)
+    finished = script.run_killing_group(command, 20, tmp_path / "launch.log", ENV)
     assert finished.returncode is None, (tmp_path / "launch.log").read_text()[-3000:]
     pids = wait_for_pids(tmp_path / "pids", 2, 0)
     assert len(pids) == 2, (tmp_path / "launch.log").read_text()[-3000:]

@@ -58,7 +58,8 @@ def test_any_hub_model_plans_from_its_config_json_alone(tiny_assets, tmp_path):
     (tmp_path / "hub" / "models--acme--tiny-chat" / "refs").mkdir()
     (tmp_path / "hub" / "models--acme--tiny-chat" / "refs" / "main").write_text("0" * 40)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
-    found = run_cli("--model", "acme/tiny-chat", "--json", env=env)
+    # The tiny config's context is 256 positions: the planner refuses its default length there, as the recipe does.
+    found = run_cli("--model", "acme/tiny-chat", "--max_seq_length", "256", "--json", env=env)
     assert found.returncode == 0, found.stderr
     assert json.loads(found.stdout)["params"] == resolve_model(tiny_assets[0]).params
     missing = run_cli("--model", "acme/other-model", env=env)
