@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import itertools
 import json
 import os
@@ -77,6 +78,15 @@ def skip_unless_required(feature: str, reason: str) -> None:
     if feature in REQUIRED:
         pytest.fail(f"{reason} (SHARDTUNE_REQUIRE={','.join(sorted(REQUIRED))} makes this a failure)", pytrace=False)
     pytest.skip(reason)
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 # --- processes -----------------------------------------------------------------------------------------------

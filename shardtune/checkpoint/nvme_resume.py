@@ -69,7 +69,7 @@ def restore_nvme_optimizer(optimizer, saved: dict) -> None:
             moments = []
             for name, value in base["state"][index].items():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    value = torch.empty(0, dtype=master.dtype)  # its data is in the swap file `name-<ds_id>`
+                    value = torch.empty(0, dtype=master.dtype, device=master.device)  # data: swap file `name-<ds_id>`
                     value.ds_id = f"{name}-{master.ds_id}"
                     moments.append(value)
                 state[name] = value

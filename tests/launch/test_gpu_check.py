@@ -5,7 +5,6 @@ what its closing table reports.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
@@ -13,15 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.conftest import CONFIGS, ENV, REPO, free_port
-
-
-def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import CONFIGS, ENV, REPO, free_port, load_script
 
 
 def gone(pid: int) -> bool:
@@ -61,7 +52,7 @@ time.sleep(600)
 
 
 def test_a_hanging_case_is_killed_whole_and_becomes_a_failed_row(tmp_path, capsys):
-    script = gpu_check()
+    script = load_script("gpu_check")
     (tmp_path / "pids").mkdir()
     log = tmp_path / "case.log"
     started = time.monotonic()
@@ -87,7 +78,7 @@ time.sleep(600)
 
 def test_a_hanging_accelerate_launch_loses_its_ranks_too(tmp_path):
     """torchrun starts each rank in a session of its own: the ranks of a launch killed at its timeout are gone."""
-    script = gpu_check()
+    script = load_script("gpu_check")
     (tmp_path / "rank.py").write_text(RANK)
     (tmp_path / "pids").mkdir()
     command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(CONFIGS / "ddp.yaml"),

@@ -12,7 +12,7 @@ from datasets import Dataset, DatasetDict
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardtune.batches import make_collator
+from shardtune.batches import COUNTS, make_collator
 from shardtune.config import ConfigError, Recipe
 from shardtune.data import IGNORE_INDEX, load_splits
 from shardtune.tiny import reversal_examples
@@ -160,7 +160,8 @@ def test_unparsable_file_names_the_line(tmp_path, tokenizer):
 
 
 def per_token_losses(model, batch: dict) -> torch.Tensor:
-    logits = model(**{key: value for key, value in batch.items() if key != "labels"}).logits[:, :-1]
+    """Each target token's loss (the collator's host-side counts are not model inputs)."""
+    logits = model(**{key: value for key, value in batch.items() if key not in ("labels", COUNTS)}).logits[:, :-1]
     labels = batch["labels"][:, 1:]
     losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none",
                                                ignore_index=IGNORE_INDEX)

@@ -6,7 +6,6 @@ consumer fails here. The trainer's own pieces run in this process as one rank of
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import socket
@@ -36,7 +35,7 @@ from shardtune.step import train_step
 from shardtune.tiny import reversal_examples
 from shardtune.tracking import wandb_init_kwargs
 from shardtune.trainer import build, start
-from tests.conftest import REPO
+from tests.conftest import load_script
 
 ROWS = reversal_examples(96, seed=3)
 
@@ -254,9 +253,7 @@ def test_prepare_data_benchmark_times_the_rows_and_file_asked_for(tiny_assets, d
     synthetic instruction-sized ones it takes without F."""
     recipe_file = tmp_path / "recipe.py"
     recipe_file.write_text(f"from shardtune import Recipe\nRECIPE = Recipe(model_name_or_path={tiny_assets[0]!r})\n")
-    spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
-    prepare_data = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare_data)
+    prepare_data = load_script("prepare_data")
     try:
         assert prepare_data.main([str(recipe_file), "--benchmark_rows", "24", "--benchmark_file", data_file]) == 0
         from_file = capsys.readouterr().out

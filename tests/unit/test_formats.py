@@ -4,7 +4,6 @@ from a file or bundled, and data tokenized ahead by scripts/prepare_data.py. In 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import random
@@ -23,8 +22,8 @@ from shardtune.data_sources import (
     check_dataset_weights,
 )
 from shardtune.tiny import CHAT_TEMPLATE
+from tests.conftest import load_script
 
-REPO = Path(__file__).resolve().parents[2]
 LLAMA3_MARKERS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
@@ -241,13 +240,6 @@ def test_every_source_of_a_mixture_is_checked(tmp_path):
     check_dataset_sources(recipe(f"{present}, {present}"))
 
 
-def load_prepare_script():
-    spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_prepared_data_trains_without_tokenizing_again(tmp_path, tiny_assets, capsys):
     alpaca, sharegpt = mixture_files(tmp_path)
     recipe_file = tmp_path / "recipe.py"
@@ -255,7 +247,7 @@ def test_prepared_data_trains_without_tokenizing_again(tmp_path, tiny_assets, ca
                            f"RECIPE = Recipe(model_name_or_path={tiny_assets[0]!r}, max_seq_length=64)\n")
     out = tmp_path / "prepared"
     flags = ["--dataset", f"{alpaca},{sharegpt}", "--dataset_weights", "0.5,1", "--chat_template", "chatml"]
-    assert load_prepare_script().main([str(recipe_file), "--output_dir", str(out), *flags]) == 0
+    assert load_script("prepare_data").main([str(recipe_file), "--output_dir", str(out), *flags]) == 0
     assert f"--dataset {out} --max_seq_length 64" in capsys.readouterr().out
     expected = load_splits(recipe(f"{alpaca},{sharegpt}", max_seq_length=64, dataset_weights="0.5,1",
                                   chat_template="chatml"), AutoTokenizer.from_pretrained(tiny_assets[0]))
@@ -266,7 +258,7 @@ def test_prepared_data_trains_without_tokenizing_again(tmp_path, tiny_assets, ca
         assert all(Path(cache["filename"]).is_relative_to(out) for cache in split.cache_files)  # nothing new
     with pytest.raises(ConfigError, match="holds tokenized rows of up to .* more than --max_seq_length 16"):
         load_splits(recipe(out, max_seq_length=16), tokenizer)
-    assert load_prepare_script().main([str(recipe_file), "--output_dir", str(out), *flags]) == 2
+    assert load_script("prepare_data").main([str(recipe_file), "--output_dir", str(out), *flags]) == 2
     assert "already exists" in capsys.readouterr().err
 
 
@@ -278,7 +270,7 @@ def test_prepare_data_refuses_training_only_flags(tmp_path, tiny_assets, capsys)
                            f"RECIPE = Recipe(model_name_or_path={tiny_assets[0]!r}, max_seq_length=64)\n")
     argv = [str(recipe_file), "--output_dir", str(tmp_path / "out"), "--learning_rate=1e-4", "--packing", "true",
             "--max_seq_length", "32"]
-    assert load_prepare_script().main(argv) == 2
+    assert load_script("prepare_data").main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "--learning_rate, --packing: not used in preparing data" in err and "\n" not in err
     assert not (tmp_path / "out").exists()

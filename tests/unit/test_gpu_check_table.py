@@ -3,22 +3,16 @@ window apart as the warm-up), the lengths a packed row is planned at, and the ta
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 GIB = 2**30 / 1e9  # GB per GiB: metrics.jsonl logs GiB, the table and the planner speak GB

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardtune.batches import COUNTS, make_collator
 from shardtune.config import Recipe
-from shardtune.data import IGNORE_INDEX, load_splits
+from shardtune.data import load_splits
 from shardtune.flops import resolve_model
 from shardtune.hardware import parse_hardware
 from shardtune.packing import SEQUENCE_LENGTHS, fill_ratio, pack_rows
@@ -25,6 +25,7 @@ from shardtune.plan.planner import plan
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
 from shardtune.tiny import TASK_LETTERS, reversal_examples
 from tests.conftest import REPO
+from tests.unit.test_data import per_token_losses
 
 MIN_FILL = 0.95  # of --max_seq_length, on chats of varied length
 
@@ -74,14 +75,6 @@ def test_rows_hold_every_sequence_once_within_max_seq_length(reversal_file, toke
 
 def offsets(lengths: list[int]) -> list[int]:
     return [sum(lengths[:index]) for index in range(len(lengths))]
-
-
-def per_token_losses(model, batch: dict) -> torch.Tensor:
-    logits = model(**{key: value for key, value in batch.items() if key not in ("labels", COUNTS)}).logits[:, :-1]
-    labels = batch["labels"][:, 1:]
-    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none",
-                                               ignore_index=IGNORE_INDEX)
-    return losses[labels != IGNORE_INDEX]
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -13,18 +13,11 @@ import pytest
 
 from shardtune.cli import main
 from shardtune.flops import recipe_fields
-from tests.conftest import REPO
-
-
-def load_plan_table():
-    spec = importlib.util.spec_from_file_location("plan_table", REPO / "scripts" / "plan_table.py")
-    plan_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan_table)
-    return plan_table
+from tests.conftest import REPO, load_script
 
 
 def test_plan_table_doc_is_current():
-    plan_table = load_plan_table()
+    plan_table = load_script("plan_table")
     doc = plan_table.TABLE_DOC.read_text()
     assert plan_table.doc_with_table(doc) == doc, "run: python scripts/plan_table.py --write"
     assert "| llama-3.1-70b | 8xh100-80gb | ds_zero3_offload_optimizer |" in doc
@@ -33,7 +26,7 @@ def test_plan_table_doc_is_current():
 def test_every_recipe_follows_its_plan():
     """Each recipe header's plan is the planner's, and the recipe launches what it plans: the config in its
     launch line, its micro-batch and checkpointing, and the node count it needs."""
-    plan_table = load_plan_table()
+    plan_table = load_script("plan_table")
     readme = (REPO / "README.md").read_text()
     for path in plan_table.model_recipes():
         text = path.read_text()

@@ -3,14 +3,13 @@ is one line naming the problem, exit code 2, before anything is launched."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, REPO, load_script
 from tests.unit.test_help import help_entries
 
 SCRIPTS = sorted(path.name for path in (REPO / "scripts").glob("*.py"))
@@ -58,14 +57,6 @@ def test_flops_unknown_gpu_is_one_clean_line():
     assert result.stderr.splitlines() == ["shardtune.flops: warning: Unknown GPU 'h1000': no BF16 peak known, so no "
                                           "MFU is reported."]
     assert "MFU: unknown GPU peak, not reported" in result.stdout
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_build_deepspeed_ops_builds_what_the_shipped_configs_need():
