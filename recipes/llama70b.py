@@ -6,8 +6,9 @@ Launch (one node, 8xH100-80GB; the optimizer states in host RAM, as planned belo
     accelerate launch --config_file accelerate_configs/ds_zero3_offload_optimizer.yaml \
         recipes/llama70b.py --dataset data/train.jsonl
 Plan on 8xh100-80gb, from python -m shardtune.plan --model recipes/llama70b.py --hardware 8xh100-80gb
-    (scripts/plan_table.py --write keeps this current): ds_zero3_offload_optimizer, micro-batch 4 x accumulation 2,
-    gradient checkpointing on: 53.4 GB of 69.9 GB usable per GPU, 1,416 GB of 1,800 GB usable host RAM per node.
+    (scripts/plan_table.py --write keeps this current): ds_zero3_offload_optimizer, micro-batch 1 x accumulation 8,
+    gradient checkpointing on (selective): 65.2 GB of 69.9 GB usable per GPU,
+    1,416 GB of 1,800 GB usable host RAM per node.
 Tested: the trainer, configs and launch path on CPU with the tiny model (make test); not yet run on this hardware.
 Override any field from the command line, e.g. --learning_rate 5e-6 --max_steps 500.
 """
@@ -19,13 +20,14 @@ RECIPE = Recipe(
     model_name_or_path="meta-llama/Llama-3.1-70B",
     dataset="data/train.jsonl",
     max_seq_length=4096,
-    per_device_train_batch_size=4,
+    per_device_train_batch_size=1,
     global_batch_size=64,
     learning_rate=1e-5,
     lr_scheduler_type="cosine",
     warmup_ratio=0.03,
     num_train_epochs=1,
     gradient_checkpointing=True,
+    gradient_checkpointing_mode="selective",
     mixed_precision="bf16",
     logging_steps=10,
     eval_steps=200,

@@ -14,6 +14,8 @@ from pathlib import Path
 from shardtune.flops import resolve_model
 from shardtune.hardware import parse_hardware
 from shardtune.plan.planned_run import planned_recipe, recipe_search
+from shardtune.plan.planner import MemoryPlan
+from shardtune.plan.report import checkpointing_words
 from shardtune.plan.search import Recommendation, Search, fewest_nodes, recommend
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,6 +30,10 @@ RECIPE_NODE = "8xh100-80gb"  # every model recipe is written for nodes of 8 H100
 PLAN_BLOCK = re.compile(r"Plan on .*?(?=\nTested:)", re.DOTALL)  # the generated block of a recipe header
 
 
+def checkpointing(chosen: MemoryPlan) -> str:
+    return checkpointing_words(chosen.gradient_checkpointing, chosen.gradient_checkpointing_mode)
+
+
 def table() -> str:
     header = ("model", "hardware", "config", "checkpointing", "micro-batch x accumulation", "peak per GPU",
               "host RAM per node")
@@ -40,7 +46,7 @@ def table() -> str:
                 rows.append(f"| {model} | {name} | nothing fits | | | | |")
                 continue
             chosen = found.plan
-            rows.append(f"| {model} | {name} | {chosen.config} | {'on' if chosen.gradient_checkpointing else 'off'} | "
+            rows.append(f"| {model} | {name} | {chosen.config} | {checkpointing(chosen)} | "
                         f"{chosen.micro_batch} x {found.accumulation} | {chosen.per_gpu['total'] / 1e9:.1f} GB | "
                         f"{chosen.host_ram_per_node / 1e9:,.0f} GB |")
     return "\n".join(rows)
@@ -56,10 +62,10 @@ def doc_with_table(doc: str) -> str:
 def recipe_plan(path: Path) -> tuple[int, Recommendation]:
     """The fastest plan for a recipe's own fields on the fewest RECIPE_NODE nodes that hold it: (nodes, plan)."""
     recipe = planned_recipe(str(path), {})
-    # The search varies micro-batch and checkpointing: the recipe's own must be what it finds fastest.
+    # The search varies micro-batch, checkpointing and its mode: the recipe's own must be what it finds fastest.
     hardware = parse_hardware(RECIPE_NODE)
     found = fewest_nodes(resolve_model(str(path)), hardware,
-                         recipe_search(recipe, hardware, recipe.mixed_precision, False, False))
+                         recipe_search(recipe, hardware, recipe.mixed_precision, False, False, False))
     if found is None:
         raise SystemExit(f"{path.name}: nothing fits on up to 64 nodes of {RECIPE_NODE}")
     return found
@@ -71,8 +77,8 @@ def plan_block(path: Path) -> str:
     return (f"Plan on {chosen.hardware}, from python -m shardtune.plan --model recipes/{path.name} --hardware "
             f"{chosen.hardware}\n    (scripts/plan_table.py --write keeps this current): {chosen.config}, micro-batch "
             f"{chosen.micro_batch} x accumulation {found.accumulation},\n    gradient checkpointing "
-            f"{'on' if chosen.gradient_checkpointing else 'off'}: {chosen.per_gpu['total'] / 1e9:.1f} GB of "
-            f"{chosen.capacity / 1e9:.1f} GB usable per GPU, {chosen.host_ram_per_node / 1e9:,.0f} GB of "
+            f"{checkpointing(chosen)}: {chosen.per_gpu['total'] / 1e9:.1f} GB of "
+            f"{chosen.capacity / 1e9:.1f} GB usable per GPU,\n    {chosen.host_ram_per_node / 1e9:,.0f} GB of "
             f"{chosen.host_ram_capacity / 1e9:,.0f} GB usable host RAM per node.")
 
 

@@ -33,9 +33,11 @@ from shardtune.plan.strategy import PlanError, read_accelerate_config
 # The flags that set a field of the planned run (Recipe's names); each overrides the recipe's value.
 RUN_FLAGS = ("per_device_train_batch_size", "global_batch_size", "max_seq_length", "gradient_checkpointing",
              "mixed_precision", "attn_implementation", "packing", "use_peft", "lora_r", "lora_target_modules",
-             "load_in_4bit", "gradient_checkpointing_mode", "activation_offloading", "chunked_cross_entropy")
-# The flags the recommendation searches over when they are not given (a recipe gives both).
-SEARCHED_FLAGS = ("per_device_train_batch_size", "gradient_checkpointing")
+             "load_in_4bit", "gradient_checkpointing_mode", "activation_offloading", "chunked_cross_entropy",
+             "per_device_eval_batch_size")
+# The flags the recommendation searches over when they are not given (a recipe gives them all), and their words.
+SEARCHED_FLAGS = {"per_device_train_batch_size": "micro-batch", "gradient_checkpointing": "checkpointing",
+                  "gradient_checkpointing_mode": "checkpointing mode"}
 
 
 def _bool(text: str) -> bool:
@@ -58,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per_device_train_batch_size", type=int,
                         help="Micro-batch per GPU (default: the recipe's, else 1; a recommendation for a model "
                              "searches it unless given)")
+    parser.add_argument("--per_device_eval_batch_size", type=int,
+                        help="Evaluation batch per GPU: eval's activations are planned as a phase (default: the "
+                             "recipe's, else 8)")
     parser.add_argument("--global_batch_size", type=int,
                         help="Sequences per optimizer step over all GPUs: the recommendation keeps it, deriving "
                              "accumulation (default: the recipe's); a plan of --config_file or --compare does not "
@@ -68,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                              "searches it unless given)")
     parser.add_argument("--gradient_checkpointing_mode", choices=CHECKPOINTING_MODES,
                         help="What a checkpointed layer keeps: full (its input) or selective (also its attention "
-                             "output and every other matmul's; default: the recipe's, else full)")
+                             "output and every other matmul's; default: the recipe's; a recommendation for a model "
+                             "searches selective, then full, unless given)")
     parser.add_argument("--activation_offloading", type=_bool,
                         help="true: the layers' saved activations in pinned host RAM instead of on the GPU "
                              "(default: the recipe's, else false)")
@@ -111,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 def check_args(args: argparse.Namespace) -> list[str]:
     """Every impossible value and every flag that would not act, one line each, before anything is planned."""
     problems = below_lowest((f"--{name}", getattr(args, name)) for name in
-                            ("per_device_train_batch_size", "global_batch_size", "max_seq_length", "lora_r"))
+                            ("per_device_train_batch_size", "per_device_eval_batch_size", "global_batch_size",
+                             "max_seq_length", "lora_r"))
     if args.host_ram_gb is not None and not args.host_ram_gb > 0:
         problems.append(f"--host_ram_gb is host RAM per node in GB and must be > 0, got {args.host_ram_gb}.")
     peft_flags = [f"--{name}" for name in ("lora_r", "lora_target_modules", "load_in_4bit")
@@ -166,9 +173,9 @@ def _run(args: argparse.Namespace) -> int:
     fixed = {flag: is_recipe(args.model) or getattr(args, flag) is not None for flag in SEARCHED_FLAGS}
     search = recipe_search(recipe, hardware, precision or "bf16", *fixed.values())
     found = recommend(shape, hardware, search)
-    searched = ["the accelerate config"] + [{"per_device_train_batch_size": "micro-batch",
-                                             "gradient_checkpointing": "checkpointing"}[flag]
-                                            for flag, held in fixed.items() if not held]
+    searched = ["the accelerate config"] + [SEARCHED_FLAGS[flag] for flag, held in fixed.items() if not held
+                                            and not (flag == "gradient_checkpointing_mode" and
+                                                     search.checkpointing is False)]
     held = held_note(search.fixed(), [f"--{flag}" for flag in SEARCHED_FLAGS if getattr(args, flag) is not None]
                      + ([args.model] if is_recipe(args.model) else []), searched)
     if args.json:

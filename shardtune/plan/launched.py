@@ -45,5 +45,5 @@ def plan_launch(shape: ModelShape, hardware: Hardware, recipe: Recipe, strategy:
     chosen = plan_recipe(shape, hardware, strategy, recipe)
     if chosen.fits:
         return chosen, None
-    found = recommend(shape, hardware, recipe_search(recipe, hardware, recipe.mixed_precision, False, False))
+    found = recommend(shape, hardware, recipe_search(recipe, hardware, recipe.mixed_precision, False, False, False))
     return chosen, f"The fastest plan that fits: {found.message}" if found.plan else found.message

@@ -56,8 +56,9 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
 
 
 def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, fix_micro_batch: bool,
-                  fix_checkpointing: bool, configs_dir: str = CONFIGS_DIR) -> Search:
-    """The search for the fastest config for `recipe`, holding its micro-batch and checkpointing where told to.
+                  fix_checkpointing: bool, fix_checkpointing_mode: bool, configs_dir: str = CONFIGS_DIR) -> Search:
+    """The search for the fastest config for `recipe`, holding its micro-batch, checkpointing and checkpointing
+    mode where told to.
     A fixed micro-batch must keep the global batch on `hardware` (ConfigError, by the recipe's rule, when it
     cannot); a recipe's accumulation without a global batch keeps the global batch it makes there."""
     global_batch = recipe.global_batch_size
@@ -68,4 +69,5 @@ def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, fix_
                   recipe.per_device_train_batch_size if fix_micro_batch else None,
                   recipe.gradient_checkpointing if fix_checkpointing else None,
                   recipe.per_device_eval_batch_size, recipe.async_save, recipe.save_only_model,
-                  recipe.chunked_cross_entropy, recipe.gradient_checkpointing_mode, recipe.activation_offloading)
+                  recipe.chunked_cross_entropy,
+                  recipe.gradient_checkpointing_mode if fix_checkpointing_mode else None, recipe.activation_offloading)

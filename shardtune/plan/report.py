@@ -24,6 +24,11 @@ def peak_components(p: MemoryPlan) -> dict[str, float]:
     return components
 
 
+def checkpointing_words(on: bool, mode: str | None) -> str:
+    """'off', 'on' (full, the default) or 'on (selective)'."""
+    return "off" if not on else "on (selective)" if mode == "selective" else "on"
+
+
 def phase_name(phase: str) -> str:
     return phase.replace("_", "/")
 
@@ -37,7 +42,8 @@ HOST_EXTRAS = (("pinned_rounding", "pinned-memory rounding"),
 def format_plan(p: MemoryPlan) -> str:
     rows = [f"{p.model} ({p.params:,} params) on {p.hardware} ({p.world_size} GPUs) with {p.config}, "
             f"micro-batch {p.micro_batch} x {p.max_seq_length} tokens, checkpointing "
-            f"{'on' if p.gradient_checkpointing else 'off'}, {p.mixed_precision} ({p.activation_mode}), loss "
+            f"{checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode)}, "
+            f"{p.mixed_precision} ({p.activation_mode}), loss "
             f"{'in tiles' if p.chunked_cross_entropy else 'over the full logits'}"]
     rows.append(f"  per GPU at the peak, {phase_name(p.peak_phase)}:")
     rows += [f"  {name:<12}{gb(value):>12}" for name, value in peak_components(p).items()]

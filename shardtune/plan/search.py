@@ -1,5 +1,5 @@
-"""The fastest plan that fits: every shipped accelerate config, checkpointing and micro-batch in speed order (those
-of the two that the run fixes held), and when nothing fits, what binds and the fewest nodes on which something
+"""The fastest plan that fits: every shipped accelerate config, checkpointing (off, selective, full) and micro-batch
+in speed order (those the run fixes held), and when nothing fits, what binds and the fewest nodes on which something
 does."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware
 from shardtune.plan.planner import MemoryPlan, gb, plan
+from shardtune.plan.report import checkpointing_words
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
 
@@ -51,15 +52,27 @@ class Search:
     save_only_model: bool = False
     # The levers a recipe sets; the search plans them as given (the tiled loss is the recipe's default).
     chunked_cross_entropy: bool = True
-    checkpointing_mode: str = "full"
+    # None: searched, selective before full (a recipe holds its own).
+    checkpointing_mode: str | None = None
     activation_offloading: bool = False
 
     def fixed(self) -> str:
-        """What the search holds as given, in words: '' when it varies both."""
-        held = ([f"micro-batch {self.micro_batch}"] if self.micro_batch is not None else []) + (
-            [f"gradient checkpointing {'on' if self.checkpointing else 'off'}"] if self.checkpointing is not None
-            else [])
+        """What the search holds as given, in words: '' when it varies all of it."""
+        held = [f"micro-batch {self.micro_batch}"] if self.micro_batch is not None else []
+        if self.checkpointing is not None:
+            held.append(f"gradient checkpointing {checkpointing_words(self.checkpointing, self.checkpointing_mode)}")
+        elif self.checkpointing_mode is not None:
+            held.append(f"checkpointing mode {self.checkpointing_mode}")
         return " and ".join(held)
+
+    def recomputations(self) -> list[tuple[bool, str]]:
+        """(checkpointing, mode) pairs in speed order: none; selective, which recomputes only the cheap ops between
+        the saved matmul and attention outputs; full, which recomputes the whole layer. The fixed ones alone."""
+        modes = ("selective", "full") if self.checkpointing_mode is None else (self.checkpointing_mode,)
+        pairs = [(False, "full")] + [(True, mode) for mode in modes]
+        return [pair for pair in pairs if self.checkpointing is None or pair[0] == self.checkpointing]
+
+
 
 
 @dataclass
@@ -82,22 +95,22 @@ def micro_batches(global_batch: int | None, world: int, fixed: int | None = None
 
 def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterator[tuple[MemoryPlan, int, bool]]:
     """(plan, accumulation, offloads) for every config, checkpointing and micro-batch, fastest first: GPU-only
-    configs before offload; within each, no recomputation before recomputation, configs in SPEED_ORDER, then the
-    largest micro-batch that keeps the global batch (accumulation derived; it must divide). A micro-batch or
-    checkpointing the search fixes is the only one tried."""
+    configs before offload; within each, no recomputation, then selective, then full (Search.recomputations),
+    configs in SPEED_ORDER, then the largest micro-batch that keeps the global batch (accumulation derived; it
+    must divide). A micro-batch or checkpointing the search fixes is the only one tried."""
     pairs = micro_batches(search.global_batch, hardware.world_size, search.micro_batch)
     strategies = [read_accelerate_config(path, search.mixed_precision) for path in config_paths(search.configs_dir)]
-    recomputation = (False, True) if search.checkpointing is None else (search.checkpointing,)
-    # Recomputation (~1/3 more compute) costs more than sharding on NVLink, offload more than both.
+    # Recomputation (selective a few per cent more compute, full ~1/3 more) costs more than sharding on NVLink,
+    # offload more than both.
     for offload in (False, True):
         group = [s for s in strategies if s.offloads == offload]
-        for checkpointing in recomputation:
+        for checkpointing, mode in search.recomputations():
             for strategy in group:
                 for micro, accumulation in pairs:
                     yield (plan(shape, hardware, strategy, micro, search.seq, checkpointing, search.attn, search.peft,
                                 search.packing, async_save=search.async_save,
                                 save_only_model=search.save_only_model, eval_batch=search.eval_batch,
-                                checkpointing_mode=search.checkpointing_mode,
+                                checkpointing_mode=mode,
                                 activation_offloading=search.activation_offloading,
                                 chunked_cross_entropy=search.chunked_cross_entropy),
                            accumulation, offload)
@@ -120,13 +133,14 @@ def recommend(shape: ModelShape, hardware: Hardware, search: Search | None = Non
 
 def _describe(p: MemoryPlan, accumulation: int) -> str:
     return (f"{p.config}, micro-batch {p.micro_batch} x accumulation {accumulation}, gradient checkpointing "
-            f"{'on' if p.gradient_checkpointing else 'off'}")
+            f"{checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode)}")
 
 
 def _smallest(p: MemoryPlan) -> str:
     """The plan that needs least per GPU, as a phrase."""
     return (f"{p.config} with micro-batch {p.micro_batch} and checkpointing "
-            f"{'on' if p.gradient_checkpointing else 'off'}, needs {gb(p.per_gpu['total'])} per GPU")
+            f"{checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode)}, needs "
+            f"{gb(p.per_gpu['total'])} per GPU")
 
 
 def _fit_message(chosen: MemoryPlan, accumulation: int, offload: bool, shape: ModelShape, hardware: Hardware,

@@ -398,3 +398,23 @@ def test_config_headers_state_the_planner_s_figures(name):
         figure = f"{value(planned) / 1e9:.0f} GB" if unit == "GB" and value(planned) >= 100e9 else (
             f"{value(planned) / 1e9:.1f} GB" if unit == "GB" else f"{value(planned) / 1e12:.1f} TB")
         assert figure in header, f"{name}.yaml's header should state {what} {figure}: {header}"
+
+
+def test_the_search_tries_selective_checkpointing_before_full():
+    """Speed order: no recomputation, then selective (only the cheap ops between the saved matmul outputs are
+    recomputed), then full. Selective holds more than full and less than none, so each is chosen exactly where the
+    faster ones do not fit."""
+    assert Search().recomputations() == [(False, "full"), (True, "selective"), (True, "full")]
+    assert Search(checkpointing=True, checkpointing_mode="full").recomputations() == [(True, "full")]
+    shape, fsdp = resolve_model("llama-3.1-8b"), read_accelerate_config(os.path.join(CONFIGS_DIR,
+                                                                                     "fsdp_full_shard.yaml"))
+    held = {mode: plan(shape, H100, fsdp, 4, 4096, on, checkpointing_mode=mode).per_gpu["total"]
+            for on, mode in Search().recomputations()}
+    assert held["full"] < held["selective"]
+    found = recommend(shape, H100, Search(None, 4096, micro_batch=4, checkpointing=True))
+    assert (found.plan.config, found.plan.gradient_checkpointing_mode) == ("fsdp_full_shard", "selective")
+    assert "gradient checkpointing on (selective)" in found.message
+    # Llama-3.1-70B on four nodes at micro-batch 2 without offload: the saved matmul outputs do not fit, full does.
+    found = recommend(resolve_model("llama-3.1-70b"), H100.with_nodes(4), Search(64, 4096, micro_batch=2,
+                                                                                  checkpointing=True))
+    assert found.gpu_only and found.plan.gradient_checkpointing_mode == "full"

@@ -25,7 +25,7 @@ def test_plan_table_doc_is_current():
 
 def test_every_recipe_follows_its_plan():
     """Each recipe header's plan is the planner's, and the recipe launches what it plans: the config in its
-    launch line, its micro-batch and checkpointing, and the node count it needs."""
+    launch line, its micro-batch, checkpointing and checkpointing mode, and the node count it needs."""
     plan_table = load_script("plan_table")
     readme = (REPO / "README.md").read_text()
     for path in plan_table.model_recipes():
@@ -37,6 +37,9 @@ def test_every_recipe_follows_its_plan():
         assert launch and launch.group(1) == found.plan.config, path.name
         assert fields["per_device_train_batch_size"] == found.plan.micro_batch, path.name
         assert fields["gradient_checkpointing"] == found.plan.gradient_checkpointing, path.name
+        if found.plan.gradient_checkpointing:
+            assert fields.get("gradient_checkpointing_mode", "full") == found.plan.gradient_checkpointing_mode, (
+                path.name)
         assert (f"--num_machines {nodes} " in text) == (nodes > 1), path.name
         assert f"| `recipes/{path.name}` | " in readme and f"| `{found.plan.config}`" in readme.split(
             f"| `recipes/{path.name}` | ")[1].split("\n")[0], f"README's recipe table: {path.name}"

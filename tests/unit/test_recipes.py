@@ -25,7 +25,8 @@ EXPECTED = {"llama1b", "llama3b", "llama8b", "llama70b", "llama405b", "mistral7b
 HEADER_PLAN = re.compile(
     r"Plan on (?P<hardware>\S+), from python -m shardtune\.plan[^\n]*\n[^:]*: (?P<sentence>(?P<config>\w+), "
     r"micro-batch (?P<micro>\d+) x accumulation (?P<accumulation>\d+),\s+gradient checkpointing "
-    r"(?P<checkpointing>on|off): (?P<gpu>[\d.,]+) GB of (?P<usable>[\d.,]+) GB usable per GPU, (?P<host>[\d.,]+) GB "
+    r"(?P<checkpointing>on \(selective\)|on|off): (?P<gpu>[\d.,]+) GB of (?P<usable>[\d.,]+) GB usable per GPU,\s+"
+    r"(?P<host>[\d.,]+) GB "
     r"of (?P<host_usable>[\d.,]+) GB usable host RAM per node\.)")
 HEADER_COMMAND = re.compile(r"python -m shardtune\.plan(?: --\w+ [^\s,;:)\"]+)+")
 QUOTED = re.compile(r'"([^"]+)"')
@@ -33,7 +34,7 @@ LAUNCH_NODES = re.compile(r"^Launch \((?:one node|(\d+) nodes)", re.MULTILINE)
 # What --dry_run prints (shardtune.plan.report.format_plan).
 DRY_RUN_FIGURES = {
     "config": r" with (\w+), micro-batch", "micro": r"micro-batch (\d+) x \d+ tokens",
-    "checkpointing": r"checkpointing (on|off),", "gpu": r"^\s+total\s+([\d.,]+) GB",
+    "checkpointing": r"checkpointing (on \(selective\)|on|off),", "gpu": r"^\s+total\s+([\d.,]+) GB",
     "usable": r"^\s+usable\s+([\d.,]+) GB", "host": r"host RAM per node: ([\d.,]+) GB",
     "host_usable": r"host RAM per node: [\d.,]+ GB of ([\d.,]+) GB usable",
 }
