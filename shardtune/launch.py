@@ -56,6 +56,7 @@ class LaunchDescription:
         uses_deepspeed = env_flag("ACCELERATE_USE_DEEPSPEED", "false")
         uses_fsdp = env_flag("ACCELERATE_USE_FSDP", "false")
         settings = checked_deepspeed_settings() if uses_deepspeed else {}
+        check_hpz(settings.get("hpz_partition", 1), world_size)
         if uses_fsdp:
             check_fsdp_env()
         dp_shard, dp_replicate = checked_parallelism(world_size, uses_fsdp)
@@ -243,3 +244,13 @@ def checked_parallelism(world_size: int, uses_fsdp: bool) -> tuple[int, int]:
                           "launched: give accelerate launch --parallelism_config_dp_replicate_size <nodes> "
                           "--parallelism_config_dp_shard_size <processes per node>.")
     return sizes["dp_shard"], sizes["dp_replicate"]
+
+
+def check_hpz(hpz_partition: int, world_size: int) -> None:
+    """ZeRO++'s hpZ groups consecutive ranks, min(zero_hpz_partition_size, world) of them, and needs the world to
+    divide into such groups (groups.py `_create_zero_param_parallel_group`, which asserts deep inside
+    deepspeed.initialize otherwise)."""
+    group = min(hpz_partition, world_size)
+    if group > 1 and world_size % group:
+        raise ConfigError(f"zero_hpz_partition_size {hpz_partition} does not divide the {world_size} processes "
+                          "launched into groups: set it to the GPUs per node in the DeepSpeed JSON file.")

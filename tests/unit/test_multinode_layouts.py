@@ -133,3 +133,12 @@ def test_compare_shows_the_multi_node_layouts_on_several_nodes_only(capsys):
         assert plan_main(["--model", "llama-3.1-8b", "--hardware", hardware, "--compare", "--json"]) == 0
         configs = {row["config"] for row in json.loads(capsys.readouterr().out)}
         assert configs & layouts == shown and "fsdp_full_shard" in configs
+
+
+def test_an_hpz_group_that_does_not_divide_the_ranks_is_refused():
+    from shardtune.launch import check_hpz
+
+    check_hpz(8, 16)
+    check_hpz(8, 4)  # DeepSpeed takes min(size, world): the 4 ranks are one group
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size 8 does not divide the 12 processes"):
+        check_hpz(8, 12)
