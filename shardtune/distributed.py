@@ -157,7 +157,7 @@ def reduction_dtypes(model: torch.nn.Module) -> str:
 
 
 def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin,
-                       parallelism: ParallelismConfig | None) -> None:
+                       parallelism: ParallelismConfig | None = None) -> None:
     """accelerate enables FSDP only on an accelerator, although FSDP2 runs on CPU over gloo. Switch the state
     to FSDP with the plugin from the launch environment, before `prepare`, so accelerate's own FSDP path runs.
     `parallelism`: the launch's ParallelismConfig (hybrid sharding), its device mesh built over gloo and checked
