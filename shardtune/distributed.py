@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import NoReturn
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator, ParallelismConfig, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -35,6 +35,7 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
     world_size, uses_deepspeed, uses_fsdp = launch.world_size, launch.uses_deepspeed, launch.uses_fsdp
     on_cpu = recipe.use_cpu
     plugin = fsdp_plugin(recipe.mixed_precision, on_cpu) if uses_fsdp else None
+    hybrid_on_cpu = on_cpu and uses_fsdp and launch.hybrid_shard
     if uses_deepspeed:
         deepspeed_launch_env(recipe, launch)
         exact_pinned_host_memory()
@@ -44,6 +45,11 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
         cpu=on_cpu and not uses_deepspeed,
         mixed_precision=recipe.mixed_precision,  # the recipe wins over the config file, DeepSpeed included
         fsdp_plugin=plugin,
+        # The launch's (replicate, shard) mesh: accelerate builds it from the PARALLELISM_CONFIG_* variables, but
+        # refuses it on MULTI_CPU; on CPU it is set once the state is FSDP (enable_fsdp_on_cpu), and a config of
+        # size 1, which accelerate accepts there, stands in for it until then.
+        parallelism_config=ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, tp_size=1, cp_size=1, sp_size=1)
+        if hybrid_on_cpu else None,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=batching.accumulation, sync_with_dataloader=False,  # the trainer ends every cycle itself
             # FSDP2 under no_sync keeps every layer's unsharded gradient until the last micro-batch (2 bytes x P
@@ -65,7 +71,7 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
         ],
     )
     if on_cpu and uses_fsdp:
-        enable_fsdp_on_cpu(accelerator, plugin)
+        enable_fsdp_on_cpu(accelerator, plugin, ParallelismConfig() if hybrid_on_cpu else None)
     if accelerator.num_processes != world_size:
         raise ConfigError(
             f"accelerate started {accelerator.num_processes} process(es) in the process group but WORLD_SIZE is "
@@ -150,13 +156,20 @@ def reduction_dtypes(model: torch.nn.Module) -> str:
     return f"DeepSpeed gradient accumulation {str(zero).removeprefix('torch.')}" if zero is not None else ""
 
 
-def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
+def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin,
+                       parallelism: ParallelismConfig | None = None) -> None:
     """accelerate enables FSDP only on an accelerator, although FSDP2 runs on CPU over gloo. Switch the state
-    to FSDP with the plugin from the launch environment, before `prepare`, so accelerate's own FSDP path runs."""
+    to FSDP with the plugin from the launch environment, before `prepare`, so accelerate's own FSDP path runs.
+    `parallelism`: the launch's ParallelismConfig (hybrid sharding), its device mesh built over gloo and checked
+    as accelerate does on an accelerator (Accelerator.__init__), now that the state is FSDP2."""
     state = accelerator.state
     state.fsdp_plugin = plugin
     # AcceleratorState copies PartialState's shared fields whenever it is instantiated again: set both.
     PartialState._shared_state["distributed_type"] = state.distributed_type = DistributedType.FSDP
+    if parallelism is not None:
+        state.parallelism_config = parallelism
+        state.device_mesh = parallelism.get_device_mesh("cpu")
+        parallelism._validate_accelerator(accelerator)
 
 
 def shut_down(accelerator: Accelerator) -> None:

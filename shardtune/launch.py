@@ -41,6 +41,10 @@ class LaunchDescription:
     fsdp_reshard_after_forward: bool = True
     fsdp_offload_params: bool = False
     fsdp_cpu_ram_efficient_loading: bool = False
+    # accelerate's ParallelismConfig (hybrid sharding): the states sharded over dp_shard_size ranks and replicated
+    # dp_replicate_size times; 0 where the launch has none (sharded over every rank).
+    dp_shard_size: int = 0
+    dp_replicate_size: int = 0
 
     @classmethod
     def from_env(cls) -> LaunchDescription:
@@ -52,8 +56,10 @@ class LaunchDescription:
         uses_deepspeed = env_flag("ACCELERATE_USE_DEEPSPEED", "false")
         uses_fsdp = env_flag("ACCELERATE_USE_FSDP", "false")
         settings = checked_deepspeed_settings() if uses_deepspeed else {}
+        check_hpz(settings.get("hpz_partition", 1), world_size)
         if uses_fsdp:
             check_fsdp_env()
+        dp_shard, dp_replicate = checked_parallelism(world_size, uses_fsdp)
         config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if uses_deepspeed else None
         return cls(
             world_size=world_size, local_world_size=env_int("LOCAL_WORLD_SIZE", 1), uses_deepspeed=uses_deepspeed,
@@ -64,7 +70,13 @@ class LaunchDescription:
             fsdp_reshard_after_forward=env_flag("FSDP_RESHARD_AFTER_FORWARD", ON),
             fsdp_offload_params=env_flag("FSDP_OFFLOAD_PARAMS", "false"),
             fsdp_cpu_ram_efficient_loading=env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"),
+            dp_shard_size=dp_shard, dp_replicate_size=dp_replicate,
         )
+
+    @property
+    def hybrid_shard(self) -> bool:
+        """FSDP2 over a (replicate, shard) mesh: accelerate's ParallelismConfig with dp_replicate_size > 1."""
+        return self.dp_replicate_size > 1
 
     @property
     def description(self) -> str:
@@ -77,6 +89,8 @@ class LaunchDescription:
             return ", ".join([f"DeepSpeed ZeRO-{self.deepspeed_settings.get('stage')}", *offloaded])
         if self.uses_fsdp:  # FSDP2's reshard-after-forward is FSDP1's FULL_SHARD; without it, SHARD_GRAD_OP
             sharding = "FULL_SHARD" if self.fsdp_reshard_after_forward else "SHARD_GRAD_OP"
+            if self.hybrid_shard:
+                sharding += f" over {self.dp_shard_size} ranks, replicated x{self.dp_replicate_size}"
             return f"FSDP2 {sharding}" + (", parameters offloaded to cpu" if self.fsdp_offload_params else "")
         return "DDP" if self.world_size > 1 else "one process"
 
@@ -110,7 +124,8 @@ class LaunchDescription:
             reshard = self.fsdp_reshard_after_forward
             offload = "cpu" if self.fsdp_offload_params else "none"
             return fsdp_strategy(f"FSDP {'FULL_SHARD' if reshard else 'SHARD_GRAD_OP'}", reshard, offload,
-                                 self.fsdp_cpu_ram_efficient_loading, mixed_precision)
+                                 self.fsdp_cpu_ram_efficient_loading, mixed_precision,
+                                 self.dp_shard_size if self.hybrid_shard else 0)
         return Strategy("DDP", "ddp", 0, mixed_precision=mixed_precision)
 
 
@@ -207,3 +222,35 @@ def check_fsdp_env() -> None:
     if strategy not in ("FULL_SHARD", "1"):  # `accelerate launch` exports FULL_SHARD unless the config says more
         raise ConfigError(f"fsdp_sharding_strategy {strategy} is an FSDP1 setting that FSDP2 ignores (the run would "
                           "fully shard): remove it, and set fsdp_reshard_after_forward: false for SHARD_GRAD_OP.")
+
+
+def checked_parallelism(world_size: int, uses_fsdp: bool) -> tuple[int, int]:
+    """(dp_shard_size, dp_replicate_size) of the accelerate config's parallelism_config, as `accelerate launch`
+    exports them, or (0, 0) without one. Only data-parallel sizes: shardtune's trainer has no tensor, context or
+    sequence parallel path, and the sizes must cover the ranks (accelerate checks that only after the process
+    group is up)."""
+    if not env_flag("ACCELERATE_USE_PARALLELISM_CONFIG", "false"):
+        return 0, 0
+    sizes = {name: env_int(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", 1)
+             for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    others = [f"{name}_size {size}" for name, size in sizes.items() if name in ("tp", "cp", "sp") and size != 1]
+    if others or not uses_fsdp:
+        raise ConfigError(f"The accelerate config's parallelism_config sets {', '.join(others) or 'sizes'} and "
+                          "shardtune trains data-parallel FSDP2 only: keep parallelism_config_dp_replicate_size and "
+                          "parallelism_config_dp_shard_size (with distributed_type FSDP), or remove the section.")
+    if sizes["dp_replicate"] * sizes["dp_shard"] != world_size:
+        raise ConfigError(f"parallelism_config_dp_replicate_size {sizes['dp_replicate']} x "
+                          f"parallelism_config_dp_shard_size {sizes['dp_shard']} is not the {world_size} processes "
+                          "launched: give accelerate launch --parallelism_config_dp_replicate_size <nodes> "
+                          "--parallelism_config_dp_shard_size <processes per node>.")
+    return sizes["dp_shard"], sizes["dp_replicate"]
+
+
+def check_hpz(hpz_partition: int, world_size: int) -> None:
+    """ZeRO++'s hpZ groups consecutive ranks, min(zero_hpz_partition_size, world) of them, and needs the world to
+    divide into such groups (groups.py `_create_zero_param_parallel_group`, which asserts deep inside
+    deepspeed.initialize otherwise)."""
+    group = min(hpz_partition, world_size)
+    if group > 1 and world_size % group:
+        raise ConfigError(f"zero_hpz_partition_size {hpz_partition} does not divide the {world_size} processes "
+                          "launched into groups: set it to the GPUs per node in the DeepSpeed JSON file.")

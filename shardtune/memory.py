@@ -123,7 +123,9 @@ def held_model_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     inner = innermost_optimizer(optimizer)
     params = list(model.parameters())
     counted = _Storages()
-    weights = counted.bytes(getattr(p, "ds_tensor", p) for p in params)
+    # ZeRO++ hpZ's secondary 16-bit partitions (within a node) are weights too, beside the primary ones.
+    weights = counted.bytes([getattr(p, "ds_tensor", p) for p in params]
+                            + [getattr(p, "ds_secondary_tensor", None) for p in params])
     zero_optimizer = getattr(optimizer, "optimizer", None)
     is_zero = zero_optimizer is not None and zero_optimizer is not inner
     optimizer_states = counted.bytes(

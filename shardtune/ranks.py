@@ -28,7 +28,8 @@ from shardtune.local_rank import first_on_machine
 PEER_LOST_EXIT_CODE = 4
 # What `accelerate launch` exports from the accelerate config (distributed type, ZeRO stage and offload, FSDP
 # strategy, precision), less the paths that may differ per machine.
-LAUNCH_PREFIXES = ("ACCELERATE_USE_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_MIXED_PRECISION", "FSDP_")
+LAUNCH_PREFIXES = ("ACCELERATE_USE_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_MIXED_PRECISION", "FSDP_",
+                   "PARALLELISM_CONFIG_")
 PER_MACHINE_KEYS = ("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
                     "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH")
 MACHINES_NAMED = 3  # per differing value: enough to find them, short at 128 machines

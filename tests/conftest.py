@@ -428,12 +428,22 @@ def nvme_args(config: str | None, root: Path) -> tuple[str, ...]:
 # shipped sizes are to a 70B model: several reduce buckets per backward, a prefetch bucket of about one layer,
 # persistent norms, k_proj and v_proj, about 12 optimizer sub-groups per rank on 2 ranks, NVMe parameter buffers of
 # at least the largest matrix. So buckets, prefetch and sub-groups chunk on the tiny model as on a large one, and
-# the tests plan the same file (`strategy_as_launched`). A size the shipped JSON does not set stays unset.
+# the tests plan the same file (`strategy_as_launched`). ZeRO++'s hpZ group is the 2 processes of a loopback machine
+# (tests/launch/test_multinode_layouts.py), as it is the 8 GPUs of a node. A size the shipped JSON does not set
+# stays unset.
 TINY_ZERO_SIZES = {"reduce_bucket_size": 12_000, "allgather_bucket_size": 12_000,
                    "stage3_prefetch_bucket_size": 46_000, "stage3_param_persistence_threshold": 2_500,
                    "stage3_max_live_parameters": 100_000, "stage3_max_reuse_distance": 100_000,
-                   "sub_group_size": 4_000}
+                   "sub_group_size": 4_000, "zero_hpz_partition_size": 2}
 TINY_NVME_PARAM_BUFFER_SIZE = 12_288
+
+
+def config_machines(config: str) -> int:
+    """num_machines of a shipped accelerate config: the multi-machine layouts (hybrid sharding, ZeRO++ hpZ) say 2
+    and run on 2 loopback machines (tests/launch/test_multinode_layouts.py), not in the 2-process reference runs."""
+    import yaml
+
+    return int(yaml.safe_load((CONFIGS / f"{config}.yaml").read_text()).get("num_machines", 1))
 
 
 def tiny_deepspeed_json(config: str) -> Path:
@@ -529,17 +539,21 @@ def start_recipe(output_dir: Path, assets: tuple[str, str], *args: str, log_name
 
 def start_machines(output_dir: Path, assets: tuple[str, str], *args: str, configs: list[str],
                    machine_args: list[tuple[str, ...]] | None = None,
-                   machine_env: list[dict[str, str]] | None = None) -> list[subprocess.Popen]:
-    """One `accelerate launch` per machine, all on loopback, one process each: machine i runs configs[i] with
-    `args`, machine_args[i] and the variables machine_env[i]. Logs go to <output_dir>-machine<i>.log."""
+                   machine_env: list[dict[str, str]] | None = None, processes_per_machine: int = 1,
+                   launch_args: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+    """One `accelerate launch` per machine, all on loopback, `processes_per_machine` processes each: machine i
+    runs configs[i] with `args`, machine_args[i] and the variables machine_env[i]; `launch_args` go to every
+    launcher. Logs go to <output_dir>-machine<i>.log."""
     port, machines = free_port(), len(configs)
     processes = []
     for rank, config in enumerate(configs):
-        launch_args = ("--num_machines", str(machines), "--machine_rank", str(rank),
-                       "--main_process_ip", "127.0.0.1")
+        machine_launch = ("--num_machines", str(machines), "--machine_rank", str(rank),
+                          "--main_process_ip", "127.0.0.1", *launch_args)
         extra = machine_args[rank] if machine_args else ()
-        processes.append(start_recipe(output_dir, assets, *args, *extra, config=config, processes=machines,
-                                      launch_args=launch_args, port=port, log_name=f"{output_dir.name}-machine{rank}",
+        processes.append(start_recipe(output_dir, assets, *args, *extra, config=config,
+                                      processes=machines * processes_per_machine,
+                                      launch_args=machine_launch, port=port,
+                                      log_name=f"{output_dir.name}-machine{rank}",
                                       env=machine_env[rank] if machine_env else None))
     return processes
 

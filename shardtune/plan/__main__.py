@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from shardtune.config import CHECKPOINTING_MODES, PLANNED_ATTENTION, ConfigError, below_lowest
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
                              "model directory or config.json, or a recipe file")
     parser.add_argument("--hardware", default="8xh100-80gb",
                         help="e.g. 8xh100-80gb, 2x8xh100-80gb, 4x40gb (default: %(default)s)")
+    parser.add_argument("--num_machines", type=int,
+                        help="Nodes of --hardware, as accelerate launch counts them: --hardware 8xh100-80gb "
+                             "--num_machines 2 plans 2x8xh100-80gb (default: the nodes --hardware names, else 1)")
     parser.add_argument("--config_file", help="accelerate config YAML; without it, recommend one")
     parser.add_argument("--per_device_train_batch_size", type=int,
                         help="Micro-batch per GPU (default: the recipe's, else 1; a recommendation for a model "
@@ -96,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora_r", type=int, help="LoRA rank, with --use_peft true (default: the recipe's, else 16)")
     parser.add_argument("--lora_target_modules", help="all-linear or comma-separated names")
     parser.add_argument("--load_in_4bit", type=_bool, help="QLoRA: the frozen base in 4-bit NF4")
-    parser.add_argument("--compare", action="store_true", help="All accelerate_configs/*.yaml side by side")
+    parser.add_argument("--compare", action="store_true",
+                        help="All accelerate_configs/*.yaml side by side (the multi-node layouts, fsdp_hybrid_shard "
+                             "and ds_zero3_hpz, on 2 or more nodes)")
     parser.add_argument("--chart", help="Write --compare's per-GPU peaks as a stacked-bar PNG here (implies "
                                         "--compare)")
     parser.add_argument("--json", action="store_true", help="Print the plan as one JSON object instead of a table")
@@ -119,6 +125,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
     problems = below_lowest((f"--{name}", getattr(args, name)) for name in
                             ("per_device_train_batch_size", "per_device_eval_batch_size", "global_batch_size",
                              "max_seq_length", "lora_r"))
+    if args.num_machines is not None and args.num_machines < 1:
+        problems.append(f"--num_machines must be >= 1, got {args.num_machines}.")
     if args.host_ram_gb is not None and not args.host_ram_gb > 0:
         problems.append(f"--host_ram_gb is host RAM per node in GB and must be > 0, got {args.host_ram_gb}.")
     peft_flags = [f"--{name}" for name in ("lora_r", "lora_target_modules", "load_in_4bit")
@@ -148,8 +156,19 @@ def _uses_peft(args: argparse.Namespace) -> bool:
     return is_recipe(args.model) and os.path.isfile(args.model) and bool(recipe_fields(args.model).get("use_peft"))
 
 
-def _run(args: argparse.Namespace) -> int:
+def planned_hardware(args: argparse.Namespace):
+    """--hardware, on --num_machines of its nodes where given; a node count in both must agree."""
     hardware = parse_hardware(args.hardware, args.host_ram_gb)
+    if args.num_machines is None or args.num_machines == hardware.nodes:
+        return hardware
+    if re.match(r"^\d+x\d+x", hardware.name):
+        raise PlanError(f"--hardware {args.hardware} names {hardware.nodes} nodes and --num_machines "
+                        f"{args.num_machines} differs: give the node count in one of them.")
+    return hardware.with_nodes(args.num_machines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    hardware = planned_hardware(args)
     name, model_config = resolve_config(args.model)
     shape = shape_from_config(model_config, name)
     recipe = planned_recipe(args.model, {flag: getattr(args, flag) for flag in RUN_FLAGS})
@@ -160,8 +179,10 @@ def _run(args: argparse.Namespace) -> int:
     # A recipe runs in its own precision; a bare model in the accelerate config's (the recommendation: bf16).
     precision = args.mixed_precision or (recipe.mixed_precision if is_recipe(args.model) else None)
     if args.compare or args.chart:
-        plans = [plan_recipe(shape, hardware, read_accelerate_config(path, precision), recipe)
-                 for path in config_paths()]
+        strategies = [read_accelerate_config(path, precision) for path in config_paths()]
+        # The multi-node layouts on one node are fsdp_full_shard, and ds_zero3 with a second copy of the weights.
+        plans = [plan_recipe(shape, hardware, strategy, recipe) for strategy in strategies
+                 if hardware.nodes > 1 or not strategy.multi_node_layout]
         if args.chart:
             write_chart(plans, args.chart)
         print(json.dumps([p.to_json() for p in plans]) if args.json else format_compare(plans))

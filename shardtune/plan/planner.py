@@ -11,6 +11,7 @@ from shardtune.hardware import Hardware
 from shardtune.plan.activations import activation_bytes, activation_mode, dtype_bytes, offloaded_host_bytes
 from shardtune.plan.buffers import buffers, freed_under_layer_gradients
 from shardtune.plan.host_fit import host_ram_peak, host_ram_terms
+from shardtune.plan.layouts import hpz_secondary_bytes
 from shardtune.plan.phases import PHASES, phase_bytes
 from shardtune.plan.states import Peft, model_states, peft_states
 from shardtune.plan.strategy import Strategy
@@ -68,6 +69,7 @@ class MemoryPlan:
     peak_phase: str = "forward_backward"
     gradient_checkpointing_mode: str = "full"
     activation_offloading: bool = False
+    layout: str = ""  # how the states lie over the GPUs (Strategy.layout)
 
     @property
     def fits(self) -> bool:
@@ -105,9 +107,17 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     `chunked_cross_entropy`: the training loss over tiles of LOSS_TILE_POSITIONS positions (the recipe's
     default, which plan_recipe passes), not over the micro-batch's full logits; the recommendation's search plans
     the full logits only where the recipe turns the tiled loss off."""
-    params, world = shape.params, hardware.world_size
+    params = shape.params
+    # Every term below is per GPU over the GPUs the states are sharded over: all of them, or under hybrid
+    # sharding one replica's (its own copy of everything, as if the job were that replica alone).
+    world = strategy.sharded_over(hardware.world_size)
     mode = activation_mode(strategy)
     states = peft_states(strategy, shape, world, peft) if peft else model_states(strategy, params, world, shape)
+    secondary = hpz_secondary_bytes(strategy, shape, world, peft)  # ZeRO++ hpZ: beside the primary partitions
+    if strategy.offload_params in ("cpu", "nvme"):  # made on the partitions' device (remote_device)
+        states.host += secondary
+    else:
+        states.weights += secondary
     rows, length = (1, micro_batch * seq) if packing else (micro_batch, seq)
     masked = attn != "flash"  # SDPA and eager get a dense mask: a padded batch's, or a packed row's block-diagonal
     lora = (peft.rank, tuple(peft.target_names())) if peft else (0, ())
@@ -140,7 +150,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
                      "forward/backward and eval")
     return MemoryPlan(
         model=shape.name, hardware=hardware.name, config=strategy.name, params=params,
-        trainable_params=peft.trainable_params(shape) if peft else params, world_size=world,
+        trainable_params=peft.trainable_params(shape) if peft else params, world_size=hardware.world_size,
         micro_batch=micro_batch, max_seq_length=seq, gradient_checkpointing=checkpointing,
         mixed_precision=strategy.mixed_precision, activation_mode=mode,
         chunked_cross_entropy=chunked_cross_entropy, per_gpu=per_gpu,
@@ -150,5 +160,5 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         host_ram_fits=host_ram_peak(host) <= usable_host_ram(hardware), notes=notes,
         phases=phases, peak_phase=peak_phase,
         gradient_checkpointing_mode=checkpointing_mode if checkpointing else "full",
-        activation_offloading=activation_offloading,
+        activation_offloading=activation_offloading, layout=strategy.layout(hardware.world_size),
     )

@@ -52,6 +52,32 @@ class Strategy:
     nvme_param_buffers: tuple[int, int] = DS_NVME_PARAM_BUFFERS
     nvme_optimizer_buffers: int = DS_NVME_OPTIMIZER_BUFFERS
     nvme_max_in_cpu: int = DS_NVME_MAX_IN_CPU
+    # Multi-node layouts. shard_group: the GPUs the states are sharded over, 0 for all of them; FSDP2's hybrid
+    # sharding (accelerate's parallelism_config) shards over dp_shard_size GPUs and replicates across the rest.
+    # hpz_partition: ZeRO++'s zero_hpz_partition_size, a secondary copy of the 16-bit weights sharded over that
+    # many GPUs (a node) that the layers are gathered from, beside the partitions over all of them.
+    shard_group: int = 0
+    hpz_partition: int = 1
+
+    @property
+    def multi_node_layout(self) -> bool:
+        """Hybrid sharding or hpZ: a layout that differs from its one-node config only across nodes."""
+        return self.shard_group > 0 or self.hpz_partition > 1
+
+    def sharded_over(self, world: int) -> int:
+        """The GPUs out of `world` over which this strategy shards its states."""
+        return min(self.shard_group, world) if self.shard_group else world
+
+    def layout(self, world: int) -> str:
+        """How the states lie over `world` GPUs, in words: "replicated", "sharded over N GPUs", "sharded over
+        N GPUs, replicated xR", or ZeRO++'s "sharded over N GPUs, a copy of the weights sharded over H"."""
+        if self.kind == "ddp" or (self.kind == "deepspeed" and self.shard == 0):
+            return "replicated"
+        shard = self.sharded_over(world)
+        text = f"sharded over {shard} GPUs" + (f", replicated x{world // shard}" if shard < world else "")
+        if self.kind == "deepspeed" and self.shard >= 3 and self.hpz_partition > 1:
+            text += f", a copy of the weights sharded over {min(self.hpz_partition, world)}"
+        return text
 
     @property
     def half_precision(self) -> bool:
@@ -99,10 +125,21 @@ def read_accelerate_config(path: str, mixed_precision: str | None = None,
             reshard = {"FULL_SHARD": True, "1": True, "SHARD_GRAD_OP": False, "2": False}.get(reshard.upper(), True)
         offload = "cpu" if fsdp.get("fsdp_offload_params") else "none"
         return fsdp_strategy(name, bool(reshard), offload, bool(fsdp.get("fsdp_cpu_ram_efficient_loading", False)),
-                             precision)
+                             precision, hybrid_shard_size(path, config.get("parallelism_config") or {}))
     if kind in ("MULTI_GPU", "NO", "MULTI_CPU"):
         return Strategy(name, "ddp", 0, mixed_precision=precision)
     raise PlanError(f"{path}: distributed_type {kind!r} is not planned (use NO, MULTI_GPU, FSDP or DEEPSPEED).")
+
+
+def hybrid_shard_size(path: str, parallelism: dict) -> int:
+    """The dp_shard_size of a YAML's parallelism_config (as `accelerate config` writes it) where it replicates
+    (dp_replicate_size > 1): FSDP2's hybrid sharding; 0 otherwise (sharded over every GPU)."""
+    try:
+        replicate = int(parallelism.get("parallelism_config_dp_replicate_size", 1))
+        shard = int(parallelism.get("parallelism_config_dp_shard_size", 1))
+    except (TypeError, ValueError) as error:
+        raise PlanError(f"{path}: parallelism_config sizes must be whole numbers ({error}).") from error
+    return shard if replicate > 1 else 0
 
 
 def _precision(path: str, precision: str) -> str:
@@ -173,6 +210,7 @@ def deepspeed_settings(path: str) -> dict:
                                int(float(offload_param.get("buffer_size", DS_NVME_PARAM_BUFFERS[1])))),
         "nvme_optimizer_buffers": int(offload_optimizer.get("buffer_count", DS_NVME_OPTIMIZER_BUFFERS)),
         "nvme_max_in_cpu": int(float(offload_param.get("max_in_cpu", DS_NVME_MAX_IN_CPU))),
+        "hpz_partition": int(zero.get("zero_hpz_partition_size", 1)),
     }
 
 
@@ -195,14 +233,15 @@ def deepspeed_strategy(name: str, settings: dict, zero3_init: bool, precision: s
         raise PlanError(f"{name}: ZeRO stage {settings['stage']!r} is not 1, 2 or 3.") from error
     sizes = {key: settings[key] for key in ("reduce_bucket", "overlap_comm", "prefetch_bucket", "sub_group",
                                             "persistence_threshold", "max_live_parameters", "nvme_param_buffers",
-                                            "nvme_optimizer_buffers", "nvme_max_in_cpu") if key in settings}
+                                            "nvme_optimizer_buffers", "nvme_max_in_cpu", "hpz_partition")
+             if key in settings}
     return Strategy(name, "deepspeed", stage, settings["offload_optimizer"], settings["offload_param"],
                     zero3_init and stage == 3, precision, **sizes)
 
 
 def fsdp_strategy(name: str, reshard_after_forward: bool, offload: str, ram_efficient_loading: bool,
-                  precision: str) -> Strategy:
+                  precision: str, shard_group: int = 0) -> Strategy:
     """FSDP2: FULL_SHARD (reshard after forward) shards like ZeRO-3, SHARD_GRAD_OP like ZeRO-2; CPU offload moves
-    weights, gradients and optimizer states together."""
+    weights, gradients and optimizer states together. `shard_group`: hybrid sharding's dp_shard_size (0: all)."""
     return Strategy(name, "fsdp", 3 if reshard_after_forward else 2, offload, offload, ram_efficient_loading,
-                    precision)
+                    precision, shard_group=shard_group)

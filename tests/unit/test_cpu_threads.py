@@ -50,7 +50,7 @@ def run_job(config: str, stand_ins: Path, tmp_path: Path, **extra: str) -> subpr
 
 
 def test_every_shipped_config_is_judged():
-    assert CPU_OPTIMIZER_STEP < set(SHIPPED) and len(SHIPPED) == 10
+    assert CPU_OPTIMIZER_STEP < set(SHIPPED) and len(SHIPPED) == 12
 
 
 @pytest.mark.parametrize("config", SHIPPED)
