@@ -16,10 +16,14 @@ from shardtune.plan.report import checkpointing_words
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
 
-# Fastest first: least sharding, then offload. Among offloads DeepSpeed's SIMD CPU Adam is faster than FSDP's
+# Fastest first: least sharding, then offload. On several nodes hybrid sharding (the states sharded within a node:
+# only the gradients' all-reduce crosses nodes) comes before ZeRO++ hpZ (the layers gathered within the node from a
+# second copy of the weights), and both before sharding over every GPU; on one node they are skipped (the same as
+# fsdp_full_shard, and ds_zero3 with a second copy). Among offloads DeepSpeed's SIMD CPU Adam is faster than FSDP's
 # CPU-side torch AdamW step, and NVMe is slowest.
 SPEED_ORDER = (
-    "ddp", "ds_zero1", "fsdp_shard_grad_op", "ds_zero2", "fsdp_full_shard", "ds_zero3",
+    "ddp", "ds_zero1", "fsdp_shard_grad_op", "ds_zero2", "fsdp_hybrid_shard", "ds_zero3_hpz", "fsdp_full_shard",
+    "ds_zero3",
     "ds_zero3_offload_optimizer", "ds_zero3_cpu_offload", "fsdp_full_shard_cpu_offload", "ds_zero3_nvme_offload",
 )
 MAX_NODES = 64  # how far "nothing fits" looks for a node count that does
@@ -99,7 +103,9 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
     configs in SPEED_ORDER, then the largest micro-batch that keeps the global batch (accumulation derived; it
     must divide). A micro-batch or checkpointing the search fixes is the only one tried."""
     pairs = micro_batches(search.global_batch, hardware.world_size, search.micro_batch)
-    strategies = [read_accelerate_config(path, search.mixed_precision) for path in config_paths(search.configs_dir)]
+    strategies = [strategy for strategy in (read_accelerate_config(path, search.mixed_precision)
+                                            for path in config_paths(search.configs_dir))
+                  if hardware.nodes > 1 or not strategy.multi_node_layout]
     # Recomputation (selective a few per cent more compute, full ~1/3 more) costs more than sharding on NVLink,
     # offload more than both.
     for offload in (False, True):

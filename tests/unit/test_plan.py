@@ -20,7 +20,7 @@ from shardtune.hardware import HardwareError, nominal_gpu_memory, parse_hardware
 from shardtune.plan.__main__ import main
 from shardtune.plan.activations import activation_bytes, layer_activation_bytes, saved_activation_bytes
 from shardtune.plan.planner import plan, usable_capacity
-from shardtune.plan.search import Search, recommend
+from shardtune.plan.search import Search, candidates, recommend
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
 from shardtune.tiny import tiny_llama_config
@@ -418,3 +418,19 @@ def test_the_search_tries_selective_checkpointing_before_full():
     found = recommend(resolve_model("llama-3.1-70b"), H100.with_nodes(4), Search(64, 4096, micro_batch=2,
                                                                                   checkpointing=True))
     assert found.gpu_only and found.plan.gradient_checkpointing_mode == "full"
+
+
+def test_the_multi_node_layouts_are_searched_on_several_nodes_only():
+    """Hybrid sharding, then hpZ, before sharding over every GPU, on 2 nodes; on one node they plan the same as
+    fsdp_full_shard (and ds_zero3 with a second copy of the weights), so they are skipped."""
+    def order(hardware):
+        seen = []
+        for candidate, _, _ in candidates(resolve_model("llama-3.2-1b"), hardware, Search(None, 1024, micro_batch=1,
+                                                                                         checkpointing=False)):
+            seen += [candidate.config] if candidate.config not in seen else []
+        return seen
+    two_nodes = order(H100.with_nodes(2))
+    assert two_nodes.index("fsdp_hybrid_shard") < two_nodes.index("ds_zero3_hpz") < two_nodes.index(
+        "fsdp_full_shard")
+    assert two_nodes.index("ds_zero2") < two_nodes.index("fsdp_hybrid_shard")
+    assert {"fsdp_hybrid_shard", "ds_zero3_hpz"}.isdisjoint(order(H100))
