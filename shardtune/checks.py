@@ -12,10 +12,15 @@ from dataclasses import dataclass
 
 from shardtune.config import (
     ATTENTION_PACKAGES,
+    BF16_STOCHASTIC_ROUND,
+    BITSANDBYTES_OPTIMIZERS,
     DATASET_FORMATS,
     LR_SCHEDULERS,
     MIXED_PRECISIONS,
+    OPTIMIZER_PACKAGES,
+    OPTIMIZERS,
     SAVE_DTYPES,
+    TORCHAO_VERSION,
     BatchSizes,
     ConfigError,
     Problems,
@@ -88,6 +93,7 @@ def check_choices(recipe: Recipe) -> None:
                                  ("--truncation", recipe.truncation, ("truncate", "drop")),
                                  ("--mixed_precision", recipe.mixed_precision, MIXED_PRECISIONS),
                                  ("--lr_scheduler_type", recipe.lr_scheduler_type, LR_SCHEDULERS),
+                                 ("--optim", recipe.optim, OPTIMIZERS),
                                  ("--report_to", recipe.report_to, ("wandb", "none"))):
         problems.check(check_choice, flag, value, choices)
     problems.raise_any()
@@ -119,6 +125,35 @@ def check_lora(recipe: Recipe) -> None:
     if recipe.use_peft and (recipe.lora_r < 1 or recipe.lora_alpha < 1 or not 0 <= recipe.lora_dropout < 1):
         raise ConfigError(f"LoRA needs --lora_r >= 1, --lora_alpha >= 1 and 0 <= --lora_dropout < 1; got "
                           f"{recipe.lora_r}, {recipe.lora_alpha} and {recipe.lora_dropout}.")
+
+
+def check_optimizer(recipe: Recipe, on_gpu: bool, launch_kind: str, loads: bool = True) -> None:
+    """What --optim needs from the launch and the machine, in the order a user meets it. `launch_kind`: "ddp",
+    "fsdp" or "deepspeed" (LaunchDescription.kind). `loads`: the run will build the optimizer (a --dry_run plans
+    it without the package)."""
+    optim = recipe.optim
+    if optim not in OPTIMIZERS or optim == "adamw_torch":
+        return
+    if launch_kind == "deepspeed":
+        raise ConfigError(f"--optim {optim} cannot step under DeepSpeed, whose ZeRO optimizer keeps its own fp32 "
+                          "master partitions and steps them with adamw_torch: launch with a DDP or FSDP config, or "
+                          "use --optim adamw_torch.")
+    if optim == BF16_STOCHASTIC_ROUND and recipe.mixed_precision != "bf16":
+        raise ConfigError(f"--optim {optim} trains bf16 weights: it needs --mixed_precision bf16, got "
+                          f"{recipe.mixed_precision}.")
+    if optim == BF16_STOCHASTIC_ROUND and recipe.use_peft:
+        raise ConfigError(f"--optim {optim} rounds bf16 weights, and LoRA's adapters train in fp32 (their base is "
+                          "frozen): use --optim adamw_torch with --use_peft true.")
+    if optim in BITSANDBYTES_OPTIMIZERS and not on_gpu:
+        raise ConfigError(f"--optim {optim} runs bitsandbytes' CUDA kernels: on this machine use --optim "
+                          "adamw_torch_8bit (torchao's 8-bit AdamW, which runs on CPU).")
+    if optim in BITSANDBYTES_OPTIMIZERS and launch_kind == "fsdp":
+        raise ConfigError(f"--optim {optim}: bitsandbytes' optimizers do not step FSDP2's DTensor shards: use "
+                          "--optim adamw_torch_8bit (torchao) under FSDP.")
+    package = OPTIMIZER_PACKAGES[optim]
+    if loads and importlib.util.find_spec(package) is None:
+        pin = f"torchao=={TORCHAO_VERSION}" if package == "torchao" else package
+        raise ConfigError(f"--optim {optim} needs {package}, which is not installed: pip install {pin}")
 
 
 def check_loss_scaler(recipe: Recipe, on_gpu: bool, uses_deepspeed: bool) -> None:
@@ -322,12 +357,14 @@ def check_recipe(recipe: Recipe, problems: Problems, launch: LaunchDescription |
 
 def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: LaunchDescription) -> None:
     """The checks that depend on this machine: a GPU, or CPU mode asked for; the attention kernel, 4-bit
-    quantization and fp16's loss scaler on it; NVMe offload's async_io op. `has_gpu`: CUDA is available."""
+    quantization, fp16's loss scaler and the optimizer on it; NVMe offload's async_io op. `has_gpu`: CUDA is
+    available."""
     problems.check(check_device, recipe, has_gpu)
     on_gpu = has_gpu and not recipe.use_cpu
     problems.check(check_attention, recipe, on_gpu)
     problems.check(check_quantization, recipe, on_gpu)
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
+    problems.check(check_optimizer, recipe, on_gpu, launch.kind)
     if offloads_to_nvme(launch):
         problems.check(check_async_io, AsyncIOReadiness.of_this_machine(has_gpu))
 

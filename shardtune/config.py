@@ -16,6 +16,18 @@ DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".c
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
 ZERO_STAGES = ("1", "2", "3")
+# --optim's names, transformers' TrainingArguments' (shardtune.optimizers builds them).
+TORCH_OPTIMIZERS = ("adamw_torch",)
+TORCHAO_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
+BF16_STOCHASTIC_ROUND = "adamw_torch_bf16_stochastic_round"
+BITSANDBYTES_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
+OPTIMIZERS = (*TORCH_OPTIMIZERS, *TORCHAO_OPTIMIZERS, BF16_STOCHASTIC_ROUND, *BITSANDBYTES_OPTIMIZERS)
+# The package each optimizer needs beyond torch, as pip installs it.
+OPTIMIZER_PACKAGES = {**dict.fromkeys(TORCHAO_OPTIMIZERS, "torchao"), BF16_STOCHASTIC_ROUND: "torchao",
+                      **dict.fromkeys(BITSANDBYTES_OPTIMIZERS, "bitsandbytes")}
+TORCHAO_VERSION = "0.18.0"  # requirements.txt's pin
+# transformers' Trainer passes block_size 256 to AdamW8bit and AdamW4bit alike (its optim_args default).
+TORCHAO_BLOCK_SIZE = 256
 # transformers' attention implementations for training, and the package each needs beyond torch.
 ATTENTION_PACKAGES = {"sdpa": None, "eager": None, "flex_attention": None, "flash_attention_2": "flash_attn",
                       "flash_attention_3": "flash_attn_interface"}
@@ -134,6 +146,12 @@ class Recipe:
     gradient_accumulation_steps: int | None = field(
         default=None, metadata={"help": "Micro-batches per optimizer step; must agree with --global_batch_size."}
     )
+    optim: str = field(default="adamw_torch", metadata={
+        "help": "adamw_torch (fused on CUDA); adamw_torch_8bit or adamw_torch_4bit (torchao: Adam's states in 8 or "
+                "4 bits per block of 256; CPU, DDP, FSDP2); adamw_8bit or paged_adamw_8bit (bitsandbytes, CUDA, "
+                "DDP); adamw_torch_bf16_stochastic_round (torchao): trades the fp32 master copy for bf16 weights "
+                "rounded stochastically, bf16 Adam states (needs --mixed_precision bf16; DDP or FSDP2). DeepSpeed "
+                "takes adamw_torch only."})
     learning_rate: float = field(default=1e-5, metadata={"help": "The initial learning rate for AdamW."})
     weight_decay: float = field(default=0.0, metadata={
         "help": "AdamW's weight decay coefficient, on matrices only (not on norms and biases)."})

@@ -51,7 +51,7 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
     return plan(shape, hardware, strategy, recipe.per_device_train_batch_size, recipe.max_seq_length,
                 recipe.gradient_checkpointing, PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe),
                 recipe.packing, async_save=recipe.async_save, save_only_model=recipe.save_only_model,
-                eval_batch=recipe.per_device_eval_batch_size)
+                eval_batch=recipe.per_device_eval_batch_size, optim=recipe.optim)
 
 
 def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, fix_micro_batch: bool,

@@ -12,7 +12,7 @@ from shardtune.plan.buffers import buffers, freed_under_layer_gradients
 from shardtune.plan.host_fit import host_ram_peak, host_ram_terms
 from shardtune.plan.phases import PHASES, phase_bytes
 from shardtune.plan.states import Peft, model_states, peft_states
-from shardtune.plan.strategy import Strategy
+from shardtune.plan.strategy import PlanError, Strategy
 
 GiB = 1024**3
 # Headroom kept free on every GPU: the CUDA context and NCCL's communicator buffers (about 0.5-1 GiB each on an
@@ -51,6 +51,7 @@ class MemoryPlan:
     max_seq_length: int
     gradient_checkpointing: bool
     mixed_precision: str
+    optim: str
     activation_mode: str
     per_gpu: dict[str, float]
     host_ram_per_node: float
@@ -86,7 +87,7 @@ class MemoryPlan:
 def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch: int = 1, seq: int = 4096,
          checkpointing: bool = True, attn: str = "sdpa", peft: Peft | None = None,
          packing: bool = False, async_save: bool = False, save_only_model: bool = False, eval_batch: int = 8,
-         foreach: bool = True, export_bytes: int = 2) -> MemoryPlan:
+         foreach: bool = True, export_bytes: int = 2, optim: str = "adamw_torch") -> MemoryPlan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
     headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
@@ -95,10 +96,15 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     built or loaded. With `peft`, activations are the base model's (LoRA's rank-r intermediates and dropout
     copies are not counted). `attn`: "sdpa", "eager" or "flash" (config.PLANNED_ATTENTION). With `packing` a
     training micro-batch is one row of micro_batch x seq tokens (DataCollatorWithFlattening); eval batches are
-    padded."""
+    padded. `optim`: the recipe's --optim, whose optimizer states (and, for adamw_torch_bf16_stochastic_round, bf16
+    weights and gradients) model_states plans."""
     params, world = shape.params, hardware.world_size
+    if strategy.kind == "deepspeed" and optim != "adamw_torch":
+        raise PlanError(f"{strategy.name}: DeepSpeed steps its own fp32 master partitions with adamw_torch; "
+                        f"--optim {optim} runs under DDP or FSDP only.")
     mode = activation_mode(strategy)
-    states = peft_states(strategy, shape, world, peft) if peft else model_states(strategy, params, world, shape)
+    states = peft_states(strategy, shape, world, peft, optim) if peft else \
+        model_states(strategy, params, world, shape, optim)
     rows, length = (1, micro_batch * seq) if packing else (micro_batch, seq)
     masked = attn != "flash"  # SDPA and eager get a dense mask: a padded batch's, or a packed row's block-diagonal
     acts = activation_bytes(shape, rows, length, mode, checkpointing, attn, masked, frozen=peft is not None)
@@ -126,7 +132,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         model=shape.name, hardware=hardware.name, config=strategy.name, params=params,
         trainable_params=peft.trainable_params(shape) if peft else params, world_size=world,
         micro_batch=micro_batch, max_seq_length=seq, gradient_checkpointing=checkpointing,
-        mixed_precision=strategy.mixed_precision, activation_mode=mode, per_gpu=per_gpu,
+        mixed_precision=strategy.mixed_precision, optim=optim, activation_mode=mode, per_gpu=per_gpu,
         host_ram_per_node=host_ram_peak(host), host_ram=host,
         nvme_per_node=states.nvme * hardware.gpus_per_node,
         capacity=capacity, gpu_fits=per_gpu["total"] <= capacity, host_ram_capacity=usable_host_ram(hardware),

@@ -19,10 +19,10 @@ from transformers import LlamaForCausalLM
 
 from shardtune.flops import builtin_configs, resolve_model
 from shardtune.hardware import parse_hardware
+from shardtune.optimizers import param_groups
 from shardtune.plan.host import MB, PINNED_MAX_CACHED_MB, pinned_block_bytes
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
-from shardtune.step import param_groups
 from tests.conftest import REPO
 
 NODE = parse_hardware("8xh100-80gb")
