@@ -127,7 +127,8 @@ def check_lora(recipe: Recipe) -> None:
                           f"{recipe.lora_r}, {recipe.lora_alpha} and {recipe.lora_dropout}.")
 
 
-def check_optimizer(recipe: Recipe, on_gpu: bool, launch_kind: str, loads: bool = True) -> None:
+def check_optimizer(recipe: Recipe, on_gpu: bool, launch_kind: str, world_size: int = 1, loads: bool = True
+                    ) -> None:
     """What --optim needs from the launch and the machine, in the order a user meets it. `launch_kind`: "ddp",
     "fsdp" or "deepspeed" (LaunchDescription.kind). `loads`: the run will build the optimizer (a --dry_run plans
     it without the package)."""
@@ -141,6 +142,10 @@ def check_optimizer(recipe: Recipe, on_gpu: bool, launch_kind: str, loads: bool 
     if optim == BF16_STOCHASTIC_ROUND and recipe.mixed_precision != "bf16":
         raise ConfigError(f"--optim {optim} trains bf16 weights: it needs --mixed_precision bf16, got "
                           f"{recipe.mixed_precision}.")
+    if optim == BF16_STOCHASTIC_ROUND and launch_kind == "ddp" and world_size > 1:
+        raise ConfigError(f"--optim {optim} rounds each weight with a random draw, and DDP's replicas draw "
+                          "independently, so they would drift apart: launch with an FSDP config (each rank rounds "
+                          "its own shard).")
     if optim == BF16_STOCHASTIC_ROUND and recipe.use_peft:
         raise ConfigError(f"--optim {optim} rounds bf16 weights, and LoRA's adapters train in fp32 (their base is "
                           "frozen): use --optim adamw_torch with --use_peft true.")
@@ -364,7 +369,7 @@ def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: Lau
     problems.check(check_attention, recipe, on_gpu)
     problems.check(check_quantization, recipe, on_gpu)
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
-    problems.check(check_optimizer, recipe, on_gpu, launch.kind)
+    problems.check(check_optimizer, recipe, on_gpu, launch.kind, launch.world_size)
     if offloads_to_nvme(launch):
         problems.check(check_async_io, AsyncIOReadiness.of_this_machine(has_gpu))
 

@@ -150,8 +150,8 @@ class Recipe:
         "help": "adamw_torch (fused on CUDA); adamw_torch_8bit or adamw_torch_4bit (torchao: Adam's states in 8 or "
                 "4 bits per block of 256; CPU, DDP, FSDP2); adamw_8bit or paged_adamw_8bit (bitsandbytes, CUDA, "
                 "DDP); adamw_torch_bf16_stochastic_round (torchao): trades the fp32 master copy for bf16 weights "
-                "rounded stochastically, bf16 Adam states (needs --mixed_precision bf16; DDP or FSDP2). DeepSpeed "
-                "takes adamw_torch only."})
+                "rounded stochastically, bf16 Adam states (needs --mixed_precision bf16; FSDP2 or one process). "
+                "DeepSpeed takes adamw_torch only."})
     learning_rate: float = field(default=1e-5, metadata={"help": "The initial learning rate for AdamW."})
     weight_decay: float = field(default=0.0, metadata={
         "help": "AdamW's weight decay coefficient, on matrices only (not on norms and biases)."})
