@@ -1,0 +1,129 @@
+"""--optim: built as transformers' Trainer builds the same names, refused where it cannot run (one line each), and
+its optimizer states planned to the byte that torchao allocates. torch.compile is replaced by the eager function
+while these steps run: torchao compiles its per-tensor update on first use (tens of seconds on CPU), and the states are allocated
+outside the compiled function, so their bytes are the same either way (the launched tests run it compiled)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shardtune.checks import check_choices, check_optimizer
+from shardtune.config import OPTIMIZERS, TORCHAO_OPTIMIZERS, ConfigError, Recipe
+from shardtune.flops import resolve_model
+from shardtune.hardware import parse_hardware
+from shardtune.memory import held_model_states
+from shardtune.optimizers import build_optimizer
+from shardtune.plan.optimizer_states import parameter_matrices
+from shardtune.plan.planner import plan
+from shardtune.plan.states import model_states
+from shardtune.plan.strategy import PlanError, Strategy
+
+torchao = pytest.importorskip("torchao", reason="--optim's torchao optimizers need torchao (requirements.txt)")
+
+DDP = Strategy("ddp", "ddp", 0, mixed_precision="bf16")
+
+
+def refusal(recipe: Recipe, on_gpu: bool, kind: str, world: int = 2) -> str:
+    with pytest.raises(ConfigError) as error:
+        check_optimizer(recipe, on_gpu, kind, world)
+    (message,) = error.value.messages
+    return message
+
+
+@pytest.mark.parametrize("optim", OPTIMIZERS[1:])
+def test_deepspeed_takes_adamw_torch_only(optim):
+    assert "DeepSpeed" in refusal(Recipe(optim=optim, mixed_precision="bf16"), True, "deepspeed")
+    check_optimizer(Recipe(optim="adamw_torch"), True, "deepspeed")  # accepted
+
+
+def test_refusals_name_the_fix():
+    assert "adamw_torch_8bit" in refusal(Recipe(optim="adamw_8bit"), False, "ddp")  # bitsandbytes on CPU
+    assert "DTensor" in refusal(Recipe(optim="paged_adamw_8bit"), True, "fsdp")
+    stochastic = "adamw_torch_bf16_stochastic_round"
+    assert "--mixed_precision bf16" in refusal(Recipe(optim=stochastic, mixed_precision="no"), False, "fsdp")
+    assert "LoRA" in refusal(Recipe(optim=stochastic, mixed_precision="bf16", use_peft=True), False, "fsdp")
+    assert "FSDP" in refusal(Recipe(optim=stochastic, mixed_precision="bf16"), False, "ddp")
+    check_optimizer(Recipe(optim=stochastic, mixed_precision="bf16"), False, "ddp", 1)  # one process: accepted
+    check_optimizer(Recipe(optim="adamw_torch_8bit"), False, "fsdp")  # torchao on CPU under FSDP2: accepted
+    with pytest.raises(ConfigError, match="--optim must be one of"):
+        check_choices(Recipe(optim="adamw_torch_2bit"))
+
+
+def test_a_missing_package_is_one_line_with_the_install(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert refusal(Recipe(optim="adamw_8bit"), True, "ddp").endswith("pip install bitsandbytes")
+    assert refusal(Recipe(optim="adamw_torch_4bit"), False, "ddp").endswith("pip install torchao==0.18.0")
+
+
+@pytest.mark.parametrize("optim", TORCHAO_OPTIMIZERS)
+def test_built_as_transformers_trainer_builds_it(optim, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), optim=optim, learning_rate=3e-4, adam_beta1=0.8,
+                             adam_beta2=0.9, adam_epsilon=1e-7, use_cpu=True, report_to="none")
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    recipe = Recipe(optim=optim, learning_rate=3e-4, adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-7)
+    built = build_optimizer(torch.nn.Linear(4, 4), recipe)
+    assert type(built) is cls
+    assert (built.block_size, built.bf16_stochastic_round) == (kwargs["block_size"], kwargs["bf16_stochastic_round"])
+    group = built.param_groups[0]
+    assert (group["betas"], group["eps"]) == (kwargs["betas"], kwargs["eps"])
+    assert group["lr"].item() == pytest.approx(kwargs["lr"], rel=1e-7)  # torchao holds it as an fp32 tensor
+
+
+def stepped_states(tiny_assets, optim: str, dtype: torch.dtype, monkeypatch) -> dict[str, int]:
+    """Bytes held after one step of `optim` on the tiny model in `dtype` (one process: DDP's layout)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets[0], dtype=dtype)
+    optimizer = build_optimizer(model, Recipe(optim=optim, weight_decay=0.1))
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    monkeypatch.setattr(torch, "compile", lambda function, **options: function)  # eager: see the module's doc
+    optimizer.step()
+    return held_model_states(model, optimizer)
+
+
+@pytest.mark.parametrize("optim", (*TORCHAO_OPTIMIZERS, "adamw_torch_bf16_stochastic_round"))
+def test_planned_optimizer_states_are_the_bytes_torchao_holds(optim, tiny_assets, monkeypatch):
+    stochastic = optim == "adamw_torch_bf16_stochastic_round"
+    shape = resolve_model(tiny_assets[0])
+    held = stepped_states(tiny_assets, optim, torch.bfloat16 if stochastic else torch.float32,
+                          monkeypatch)
+    planned = model_states(DDP, shape.params, 1, shape, optim)
+    # Exact: every state tensor, scale, lookup table and step counter is counted.
+    assert held["optimizer"] == planned.optimizer
+    assert held["weights"] == planned.weights and held["gradients"] == planned.gradients
+    # The tiny model has tensors on both sides of torchao's rule (>= 4096 elements in whole blocks): both counted.
+    quantized = [rows * cols for rows, cols in parameter_matrices(shape) if rows * cols >= 4096]
+    assert quantized and len(quantized) < len(parameter_matrices(shape))
+
+
+def test_eight_bit_states_take_a_quarter_of_adams():
+    """Llama-3.1-8B under FSDP2 on 8 GPUs: every local matrix is quantized; Adam's 8 bytes per parameter become 2
+    and a scale per block of 256 (2 x 4 / 256 bytes), 1 and the scales in 4 bits."""
+    shape = resolve_model("llama-3.1-8b")
+    fsdp = Strategy("fsdp_full_shard", "fsdp", 3, mixed_precision="bf16")
+    adam = model_states(fsdp, shape.params, 8, shape).optimizer
+    eight = model_states(fsdp, shape.params, 8, shape, "adamw_torch_8bit").optimizer
+    four = model_states(fsdp, shape.params, 8, shape, "adamw_torch_4bit").optimizer
+    assert eight / adam == pytest.approx((2 + 8 / 256) / 8, rel=1e-3)
+    assert four / adam == pytest.approx((1 + 8 / 256) / 8, rel=1e-3)
+    stochastic = model_states(fsdp, shape.params, 8, shape, "adamw_torch_bf16_stochastic_round")
+    assert (stochastic.weights, stochastic.gradients) == (2 * shape.params / 8, 2 * shape.params / 8)
+
+
+def test_the_plan_carries_the_optimizer_and_refuses_it_under_deepspeed():
+    shape = resolve_model("llama-3.1-8b")
+    hardware = parse_hardware("8xh100-80gb")
+    fsdp = Strategy("fsdp_full_shard", "fsdp", 3, mixed_precision="bf16")
+    eight = plan(shape, hardware, fsdp, optim="adamw_torch_8bit")
+    assert eight.to_json()["optim"] == "adamw_torch_8bit"
+    assert eight.per_gpu["optimizer"] < plan(shape, hardware, fsdp).per_gpu["optimizer"] / 3
+    with pytest.raises(PlanError, match="DeepSpeed"):
+        plan(shape, hardware, dataclasses.replace(fsdp, kind="deepspeed"), optim="adamw_torch_8bit")
