@@ -38,7 +38,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     device = accelerator.device
     unwrapped = accelerator.unwrap_model(model)
     # Read before anything steps the scheduler: afterwards it holds the next step's rate.
-    lr = scheduler.get_last_lr()[0]
+    lr = float(scheduler.get_last_lr()[0])  # torchao's optimizers keep it as a host tensor: no sync
     loss_sum = torch.zeros((), device=device)
     for index, batch in enumerate(micro_batches):
         with accelerator.accumulate(model):

@@ -1,7 +1,8 @@
 """--optim: built as transformers' Trainer builds the same names, refused where it cannot run (one line each), and
 its optimizer states planned to the byte that torchao allocates. torch.compile is replaced by the eager function
-while these steps run: torchao compiles its per-tensor update on first use (tens of seconds on CPU), and the states are allocated
-outside the compiled function, so their bytes are the same either way (the launched tests run it compiled)."""
+while these steps run: torchao compiles its per-tensor update on first use (tens of seconds on CPU), and the
+states are allocated outside the compiled function, so their bytes are the same either way (the launched tests
+run it compiled)."""
 
 from __future__ import annotations
 
