@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-from shardtune.checks import check_choices, check_optimizer
+from shardtune.checks import check_choices, check_optimizer, validate
 from shardtune.config import OPTIMIZERS, TORCHAO_OPTIMIZERS, ConfigError, Recipe
 from shardtune.flops import resolve_model
 from shardtune.hardware import parse_hardware
@@ -22,6 +22,7 @@ from shardtune.plan.optimizer_states import parameter_matrices
 from shardtune.plan.planner import plan
 from shardtune.plan.states import model_states
 from shardtune.plan.strategy import PlanError, Strategy
+from tests.unit.test_async_io_check import deepspeed_launch
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                    reason="torchao is not installed (requirements.txt pins it)")
@@ -40,6 +41,17 @@ def refusal(recipe: Recipe, on_gpu: bool, kind: str, world: int = 2) -> str:
 def test_deepspeed_takes_adamw_torch_only(optim):
     assert "DeepSpeed" in refusal(Recipe(optim=optim, mixed_precision="bf16"), True, "deepspeed")
     check_optimizer(Recipe(optim="adamw_torch"), True, "deepspeed")  # accepted
+
+
+def test_a_launch_under_deepspeed_is_refused_before_anything_loads(tmp_path):
+    """validate(): the start-up checks, before the model or the data is read."""
+    recipe = Recipe(model_name_or_path="m", dataset=str(tmp_path / "d.jsonl"), output_dir=str(tmp_path / "out"),
+                    optim="adamw_torch_8bit", use_cpu=True, report_to="none")
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError) as error:
+        validate(recipe, deepspeed_launch("none", "none"), has_gpu=False)
+    assert [message for message in error.value.messages if "--optim" in message] == [
+        refusal(recipe, False, "deepspeed")]
 
 
 def test_refusals_name_the_fix():
