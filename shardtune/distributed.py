@@ -42,7 +42,9 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
         # On CPU, accelerate would start N unconnected single processes for DDP/FSDP configs: ask for
         # MULTI_CPU over gloo. DeepSpeed ignores `cpu=True`; it gets gloo through the process-group kwargs.
         cpu=on_cpu and not uses_deepspeed,
-        mixed_precision=recipe.mixed_precision,  # the recipe wins over the config file, DeepSpeed included
+        # The recipe wins over the config file, DeepSpeed included. Stochastically rounded bf16 weights need no cast,
+        # and accelerate's FSDP2 preparation would upcast them to an fp32 master under any other value.
+        mixed_precision="no" if recipe.bf16_stochastic_round else recipe.mixed_precision,
         fsdp_plugin=plugin,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=batching.accumulation, sync_with_dataloader=False,  # the trainer ends every cycle itself
