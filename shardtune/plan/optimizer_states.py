@@ -69,3 +69,17 @@ def optimizer_state_bytes(optim: str, matrices: list[tuple[int, int]], shards: i
     `shards` 1 (DDP) or the FSDP world, `weight_bytes` the parameters' bytes per element."""
     return float(sum(tensor_state_bytes(optim, local_elements(rows, columns, shards), weight_bytes, stochastic)
                      for rows, columns in matrices))
+
+
+# torchao's eager step (adam.py `single_param_adam` run without torch.compile, as on CPU): its fp32 temporaries of
+# one tensor, bytes per element above the states, measured with the profiler on torch 2.13 (tests/unit/
+# test_optimizers.py): the quantized states' dequantized copies and one scale per block besides; bf16 weights add
+# their fp32 upcast. Compiled (the default on CUDA) inductor fuses most of them: this bounds it from above.
+TORCHAO_STEP_BYTES = {(True, False): 53 + 4 / TORCHAO_BLOCK_SIZE, (True, True): 57 + 4 / TORCHAO_BLOCK_SIZE,
+                      (False, True): 41.0}
+
+
+def torchao_step_bytes(optim: str, stochastic: bool, largest_local_elements: int) -> float:
+    """The transient of torchao's step, which updates one tensor at a time: its largest local tensor's
+    temporaries (TORCHAO_STEP_BYTES; the quantized path's for a tensor it quantizes)."""
+    return TORCHAO_STEP_BYTES[(optim in TORCHAO_OPTIMIZERS, stochastic)] * largest_local_elements

@@ -135,7 +135,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     graph = 2.0 * dtype_bytes(mode)[1] * rows * length * shape.hidden \
         if peft and checkpointing and strategy.kind == "deepspeed" else 0.0
     phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch, seq, peft, foreach, states.host,
-                         export_bytes, attn, graph)
+                         export_bytes, attn, graph, optim, bf16_stochastic_round)
     peak_phase = max(PHASES, key=lambda name: phases[name]["total"])
     per_gpu["total"] = phases[peak_phase]["total"]
     host = host_ram_terms(strategy, shape, world, hardware.gpus_per_node, states.host, peft, async_save,

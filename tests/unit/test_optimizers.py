@@ -263,3 +263,28 @@ def test_fsdp2_holds_the_bf16_weights_it_loaded(tiny_assets, monkeypatch):
         AcceleratorState._reset_state(reset_partial_state=True)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("recipe", [Recipe(optim="adamw_torch_8bit"), rounded("adamw_torch_4bit"), rounded()],
+                         ids=["8bit", "4bit+sr", "adamw_torch+sr"])
+def test_the_eager_step_transient_is_planned(recipe, monkeypatch):
+    """torchao's step on one tensor, eager, in this process: the bytes it allocates above the states at its
+    second step are optimizer_states.torchao_step_bytes of that tensor."""
+    from shardtune.plan.optimizer_states import torchao_step_bytes
+    from shardtune.profiling import PhaseRecorder
+
+    monkeypatch.setattr(torch, "compile", lambda function, **options: function)  # eager: see the module's doc
+    dtype = torch.bfloat16 if recipe.bf16_stochastic_round else torch.float32
+    model = torch.nn.Linear(1024, 512, bias=False).to(dtype)
+    optimizer = build_optimizer(model, dataclasses.replace(recipe, weight_decay=0.1))
+    model.weight.grad = torch.randn_like(model.weight)
+    for _ in range(2):
+        recorder = PhaseRecorder()
+        recorder.start()
+        recorder.watch(model)
+        recorder.begin("optimizer")
+        optimizer.step()
+        recorder.end()
+        run = recorder.stop()["phases"]["optimizer"][0]
+    planned = torchao_step_bytes(recipe.optim, recipe.bf16_stochastic_round, model.weight.numel())
+    assert run["peak"] - run["start"] == pytest.approx(planned, rel=0.01)
