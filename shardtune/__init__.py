@@ -5,7 +5,19 @@ one submodule (the planner, the checkpoint markers) stays light."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+
+class _UnloadableTorchaoKernels(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Failed to load ") and "torchao/_C" in message)
+
+
+# transformers imports torchao in every process once it is installed, and the PyPI wheel's CUDA kernels (_C*.so)
+# cannot load into a CPU torch: one warning per kernel and rank that torchao.optim (pure PyTorch) never needs.
+logging.getLogger("torchao").addFilter(_UnloadableTorchaoKernels())
 
 PUBLIC = {"Recipe": "shardtune.config", "main": "shardtune.cli"}
 

@@ -12,12 +12,16 @@ from dataclasses import dataclass
 
 from shardtune.config import (
     ATTENTION_PACKAGES,
+    BITSANDBYTES_OPTIMIZERS,
     CHECKPOINTING_MODES,
     DATASET_FORMATS,
     LR_SCHEDULERS,
     MIXED_PRECISIONS,
+    OPTIMIZER_PACKAGES,
+    OPTIMIZERS,
     PACKING_STRATEGIES,
     SAVE_DTYPES,
+    TORCHAO_VERSION,
     BatchSizes,
     ConfigError,
     Problems,
@@ -99,6 +103,7 @@ def check_choices(recipe: Recipe) -> None:
                                  ("--truncation", recipe.truncation, ("truncate", "drop")),
                                  ("--mixed_precision", recipe.mixed_precision, MIXED_PRECISIONS),
                                  ("--lr_scheduler_type", recipe.lr_scheduler_type, LR_SCHEDULERS),
+                                 ("--optim", recipe.optim, OPTIMIZERS),
                                  ("--report_to", recipe.report_to, ("wandb", "none")),
                                  ("--gradient_checkpointing_mode", recipe.gradient_checkpointing_mode,
                                   CHECKPOINTING_MODES)):
@@ -152,6 +157,44 @@ def check_lora(recipe: Recipe) -> None:
     if recipe.use_peft and recipe.chunked_cross_entropy and "lm_head" in targets:
         raise ConfigError("--lora_target_modules lm_head puts an adapter on the LM head, which the tiled loss "
                           "(--chunked_cross_entropy, on by default) bypasses: add --chunked_cross_entropy false.")
+
+
+def check_optimizer(recipe: Recipe, on_gpu: bool, launch_kind: str, world_size: int = 1, loads: bool = True
+                    ) -> None:
+    """What --optim and --bf16_stochastic_round need from the launch and the machine, in the order a user meets
+    it. `launch_kind`: "ddp", "fsdp" or "deepspeed" (LaunchDescription.kind). `loads`: the run will build the
+    optimizer (a --dry_run plans it without the package)."""
+    optim, stochastic = recipe.optim, recipe.bf16_stochastic_round
+    if optim not in OPTIMIZERS or (optim == "adamw_torch" and not stochastic):
+        return
+    named = f"--optim {optim}" + (" --bf16_stochastic_round" if stochastic else "")
+    if launch_kind == "deepspeed":
+        raise ConfigError(f"{named} cannot step under DeepSpeed, whose ZeRO optimizer keeps its own fp32 master "
+                          "partitions and steps them itself: launch with a DDP or FSDP config, or use --optim "
+                          "adamw_torch without --bf16_stochastic_round.")
+    if stochastic and optim in BITSANDBYTES_OPTIMIZERS:
+        raise ConfigError(f"--bf16_stochastic_round is torchao's: bitsandbytes' {optim} has none; use --optim "
+                          "adamw_torch_8bit (torchao) with it.")
+    if stochastic and recipe.mixed_precision != "bf16":
+        raise ConfigError(f"--bf16_stochastic_round trains bf16 weights: it needs --mixed_precision bf16, got "
+                          f"{recipe.mixed_precision}.")
+    if stochastic and launch_kind == "ddp" and world_size > 1:
+        raise ConfigError("--bf16_stochastic_round rounds each weight with a random draw, and DDP's replicas draw "
+                          "independently, so they would drift apart: launch with an FSDP config (each rank rounds "
+                          "its own shard) or one process.")
+    if stochastic and recipe.use_peft:
+        raise ConfigError("--bf16_stochastic_round rounds bf16 weights, and LoRA's adapters train in fp32 (their "
+                          "base is frozen): leave it out with --use_peft true.")
+    if optim in BITSANDBYTES_OPTIMIZERS and not on_gpu:
+        raise ConfigError(f"--optim {optim} runs bitsandbytes' CUDA kernels: on this machine use --optim "
+                          "adamw_torch_8bit (torchao's 8-bit AdamW, which runs on CPU).")
+    if optim in BITSANDBYTES_OPTIMIZERS and launch_kind == "fsdp":
+        raise ConfigError(f"--optim {optim}: bitsandbytes' optimizers do not step FSDP2's DTensor shards: use "
+                          "--optim adamw_torch_8bit (torchao) under FSDP.")
+    package = "torchao" if stochastic else OPTIMIZER_PACKAGES[optim]
+    if loads and importlib.util.find_spec(package) is None:
+        pin = f"torchao=={TORCHAO_VERSION}" if package == "torchao" else package
+        raise ConfigError(f"{named} needs {package}, which is not installed: pip install {pin}")
 
 
 def check_loss_scaler(recipe: Recipe, on_gpu: bool, uses_deepspeed: bool) -> None:
@@ -357,13 +400,15 @@ def check_recipe(recipe: Recipe, problems: Problems, launch: LaunchDescription |
 
 def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: LaunchDescription) -> None:
     """The checks that depend on this machine: a GPU, or CPU mode asked for; the attention kernel, 4-bit
-    quantization and fp16's loss scaler on it; NVMe offload's async_io op. `has_gpu`: CUDA is available."""
+    quantization, fp16's loss scaler and the optimizer on it; NVMe offload's async_io op. `has_gpu`: CUDA is
+    available."""
     problems.check(check_device, recipe, has_gpu)
     on_gpu = has_gpu and not recipe.use_cpu
     problems.check(check_attention, recipe, on_gpu)
     problems.check(check_quantization, recipe, on_gpu)
     problems.check(check_activation_offloading, recipe, on_gpu)
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
+    problems.check(check_optimizer, recipe, on_gpu, launch.kind, launch.world_size)
     if offloads_to_nvme(launch):
         problems.check(check_async_io, AsyncIOReadiness.of_this_machine(has_gpu))
 

@@ -16,6 +16,17 @@ DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".c
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
 ZERO_STAGES = ("1", "2", "3")
+# --optim's names, transformers' TrainingArguments' (shardtune.optimizers builds them).
+TORCH_OPTIMIZERS = ("adamw_torch",)
+TORCHAO_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
+BITSANDBYTES_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
+OPTIMIZERS = (*TORCH_OPTIMIZERS, *TORCHAO_OPTIMIZERS, *BITSANDBYTES_OPTIMIZERS)
+# The package each optimizer needs beyond torch, as pip installs it (--bf16_stochastic_round: torchao for all).
+OPTIMIZER_PACKAGES = {**dict.fromkeys(TORCHAO_OPTIMIZERS, "torchao"),
+                      **dict.fromkeys(BITSANDBYTES_OPTIMIZERS, "bitsandbytes")}
+TORCHAO_VERSION = "0.18.0"  # requirements.txt's pin
+# transformers' Trainer passes block_size 256 to AdamW8bit and AdamW4bit alike (its optim_args default).
+TORCHAO_BLOCK_SIZE = 256
 # transformers' attention implementations for training, and the package each needs beyond torch.
 ATTENTION_PACKAGES = {"sdpa": None, "eager": None, "flex_attention": None, "flash_attention_2": "flash_attn",
                       "flash_attention_3": "flash_attn_interface"}
@@ -147,6 +158,15 @@ class Recipe:
     gradient_accumulation_steps: int | None = field(
         default=None, metadata={"help": "Micro-batches per optimizer step; must agree with --global_batch_size."}
     )
+    optim: str = field(default="adamw_torch", metadata={
+        "help": "TrainingArguments' names: adamw_torch (fused on CUDA); adamw_torch_8bit or adamw_torch_4bit "
+                "(torchao: Adam's states in 8 or 4 bits per block of 256; CPU, DDP, FSDP2); adamw_8bit or "
+                "paged_adamw_8bit (bitsandbytes: CUDA, DDP). DeepSpeed takes adamw_torch only."})
+    bf16_stochastic_round: bool = field(default=False, metadata={
+        "help": "Trades the fp32 master copy for memory: the weights and gradients are held in bf16 (no fp32 "
+                "copy anywhere) and torchao's AdamW rounds each update to bf16 stochastically (torchao's "
+                "bf16_stochastic_round, TrainingArguments' optim_args key), with --optim adamw_torch (bf16 states), "
+                "adamw_torch_8bit or adamw_torch_4bit. Needs --mixed_precision bf16; FSDP2 or one process."})
     learning_rate: float = field(default=1e-5, metadata={"help": "The initial learning rate for AdamW."})
     weight_decay: float = field(default=0.0, metadata={
         "help": "AdamW's weight decay coefficient, on matrices only (not on norms and biases)."})

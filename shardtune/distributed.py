@@ -43,7 +43,9 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
         # On CPU, accelerate would start N unconnected single processes for DDP/FSDP configs: ask for
         # MULTI_CPU over gloo. DeepSpeed ignores `cpu=True`; it gets gloo through the process-group kwargs.
         cpu=on_cpu and not uses_deepspeed,
-        mixed_precision=recipe.mixed_precision,  # the recipe wins over the config file, DeepSpeed included
+        # The recipe wins over the config file, DeepSpeed included. Stochastically rounded bf16 weights need no cast,
+        # and accelerate's FSDP2 preparation would upcast them to an fp32 master under any other value.
+        mixed_precision="no" if recipe.bf16_stochastic_round else recipe.mixed_precision,
         fsdp_plugin=plugin,
         # The launch's (replicate, shard) mesh: accelerate builds it from the PARALLELISM_CONFIG_* variables, but
         # refuses it on MULTI_CPU; on CPU it is set once the state is FSDP (enable_fsdp_on_cpu), and a config of

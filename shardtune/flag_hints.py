@@ -43,6 +43,7 @@ RENAMED: dict[str, tuple[str, ...]] = {
     "--dataset_split": ("dataset_train_split", "train_split"),
     "--eval_split": ("dataset_test_split", "eval_dataset", "eval_file"),
     "--eval_fraction": ("val_set_size", "test_size", "eval_size"),
+    "--optim": ("optimizer", "optimizer_type"),
     "--chat_template": ("chat_template_path",),
     "--learning_rate": ("lr", "learningrate", "base_lr", "peak_lr", "max_lr", "init_lr"),
     "--per_device_train_batch_size": ("micro_batch_size", "per_gpu_train_batch_size", "per_device_batch_size",
@@ -93,8 +94,6 @@ GUIDANCE: dict[tuple[str, ...], str] = {
     ("assistant_only_loss",): "--completion_only_loss (true by default: loss on assistant tokens only).",
     ("batch_size", "train_batch_size"): "--per_device_train_batch_size is the micro-batch per GPU; "
                                         "--global_batch_size the sequences per optimizer step over all ranks.",
-    ("optim", "optimizer", "optimizer_type"): "the optimizer is torch AdamW; its settings are --learning_rate, "
-                                              "--weight_decay, --adam_beta1, --adam_beta2 and --adam_epsilon.",
     ("eval_strategy", "evaluation_strategy", "evals_per_epoch"): "--eval_steps N evaluates every N steps "
                                                                  "(0 = only at the end).",
     ("save_strategy", "saves_per_epoch"): "--save_steps N checkpoints every N steps (0 = never).",

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 # "host": the part of the other components that the offload settings placed in host memory, read from the
 # strategy's own bookkeeping (on a CPU machine every tensor's device is the host, so devices tell nothing).
@@ -36,6 +37,16 @@ def innermost_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def stored_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold `tensor`'s data: itself, or a wrapper subclass's inner tensors (torchao's quantized
+    optimizer states keep codes, scales and a lookup table behind a wrapper that has no storage of its own)."""
+    tensor = local(tensor)
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return [inner for name in names for inner in stored_tensors(getattr(tensor, name))]
+    return [tensor]
 
 
 def reachable_tensors(obj: object, seen: set[int] | None = None, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -71,12 +82,13 @@ class _Storages:
         for tensor in tensors:
             if tensor is None or tensor.device.type == "meta":  # no memory behind it
                 continue
-            storage = local(tensor).untyped_storage()
-            key = (str(tensor.device), storage.data_ptr())
-            if storage.nbytes() == 0 or key in self.seen:
-                continue
-            self.seen.add(key)
-            total += storage.nbytes()
+            for stored in stored_tensors(tensor):
+                storage = stored.untyped_storage()
+                key = (str(stored.device), storage.data_ptr())
+                if storage.nbytes() == 0 or key in self.seen:
+                    continue
+                self.seen.add(key)
+                total += storage.nbytes()
         return total
 
 

@@ -36,11 +36,12 @@ def load_tokenizer(recipe: Recipe) -> PreTrainedTokenizerBase:
 def load_model(recipe: Recipe, main_process: bool = True) -> PreTrainedModel:
     """Full fine-tuning loads the weights in fp32: they are the master weights, and bf16 compute comes from
     autocast, FSDP's MixedPrecisionPolicy or DeepSpeed's bf16 mode. With --use_peft the frozen base loads in
-    the compute dtype (bf16; 4-bit NF4 with --load_in_4bit) and only the LoRA adapters train, in fp32.
+    the compute dtype (bf16; 4-bit NF4 with --load_in_4bit) and only the LoRA adapters train, in fp32. With
+    --bf16_stochastic_round the weights load in bf16: that optimizer keeps no fp32 master.
     Must run after the Accelerator exists, so that ZeRO-3 partitions weights while they load and FSDP loads
     them on rank 0 only (RAM-efficient loading: `main_process` False builds the model without weights)."""
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.mixed_precision)
-    dtype = half if recipe.use_peft and half else torch.float32
+    dtype = half if (recipe.use_peft or recipe.bf16_stochastic_round) and half else torch.float32
     if not main_process and fsdp_loads_on_rank0() and not recipe.load_in_4bit:
         model = empty_model(recipe, dtype)
     else:

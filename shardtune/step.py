@@ -1,4 +1,4 @@
-"""The optimizer, and one optimizer step: this rank's micro-batches, the token-normalised loss, backward, clip, step.
+"""One optimizer step: this rank's micro-batches, the token-normalised loss, backward, clip, step.
 
 Nothing here reads a value back from the device: the step returns device tensors (and the learning rate it
 used, already a host number), and the metrics window (shardtune.metrics) syncs once per step. DeepSpeed's own
@@ -18,37 +18,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-from shardtune.config import BatchSizes, Recipe
+from shardtune.config import BatchSizes
 from shardtune.tiled_loss import chunked_token_loss
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only, not on norms and biases (by name: ZeRO-3 params have no real shape)."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:  # a frozen PEFT base
-            continue
-        (no_decay if "norm" in name or name.endswith("bias") else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]  # DeepSpeed drops empty groups (LoRA has no norms)
-
-
-def make_optimizer(model: torch.nn.Module, recipe: Recipe, max_steps: int
-                   ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW over `param_groups`, and the recipe's learning-rate schedule over `max_steps`."""
-    # Here, not at the top: transformers.optimization imports peft where it is installed (3-4 s per rank), so
-    # the modules that only read a step's output (metrics, tests) stay light.
-    from transformers import get_scheduler
-
-    optimizer = torch.optim.AdamW(
-        param_groups(model, recipe.weight_decay), lr=recipe.learning_rate,
-        betas=(recipe.adam_beta1, recipe.adam_beta2), eps=recipe.adam_epsilon,
-    )
-    scheduler = get_scheduler(
-        recipe.lr_scheduler_type, optimizer,
-        num_warmup_steps=recipe.warmup_steps_for(max_steps), num_training_steps=max_steps,
-    )
-    return optimizer, scheduler
 
 
 @dataclass
@@ -69,7 +40,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     device = accelerator.device
     unwrapped = accelerator.unwrap_model(model)
     # Read before anything steps the scheduler: afterwards it holds the next step's rate.
-    lr = scheduler.get_last_lr()[0]
+    lr = float(scheduler.get_last_lr()[0])  # torchao's optimizers keep it as a host tensor: no sync
     loss_sum = torch.zeros((), device=device)
     for index, batch in enumerate(micro_batches):
         with accelerator.accumulate(model):

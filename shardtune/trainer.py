@@ -45,11 +45,12 @@ from shardtune.memory import (
 )
 from shardtune.metrics import StepSummary, TrainMetrics
 from shardtune.model import enable_activation_offloading, load_model, load_tokenizer
+from shardtune.optimizers import make_optimizer
 from shardtune.packing import pack_rows
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.profiling import begin_phase, end_phase, phase, profile_memory, start_phases
 from shardtune.ranks import check_ranks_agree, launch_fingerprint, set_collective_timeout, watch_ranks
-from shardtune.step import make_optimizer, train_step
+from shardtune.step import train_step
 from shardtune.tracking import log_metrics, log_samples, start_tracking, truncate_metrics
 
 
@@ -110,7 +111,9 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes) -> Run
         # optimizer on the shards: the ranks that loaded no weights hold meta parameters, which all share
         # data_ptr 0, the key by which `prepare` would map the optimizer's parameters to the sharded ones.
         model = fsdp2_prepare_model(accelerator, model)
-    optimizer, scheduler = make_optimizer(model, recipe, max_steps)
+    # torch AdamW's fused kernel on CUDA (TrainingArguments' default); DeepSpeed steps its flat partitions as before.
+    fused = accelerator.device.type == "cuda" and accelerator.distributed_type != DistributedType.DEEPSPEED
+    optimizer, scheduler = make_optimizer(model, recipe, max_steps, fused=fused)
     train_loader = DataLoader(train_set, batch_size=batching.micro_batch, shuffle=True, drop_last=True,
                               collate_fn=make_collator(tokenizer, recipe.packing, recipe.attn_implementation))
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_eval_batch_size,

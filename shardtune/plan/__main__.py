@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-from shardtune.config import CHECKPOINTING_MODES, PLANNED_ATTENTION, ConfigError, below_lowest
+from shardtune.config import CHECKPOINTING_MODES, OPTIMIZERS, PLANNED_ATTENTION, ConfigError, below_lowest
 from shardtune.flops import ModelError, recipe_fields, resolve_config, shape_from_config
 from shardtune.hardware import HardwareError, parse_hardware
 from shardtune.plan.planned_run import (
@@ -35,7 +35,7 @@ from shardtune.plan.strategy import PlanError, read_accelerate_config
 RUN_FLAGS = ("per_device_train_batch_size", "global_batch_size", "max_seq_length", "gradient_checkpointing",
              "mixed_precision", "attn_implementation", "packing", "use_peft", "lora_r", "lora_target_modules",
              "load_in_4bit", "gradient_checkpointing_mode", "activation_offloading", "chunked_cross_entropy",
-             "per_device_eval_batch_size")
+             "per_device_eval_batch_size", "optim", "bf16_stochastic_round")
 # The flags the recommendation searches over when they are not given (a recipe gives them all), and their words.
 SEARCHED_FLAGS = {"per_device_train_batch_size": "micro-batch", "gradient_checkpointing": "checkpointing",
                   "gradient_checkpointing_mode": "checkpointing mode"}
@@ -100,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora_r", type=int, help="LoRA rank, with --use_peft true (default: the recipe's, else 16)")
     parser.add_argument("--lora_target_modules", help="all-linear or comma-separated names")
     parser.add_argument("--load_in_4bit", type=_bool, help="QLoRA: the frozen base in 4-bit NF4")
+    parser.add_argument("--optim", choices=OPTIMIZERS,
+                        help="The recipe's --optim, whose optimizer states are planned (default: the recipe's, else "
+                             "adamw_torch); other than adamw_torch, DDP and FSDP configs only")
+    parser.add_argument("--bf16_stochastic_round", type=_bool,
+                        help="true: trades the fp32 master copy: bf16 weights and gradients updated with "
+                             "stochastic rounding (torchao), with --mixed_precision bf16 (default: the recipe's, "
+                             "else false)")
     parser.add_argument("--compare", action="store_true",
                         help="All accelerate_configs/*.yaml side by side (the multi-node layouts, fsdp_hybrid_shard "
                              "and ds_zero3_hpz, on 2 or more nodes)")

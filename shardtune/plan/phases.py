@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardtune.config import TORCHAO_OPTIMIZERS
 from shardtune.flops import ModelShape
 from shardtune.plan.activations import activation_mode, eval_activation_bytes
 from shardtune.plan.buffers import buffers, persistent_buffer_bytes
 from shardtune.plan.host import swap_buffer_bytes
+from shardtune.plan.optimizer_states import local_elements, parameter_matrices, torchao_step_bytes
 from shardtune.plan.states import Peft, decay_tensors, deepspeed_sizes, parameter_sizes, persistent_elements
 from shardtune.plan.strategy import DS_SUB_GROUP, Strategy
 
@@ -18,7 +20,7 @@ EXPORT_SHARD_BYTES = 5_000_000_000
 
 
 def optimizer_step_bytes(strategy: Strategy, shape: ModelShape, world: int, peft: Peft | None = None,
-                         foreach: bool = True) -> float:
+                         foreach: bool = True, optim: str = "adamw_torch", stochastic: bool = False) -> float:
     """What torch AdamW allocates on top of the model states while it steps (torch/optim/adam.py, AdamW being
     Adam with decoupled decay; lerp_, mul_, addcmul_ and addcdiv_ work in place):
     - `_multi_tensor_adam`, the default where every parameter is on CUDA: `_foreach_sqrt(exp_avg_sqs)` makes one
@@ -29,9 +31,15 @@ def optimizer_step_bytes(strategy: Strategy, shape: ModelShape, world: int, peft
     Local elements: FSDP2 shards every parameter on dim 0, the ranks holding ceil(rows / N). DeepSpeed hands the
     torch optimizer one flat fp32 partition per group (ZeRO-1/2: the decay group's P/N; ZeRO-3: a sub-group of at
     most sub_group_size elements), so either path copies that one tensor (foreach once, the loop twice); the
-    ZeRO optimizer's own copies are not modelled. An offloaded step runs on the host: nothing on the GPU."""
+    ZeRO optimizer's own copies are not modelled. An offloaded step runs on the host: nothing on the GPU.
+    torchao's optimizers (another `optim`, or `stochastic` rounding) step one tensor at a time: the largest local
+    tensor's temporaries (optimizer_states.torchao_step_bytes)."""
     if strategy.offloads:
         return 0.0
+    if strategy.kind != "deepspeed" and peft is None and (optim in TORCHAO_OPTIMIZERS or stochastic):
+        shard = world if strategy.kind == "fsdp" else 1
+        largest = max(local_elements(rows, columns, shard) for rows, columns in parameter_matrices(shape))
+        return torchao_step_bytes(optim, stochastic, largest)
     if strategy.kind == "deepspeed":
         flat = (peft.trainable_params(shape) if peft else shape.params) / world
         if strategy.shard >= 3:
@@ -47,13 +55,14 @@ def optimizer_step_bytes(strategy: Strategy, shape: ModelShape, world: int, peft
     return 4.0 * max(previous + 2 * current for previous, current in zip([0, *sizes], sizes, strict=False))
 
 
-def host_step_bytes(strategy: Strategy, shape: ModelShape, world: int, peft: Peft | None) -> float:
+def host_step_bytes(strategy: Strategy, shape: ModelShape, world: int, peft: Peft | None,
+                    optim: str = "adamw_torch", stochastic: bool = False) -> float:
     """The optimizer step's transient on the host: FSDP's CPUOffloadPolicy steps torch AdamW on host tensors, where
     it runs its per-tensor loop (foreach needs CUDA tensors). DeepSpeed's CPU Adam steps in place: nothing."""
     if strategy.kind != "fsdp" or strategy.offload_params == "none":
         return 0.0
     on_gpu = dataclasses.replace(strategy, offload_optimizer="none", offload_params="none")
-    return optimizer_step_bytes(on_gpu, shape, world, peft, foreach=False)
+    return optimizer_step_bytes(on_gpu, shape, world, peft, foreach=False, optim=optim, stochastic=stochastic)
 
 
 def eval_gather_bytes(strategy: Strategy, shape: ModelShape) -> float:
@@ -115,8 +124,8 @@ def export_host_bytes(strategy: Strategy, shape: ModelShape, world: int, gpus_pe
 
 def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backward: dict[str, float],
                 eval_batch: int, seq: int, peft: Peft | None = None, foreach: bool = True,
-                host: float = 0.0, export_bytes: int = 2, attn: str = "sdpa", graph: float = 0.0
-                ) -> dict[str, dict]:
+                host: float = 0.0, export_bytes: int = 2, attn: str = "sdpa", graph: float = 0.0,
+                optim: str = "adamw_torch", stochastic: bool = False) -> dict[str, dict]:
     """Per GPU, each phase's parts and total; `forward_backward` is the step's (model states, activations,
     buffers). Gradients are freed by the step (the trainer's zero_grad sets them to None), so eval and save hold
     the weights and optimizer states; DDP's gradients are views into its reducer's buckets, which stay, and
@@ -144,7 +153,8 @@ def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backw
     phases = {
         "forward_backward": dict(forward_backward),
         "optimizer": {**states, "buffers": kept["buffers"], "graph": graph,
-                      "step": max(optimizer_step_bytes(strategy, shape, world, peft, foreach), persistent)},
+                      "step": max(optimizer_step_bytes(strategy, shape, world, peft, foreach, optim, stochastic),
+                                  persistent)},
         "eval": {**kept, "gathered": eval_gather_bytes(strategy, shape) + autocast_cache,
                  "activations": eval_activation_bytes(shape, eval_batch, seq, mode, attn != "flash",
                                                       peft is not None and "up_proj" in peft.target_names())},
@@ -159,6 +169,6 @@ def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backw
     if strategy.kind == "fsdp" and strategy.offload_params != "none":  # its host gradients are freed by the step
         for name in ("eval", "save"):
             phases[name]["on_host"] -= 4 * trainable / world
-    phases["optimizer"]["on_host"] += host_step_bytes(strategy, shape, world, peft)
+    phases["optimizer"]["on_host"] += host_step_bytes(strategy, shape, world, peft, optim, stochastic)
     phases["save"]["on_host"] += saved_on_host
     return phases

@@ -14,7 +14,7 @@ from shardtune.plan.host_fit import host_ram_peak, host_ram_terms
 from shardtune.plan.layouts import hpz_secondary_bytes
 from shardtune.plan.phases import PHASES, phase_bytes
 from shardtune.plan.states import Peft, model_states, peft_states
-from shardtune.plan.strategy import Strategy
+from shardtune.plan.strategy import PlanError, Strategy
 
 GiB = 1024**3
 # Headroom kept free on every GPU: the CUDA context and NCCL's communicator buffers (about 0.5-1 GiB each on an
@@ -53,6 +53,8 @@ class MemoryPlan:
     max_seq_length: int
     gradient_checkpointing: bool
     mixed_precision: str
+    optim: str
+    bf16_stochastic_round: bool
     activation_mode: str
     chunked_cross_entropy: bool
     per_gpu: dict[str, float]
@@ -93,7 +95,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
          checkpointing: bool = True, attn: str = "sdpa", peft: Peft | None = None,
          packing: bool = False, async_save: bool = False, save_only_model: bool = False, eval_batch: int = 8,
          foreach: bool = True, export_bytes: int = 2, checkpointing_mode: str = "full",
-         activation_offloading: bool = False, chunked_cross_entropy: bool = False) -> MemoryPlan:
+         activation_offloading: bool = False, chunked_cross_entropy: bool = False, optim: str = "adamw_torch",
+         bf16_stochastic_round: bool = False) -> MemoryPlan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
     headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
@@ -106,13 +109,20 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     `activation_offloading` moves the layers' saved tensors to pinned host RAM (activations.offloaded_host_bytes).
     `chunked_cross_entropy`: the training loss over tiles of LOSS_TILE_POSITIONS positions (the recipe's
     default, which plan_recipe passes), not over the micro-batch's full logits; the recommendation's search plans
-    the full logits only where the recipe turns the tiled loss off."""
+    the full logits only where the recipe turns the tiled loss off. `optim`: the recipe's --optim, whose
+    optimizer states model_states plans; `bf16_stochastic_round`: bf16 weights and gradients, no fp32 master."""
     params = shape.params
+    if strategy.kind == "deepspeed" and (optim != "adamw_torch" or bf16_stochastic_round):
+        raise PlanError(f"{strategy.name}: DeepSpeed steps its own fp32 master partitions with adamw_torch; "
+                        f"--optim {optim} and --bf16_stochastic_round run under DDP or FSDP only.")
+    if bf16_stochastic_round and (strategy.mixed_precision != "bf16" or peft):
+        raise PlanError("--bf16_stochastic_round trains bf16 weights: full fine-tuning with --mixed_precision bf16.")
     # Every term below is per GPU over the GPUs the states are sharded over: all of them, or under hybrid
     # sharding one replica's (its own copy of everything, as if the job were that replica alone).
     world = strategy.sharded_over(hardware.world_size)
     mode = activation_mode(strategy)
-    states = peft_states(strategy, shape, world, peft) if peft else model_states(strategy, params, world, shape)
+    states = peft_states(strategy, shape, world, peft, optim) if peft else \
+        model_states(strategy, params, world, shape, optim, bf16_stochastic_round=bf16_stochastic_round)
     secondary = hpz_secondary_bytes(strategy, shape, world, peft)  # ZeRO++ hpZ: beside the primary partitions
     if strategy.offload_params in ("cpu", "nvme"):  # made on the partitions' device (remote_device)
         states.host += secondary
@@ -135,7 +145,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     graph = 2.0 * dtype_bytes(mode)[1] * rows * length * shape.hidden \
         if peft and checkpointing and strategy.kind == "deepspeed" else 0.0
     phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch, seq, peft, foreach, states.host,
-                         export_bytes, attn, graph)
+                         export_bytes, attn, graph, optim, bf16_stochastic_round)
     peak_phase = max(PHASES, key=lambda name: phases[name]["total"])
     per_gpu["total"] = phases[peak_phase]["total"]
     host = host_ram_terms(strategy, shape, world, hardware.gpus_per_node, states.host, peft, async_save,
@@ -152,7 +162,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         model=shape.name, hardware=hardware.name, config=strategy.name, params=params,
         trainable_params=peft.trainable_params(shape) if peft else params, world_size=hardware.world_size,
         micro_batch=micro_batch, max_seq_length=seq, gradient_checkpointing=checkpointing,
-        mixed_precision=strategy.mixed_precision, activation_mode=mode,
+        mixed_precision=strategy.mixed_precision, optim=optim, bf16_stochastic_round=bf16_stochastic_round,
+        activation_mode=mode,
         chunked_cross_entropy=chunked_cross_entropy, per_gpu=per_gpu,
         host_ram_per_node=host_ram_peak(host), host_ram=host,
         nvme_per_node=states.nvme * hardware.gpus_per_node,

@@ -44,7 +44,8 @@ def format_plan(p: MemoryPlan) -> str:
             f"micro-batch {p.micro_batch} x {p.max_seq_length} tokens, checkpointing "
             f"{checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode)}, "
             f"{p.mixed_precision} ({p.activation_mode}), loss "
-            f"{'in tiles' if p.chunked_cross_entropy else 'over the full logits'}",
+            f"{'in tiles' if p.chunked_cross_entropy else 'over the full logits'}, optimizer {p.optim}"
+            + (" with bf16 stochastic rounding (no fp32 master)" if p.bf16_stochastic_round else ""),
             f"  states {p.layout}"]
     rows.append(f"  per GPU at the peak, {phase_name(p.peak_phase)}:")
     rows += [f"  {name:<12}{gb(value):>12}" for name, value in peak_components(p).items()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardtune.flops import ModelShape
+from shardtune.plan.optimizer_states import optimizer_state_bytes, parameter_matrices
 from shardtune.plan.strategy import DS_MAX_LIVE_PARAMETERS, DS_SUB_GROUP, PlanError, Strategy
 
 CHECKPOINT_SHARD_BYTES = 5e9  # Hugging Face checkpoints of large models come in shards of up to 5 GB
@@ -43,6 +44,12 @@ class Peft:
         layer = [size for name in names for size in (self.rank * shapes[name][0], self.rank * shapes[name][1])]
         return layer * shape.layers
 
+    def adapter_matrices(self, shape: ModelShape) -> list[tuple[int, int]]:
+        """(rows, columns) of every adapter matrix as torch holds it (A: rank x in, B: out x rank)."""
+        sizes = self.adapter_sizes(shape)
+        return [(self.rank, size // self.rank) if index % 2 == 0 else (size // self.rank, self.rank)
+                for index, size in enumerate(sizes)]
+
 
 @dataclass
 class States:
@@ -61,11 +68,13 @@ class States:
         setattr(self, source, 0.0)
 
 
-def peft_states(strategy: Strategy, shape: ModelShape, world: int, peft: Peft) -> States:
+def peft_states(strategy: Strategy, shape: ModelShape, world: int, peft: Peft, optim: str = "adamw_torch"
+                ) -> States:
     """The adapters train like a small full model (model_states of the trainable parameters: fp32 weights and
     Adam, DeepSpeed's 16-bit copy and master); the frozen base adds weights only, no gradient and no optimizer
     state, in 16 bits (4 in fp32 runs) or NF4, sharded where the strategy shards weights."""
-    states = model_states(strategy, peft.trainable_params(shape), world)
+    states = model_states(strategy, peft.trainable_params(shape), world, optim=optim,
+                          matrices=peft.adapter_matrices(shape))
     per_param = NF4_BYTES if peft.load_in_4bit else strategy.compute_bytes
     sharded = strategy.kind == "fsdp" or (strategy.kind == "deepspeed" and strategy.shard >= 3)
     base = per_param * shape.params / (world if sharded else 1)
@@ -79,7 +88,7 @@ def peft_states(strategy: Strategy, shape: ModelShape, world: int, peft: Peft) -
 def parameter_sizes(shape: ModelShape) -> list[tuple[int, bool]]:
     """(elements, weight-decayed) of every parameter of a Llama-class model, in `model.parameters()` order: the
     order in which DeepSpeed fills each parameter group's sub-groups. Decayed as the trainer splits them
-    (shardtune.step.param_groups: matrices decay, norms and biases do not)."""
+    (shardtune.optimizers.param_groups: matrices decay, norms and biases do not)."""
     h, inter = shape.hidden, shape.intermediate
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     sizes = [(shape.vocab * h, True)]
@@ -151,7 +160,9 @@ def deepspeed_sizes(strategy: Strategy, shape: ModelShape) -> dict[str, int]:
             for key, value in auto.items()}
 
 
-def model_states(strategy: Strategy, params: int, world: int, shape: ModelShape | None = None) -> States:
+def model_states(strategy: Strategy, params: int, world: int, shape: ModelShape | None = None,
+                 optim: str = "adamw_torch", matrices: list[tuple[int, int]] | None = None,
+                 bf16_stochastic_round: bool = False) -> States:
     """Bytes of weights, gradients and Adam states per GPU, as the code stores them. `shape` gives DeepSpeed's
     parameter groups and sub-groups and ZeRO-3's persistent parameters their real sizes (without it: P/N each).
 
@@ -174,8 +185,20 @@ def model_states(strategy: Strategy, params: int, world: int, shape: ModelShape 
       keeps its fp32 gradient partitions in host RAM in both cases (8P/N, see _zero3_states). offload_param moves
       the 16-bit weight partitions too (2P/N).
       FSDP fsdp_offload_params (CPUOffloadPolicy) keeps sharded weights, grads and Adam
-      states on the host."""
+      states on the host.
+    - Another --optim (DDP and FSDP2 only; plan.optimizer_states): its own states, tensor by tensor over `matrices`
+      (the trainable parameters' shapes; the model's from `shape` without them). `bf16_stochastic_round`: bf16
+      weights and gradients (2P/N each) and no fp32 master anywhere, the states as torchao keeps them."""
     p, n = float(params), world
+    if strategy.kind in ("ddp", "fsdp") and (optim != "adamw_torch" or bf16_stochastic_round):
+        shards = n if strategy.kind == "fsdp" else 1
+        weight_bytes = 2 if bf16_stochastic_round else 4
+        tensors = matrices if matrices is not None else parameter_matrices(shape) if shape else [(params, 1)]
+        states = States(weight_bytes * p / shards, weight_bytes * p / shards,
+                        optimizer_state_bytes(optim, tensors, shards, weight_bytes, bf16_stochastic_round))
+        if strategy.offload_params != "none":
+            return States(0.0, 0.0, 0.0, host=states.weights + states.gradients + states.optimizer)
+        return states
     if strategy.kind == "ddp":
         return States(4 * p, 4 * p, 8 * p)
     if strategy.kind == "fsdp":

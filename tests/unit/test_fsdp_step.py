@@ -19,7 +19,8 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from shardtune.batches import COUNTS, make_collator
 from shardtune.config import BatchSizes, Recipe
 from shardtune.distributed import enable_fsdp_on_cpu, fsdp_plugin
-from shardtune.step import make_optimizer, token_loss, train_step
+from shardtune.optimizers import make_optimizer
+from shardtune.step import token_loss, train_step
 from tests.unit.test_step import features
 
 # What `accelerate launch` exports for accelerate_configs/fsdp_full_shard.yaml, on one rank.

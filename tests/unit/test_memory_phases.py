@@ -24,8 +24,8 @@ def test_adamw_step_transient_is_planned(foreach, tiny_assets):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from shardtune.optimizers import param_groups
     from shardtune.profiling import PhaseRecorder
-    from shardtune.step import param_groups
 
     model = AutoModelForCausalLM.from_pretrained(tiny_assets[0])
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, foreach=foreach)

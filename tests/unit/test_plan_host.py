@@ -23,11 +23,11 @@ from shardtune.checkpoint.mmap_load import MmapCheckpointEngine, detach_optimize
 from shardtune.export import MAX_SHARD_SIZE, export_entries, export_layout
 from shardtune.flops import builtin_configs, resolve_model
 from shardtune.hardware import parse_hardware
+from shardtune.optimizers import param_groups
 from shardtune.plan.host import MB, PINNED_MAX_CACHED_MB, pinned_block_bytes
 from shardtune.plan.phases import EXPORT_SHARD_BYTES
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
-from shardtune.step import param_groups
 from tests.conftest import REPO
 
 NODE = parse_hardware("8xh100-80gb")

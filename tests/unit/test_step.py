@@ -20,7 +20,8 @@ from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.data import IGNORE_INDEX
 from shardtune.evaluation import row_statistics
 from shardtune.metrics import step_vector
-from shardtune.step import StepOutput, make_optimizer, norm_on_device, train_step
+from shardtune.optimizers import make_optimizer
+from shardtune.step import StepOutput, norm_on_device, train_step
 
 META = torch.device("meta")
 
