@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 import re
+import textwrap
 from pathlib import Path
 
 from shardtune.flops import resolve_model
 from shardtune.hardware import parse_hardware
-from shardtune.plan.planned_run import planned_recipe, recipe_search
+from shardtune.plan.planned_run import HELD_OPTIMIZER, planned_recipe, recipe_search
 from shardtune.plan.planner import MemoryPlan
-from shardtune.plan.report import checkpointing_words
-from shardtune.plan.search import Recommendation, Search, fewest_nodes, recommend
+from shardtune.plan.report import checkpointing_words, optimizer_words
+from shardtune.plan.search import Recommendation, Search, describe_plan, fewest_nodes, recommend
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE_DOC = REPO / "docs" / "plan-table.md"
@@ -26,6 +27,7 @@ MODELS = {  # built-in name -> the global batch of its recipe
 }
 HARDWARE = ("1xh100-80gb", "8xa100-40gb", "8xa100-80gb", "8xh100-80gb", "8xh200-141gb", "2x8xh100-80gb")
 SEQ = 4096
+HEADER_WIDTH = 116  # a recipe header's plan block, wrapped within ruff's line length
 RECIPE_NODE = "8xh100-80gb"  # every model recipe is written for nodes of 8 H100-80GB
 PLAN_BLOCK = re.compile(r"Plan on .*?(?=\nTested:)", re.DOTALL)  # the generated block of a recipe header
 
@@ -35,18 +37,19 @@ def checkpointing(chosen: MemoryPlan) -> str:
 
 
 def table() -> str:
-    header = ("model", "hardware", "config", "checkpointing", "micro-batch x accumulation", "peak per GPU",
-              "host RAM per node")
+    header = ("model", "hardware", "config", "checkpointing", "optimizer", "micro-batch x accumulation",
+              "peak per GPU", "host RAM per node")
     rows = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for model, global_batch in MODELS.items():
         shape = resolve_model(model)
         for name in HARDWARE:
             found = recommend(shape, parse_hardware(name), Search(global_batch, SEQ))
             if found.plan is None:
-                rows.append(f"| {model} | {name} | nothing fits | | | | |")
+                rows.append(f"| {model} | {name} | nothing fits | | | | | |")
                 continue
             chosen = found.plan
             rows.append(f"| {model} | {name} | {chosen.config} | {checkpointing(chosen)} | "
+                        f"{optimizer_words(chosen.optim, chosen.bf16_stochastic_round)} | "
                         f"{chosen.micro_batch} x {found.accumulation} | {chosen.per_gpu['total'] / 1e9:.1f} GB | "
                         f"{chosen.host_ram_per_node / 1e9:,.0f} GB |")
     return "\n".join(rows)
@@ -65,7 +68,7 @@ def recipe_plan(path: Path) -> tuple[int, Recommendation]:
     # The search varies micro-batch, checkpointing and its mode: the recipe's own must be what it finds fastest.
     hardware = parse_hardware(RECIPE_NODE)
     found = fewest_nodes(resolve_model(str(path)), hardware,
-                         recipe_search(recipe, hardware, recipe.mixed_precision, False, False, False))
+                         recipe_search(recipe, hardware, recipe.mixed_precision, HELD_OPTIMIZER))
     if found is None:
         raise SystemExit(f"{path.name}: nothing fits on up to 64 nodes of {RECIPE_NODE}")
     return found
@@ -74,12 +77,13 @@ def recipe_plan(path: Path) -> tuple[int, Recommendation]:
 def plan_block(path: Path) -> str:
     nodes, found = recipe_plan(path)
     chosen = found.plan
+    sentence = (f"(scripts/plan_table.py --write keeps this current): {describe_plan(chosen, found.accumulation)}: "
+                f"{chosen.per_gpu['total'] / 1e9:.1f} GB of {chosen.capacity / 1e9:.1f} GB usable per GPU, "
+                f"{chosen.host_ram_per_node / 1e9:,.0f} GB of {chosen.host_ram_capacity / 1e9:,.0f} GB usable host "
+                "RAM per node.")
     return (f"Plan on {chosen.hardware}, from python -m shardtune.plan --model recipes/{path.name} --hardware "
-            f"{chosen.hardware}\n    (scripts/plan_table.py --write keeps this current): {chosen.config}, micro-batch "
-            f"{chosen.micro_batch} x accumulation {found.accumulation},\n    gradient checkpointing "
-            f"{checkpointing(chosen)}: {chosen.per_gpu['total'] / 1e9:.1f} GB of "
-            f"{chosen.capacity / 1e9:.1f} GB usable per GPU,\n    {chosen.host_ram_per_node / 1e9:,.0f} GB of "
-            f"{chosen.host_ram_capacity / 1e9:,.0f} GB usable host RAM per node.")
+            f"{chosen.hardware}\n" + textwrap.fill(sentence, HEADER_WIDTH, initial_indent="    ",
+                                                   subsequent_indent="    ", break_on_hyphens=False))
 
 
 def model_recipes() -> list[Path]:

@@ -34,7 +34,7 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
                      ) -> Accelerator:
     world_size, uses_deepspeed, uses_fsdp = launch.world_size, launch.uses_deepspeed, launch.uses_fsdp
     on_cpu = recipe.use_cpu
-    plugin = fsdp_plugin(recipe.mixed_precision, on_cpu) if uses_fsdp else None
+    plugin = fsdp_plugin(recipe.mixed_precision, on_cpu, recipe.bf16_stochastic_round) if uses_fsdp else None
     hybrid_on_cpu = on_cpu and uses_fsdp and launch.hybrid_shard
     if uses_deepspeed:
         deepspeed_launch_env(recipe, launch)
@@ -84,10 +84,13 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
     return accelerator
 
 
-def fsdp_plugin(mixed_precision: str, on_cpu: bool) -> FullyShardedDataParallelPlugin:
+def fsdp_plugin(mixed_precision: str, on_cpu: bool, pure_bf16: bool = False) -> FullyShardedDataParallelPlugin:
     """The plugin from the FSDP_* variables `accelerate launch` set, with gradients reduced in fp32: bf16
     compute, but the reduce-scatter sums N ranks' gradients into the fp32 master shard, and a bf16 sum loses
-    the low bits of every addend (torchtitan reduces in fp32 too). The output cast to bf16 keeps eval's logits in
+    the low bits of every addend (torchtitan reduces in fp32 too). `pure_bf16` (--bf16_stochastic_round): there
+    is no fp32 shard to sum into, the sum is rounded to the bf16 gradient shard either way, so it is reduced in
+    bf16 and the fp32 copies of the unsharded gradients (a layer's, and the embedding's and lm_head's) are never
+    made. The output cast to bf16 keeps eval's logits in
     bf16 (accelerate's autocast wrapper returns them in fp32); it casts every floating output of the root module,
     so the step computes its loss outside the forward (shardtune.step.token_loss)."""
     plugin = FullyShardedDataParallelPlugin()
@@ -95,8 +98,8 @@ def fsdp_plugin(mixed_precision: str, on_cpu: bool) -> FullyShardedDataParallelP
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)  # pinning host memory needs an accelerator
     half = HALF_DTYPES.get(mixed_precision)
     if half is not None:
-        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32,
-                                                             output_dtype=half)
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=half, reduce_dtype=half if pure_bf16 else torch.float32, output_dtype=half)
     return plugin
 
 

@@ -38,7 +38,8 @@ RUN_FLAGS = ("per_device_train_batch_size", "global_batch_size", "max_seq_length
              "per_device_eval_batch_size", "optim", "bf16_stochastic_round")
 # The flags the recommendation searches over when they are not given (a recipe gives them all), and their words.
 SEARCHED_FLAGS = {"per_device_train_batch_size": "micro-batch", "gradient_checkpointing": "checkpointing",
-                  "gradient_checkpointing_mode": "checkpointing mode"}
+                  "gradient_checkpointing_mode": "checkpointing mode", "optim": "optimizer",
+                  "bf16_stochastic_round": "optimizer"}
 
 
 def _bool(text: str) -> bool:
@@ -198,22 +199,23 @@ def _run(args: argparse.Namespace) -> int:
         result = plan_recipe(shape, hardware, read_accelerate_config(args.config_file, precision), recipe)
         print(json.dumps(result.to_json()) if args.json else format_plan(result))
         return 0 if result.fits else 1
-    fixed = {flag: is_recipe(args.model) or getattr(args, flag) is not None for flag in SEARCHED_FLAGS}
-    search = recipe_search(recipe, hardware, precision or "bf16", *fixed.values())
+    held = [flag for flag in SEARCHED_FLAGS if is_recipe(args.model) or getattr(args, flag) is not None]
+    search = recipe_search(recipe, hardware, precision or "bf16", held)
     found = recommend(shape, hardware, search)
-    searched = ["the accelerate config"] + [SEARCHED_FLAGS[flag] for flag, held in fixed.items() if not held
-                                            and not (flag == "gradient_checkpointing_mode" and
-                                                     search.checkpointing is False)]
-    held = held_note(search.fixed(), [f"--{flag}" for flag in SEARCHED_FLAGS if getattr(args, flag) is not None]
-                     + ([args.model] if is_recipe(args.model) else []), searched)
+    searched = ["the accelerate config"] + list(dict.fromkeys(
+        SEARCHED_FLAGS[flag] for flag in SEARCHED_FLAGS if flag not in held
+        and not (flag == "gradient_checkpointing_mode" and search.checkpointing is False)
+        and not (SEARCHED_FLAGS[flag] == "optimizer" and {"optim", "bf16_stochastic_round"} & set(held))))
+    held_line = held_note(search.fixed(), [f"--{flag}" for flag in SEARCHED_FLAGS if getattr(args, flag) is not None]
+                          + ([args.model] if is_recipe(args.model) else []), searched)
     if args.json:
         body = found.plan.to_json() if found.plan else {"params": shape.params, "fits": False}
-        print(json.dumps({**body, "recommendation": found.message, "held": held, "gpu_only": found.gpu_only,
+        print(json.dumps({**body, "recommendation": found.message, "held": held_line, "gpu_only": found.gpu_only,
                           "accumulation": found.accumulation}))
     else:
         print(found.message)
-        if held:
-            print(held)
+        if held_line:
+            print(held_line)
         if found.plan:
             print(format_plan(found.plan))
     return 0 if found.plan else 1

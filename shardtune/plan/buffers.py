@@ -10,7 +10,7 @@ from shardtune.plan.strategy import Strategy
 
 
 def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, activation_mode: str,
-            peft: Peft | None = None) -> float:
+            peft: Peft | None = None, pure_bf16: bool = False) -> float:
     """Transient 16-bit copies and communication buffers alive during forward/backward (assumptions documented
     per case; DeepSpeed values are its defaults, see strategy.DS_REDUCE_BUCKET).
 
@@ -21,8 +21,9 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
       Llama 3 is the embedding or lm_head), the prefetch bucket and the reduce bucket.
     - FSDP FULL_SHARD: the root unit (embedding, final norm, lm_head) stays gathered from forward to backward;
       one layer computing and one prefetched; the unsharded gradients of one layer and of the root before
-      reduce-scatter, in fp32 (the trainer's reduce_dtype; with LoRA one layer's adapters). SHARD_GRAD_OP keeps
-      every unsharded 16-bit weight from forward to backward instead of re-gathering."""
+      reduce-scatter, in fp32 (the trainer's reduce_dtype; with LoRA one layer's adapters), or with `pure_bf16`
+      (--bf16_stochastic_round, reduced in bf16) only the bf16 gradients themselves. SHARD_GRAD_OP keeps every
+      unsharded 16-bit weight from forward to backward instead of re-gathering."""
     low = strategy.compute_bytes
     layer = shape.layer_params
     root = shape.params - shape.layers * layer
@@ -31,10 +32,16 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
         return 2 * cached if activation_mode == "autocast" else 0
     if strategy.kind == "deepspeed":
         return deepspeed_buffers(strategy, shape, params, peft)
-    reducing = 4 * layer_gradient_elements(shape, peft) + (0 if peft else 4 * root)
+    reduced = reduce_bytes(pure_bf16)
+    reducing = reduced * layer_gradient_elements(shape, peft) + (0 if peft else reduced * root)
     if strategy.shard >= 3:
         return (root + 2 * layer) * low + reducing
     return params * low + reducing
+
+
+def reduce_bytes(pure_bf16: bool) -> int:
+    """Bytes per element of an unsharded gradient being reduced under FSDP (shardtune.distributed.fsdp_plugin)."""
+    return 2 if pure_bf16 else 4
 
 
 def layer_gradient_elements(shape: ModelShape, peft: Peft | None = None) -> float:
@@ -44,14 +51,15 @@ def layer_gradient_elements(shape: ModelShape, peft: Peft | None = None) -> floa
 
 
 def freed_under_layer_gradients(strategy: Strategy, shape: ModelShape, batch: int, seq: int, mode: str,
-                                attn: str = "sdpa", masked: bool = True, peft: Peft | None = None) -> float:
+                                attn: str = "sdpa", masked: bool = True, peft: Peft | None = None,
+                                pure_bf16: bool = False) -> float:
     """FSDP: a layer's unsharded fp32 gradients (in buffers()) grow while that layer's backward frees the
     activations it saved or recomputed, so they sit on top of the peak activations only by what exceeds one
     layer's activations (measured on CPU: counting both overshoots the forward/backward peak by 5-9%)."""
     if strategy.kind != "fsdp":
         return 0.0
     activations = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen=peft is not None)
-    return float(min(4 * layer_gradient_elements(shape, peft), activations))
+    return float(min(reduce_bytes(pure_bf16) * layer_gradient_elements(shape, peft), activations))
 
 
 def deepspeed_buffers(strategy: Strategy, shape: ModelShape, params: int, peft: Peft | None = None) -> float:

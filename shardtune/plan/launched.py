@@ -7,7 +7,7 @@ from shardtune.config import Recipe
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware, nominal_gpu_memory, parse_hardware
 from shardtune.launch import LaunchDescription
-from shardtune.plan.planned_run import plan_recipe, recipe_search
+from shardtune.plan.planned_run import HELD_OPTIMIZER, plan_recipe, recipe_search
 from shardtune.plan.planner import MemoryPlan
 from shardtune.plan.search import recommend
 from shardtune.plan.strategy import Strategy, read_accelerate_config
@@ -45,5 +45,5 @@ def plan_launch(shape: ModelShape, hardware: Hardware, recipe: Recipe, strategy:
     chosen = plan_recipe(shape, hardware, strategy, recipe)
     if chosen.fits:
         return chosen, None
-    found = recommend(shape, hardware, recipe_search(recipe, hardware, recipe.mixed_precision, False, False, False))
+    found = recommend(shape, hardware, recipe_search(recipe, hardware, recipe.mixed_precision, HELD_OPTIMIZER))
     return chosen, f"The fastest plan that fits: {found.message}" if found.plan else found.message

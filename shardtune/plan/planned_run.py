@@ -5,6 +5,7 @@ concern a plan; and the plan and the search of that run."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from shardtune.checks import batch_sizes, check_packed_attention
 from shardtune.config import PLANNED_ATTENTION, Problems, Recipe
@@ -16,6 +17,8 @@ from shardtune.plan.search import Search
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import CONFIGS_DIR, Strategy
 
+# The optimizer is a choice of numerics, not of layout: the alternatives offered for a recipe's run keep it.
+HELD_OPTIMIZER = ("optim", "bf16_stochastic_round")
 # A bare model's run, where Recipe's defaults are not what the planner assumes: 4096 tokens, recomputation on.
 MODEL_DEFAULTS = {"max_seq_length": 4096, "gradient_checkpointing": True}
 
@@ -56,19 +59,23 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
                 optim=recipe.optim, bf16_stochastic_round=recipe.bf16_stochastic_round)
 
 
-def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, fix_micro_batch: bool,
-                  fix_checkpointing: bool, fix_checkpointing_mode: bool, configs_dir: str = CONFIGS_DIR) -> Search:
-    """The search for the fastest config for `recipe`, holding its micro-batch, checkpointing and checkpointing
-    mode where told to.
-    A fixed micro-batch must keep the global batch on `hardware` (ConfigError, by the recipe's rule, when it
-    cannot); a recipe's accumulation without a global batch keeps the global batch it makes there."""
+def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held: Collection[str] = (),
+                  configs_dir: str = CONFIGS_DIR) -> Search:
+    """The search for the fastest config for `recipe`, holding the recipe's values of the SEARCHED fields named in
+    `held` and searching the others. A held micro-batch must keep the global batch on `hardware` (ConfigError, by
+    the recipe's rule, when it cannot); a recipe's accumulation without a global batch keeps the global batch it
+    makes there."""
     global_batch = recipe.global_batch_size
+    fix_micro_batch = "per_device_train_batch_size" in held
     if fix_micro_batch and (global_batch is not None or recipe.gradient_accumulation_steps is not None):
         global_batch = batch_sizes(recipe, hardware.world_size).global_batch
     return Search(global_batch, recipe.max_seq_length, mixed_precision, configs_dir,
                   PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe), recipe.packing,
                   recipe.per_device_train_batch_size if fix_micro_batch else None,
-                  recipe.gradient_checkpointing if fix_checkpointing else None,
+                  recipe.gradient_checkpointing if "gradient_checkpointing" in held else None,
                   recipe.per_device_eval_batch_size, recipe.async_save, recipe.save_only_model,
                   recipe.chunked_cross_entropy,
-                  recipe.gradient_checkpointing_mode if fix_checkpointing_mode else None, recipe.activation_offloading)
+                  recipe.gradient_checkpointing_mode if "gradient_checkpointing_mode" in held else None,
+                  recipe.activation_offloading,
+                  recipe.optim if "optim" in held else None,
+                  recipe.bf16_stochastic_round if "bf16_stochastic_round" in held else None)

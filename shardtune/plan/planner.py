@@ -135,8 +135,9 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     loss_tile = LOSS_TILE_POSITIONS if chunked_cross_entropy else None
     acts = activation_bytes(shape, rows, length, mode, checkpointing, attn, masked, peft is not None, selective,
                             *lora, offloading=activation_offloading, loss_tile=loss_tile)
-    buffer = buffers(strategy, shape, params, world, mode, peft)
-    buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked, peft)
+    buffer = buffers(strategy, shape, params, world, mode, peft, bf16_stochastic_round)
+    buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked, peft,
+                                          bf16_stochastic_round)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
                "activations": float(acts["total"]), "buffers": float(buffer)}
     # With recomputation peft makes the embedding output require grad (enable_input_require_grads): a leaf of the

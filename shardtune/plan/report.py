@@ -29,6 +29,11 @@ def checkpointing_words(on: bool, mode: str | None) -> str:
     return "off" if not on else "on (selective)" if mode == "selective" else "on"
 
 
+def optimizer_words(optim: str, bf16_stochastic_round: bool) -> str:
+    """The --optim name, and what --bf16_stochastic_round trades."""
+    return optim + (" with bf16 stochastic rounding (no fp32 master)" if bf16_stochastic_round else "")
+
+
 def phase_name(phase: str) -> str:
     return phase.replace("_", "/")
 
@@ -44,8 +49,8 @@ def format_plan(p: MemoryPlan) -> str:
             f"micro-batch {p.micro_batch} x {p.max_seq_length} tokens, checkpointing "
             f"{checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode)}, "
             f"{p.mixed_precision} ({p.activation_mode}), loss "
-            f"{'in tiles' if p.chunked_cross_entropy else 'over the full logits'}, optimizer {p.optim}"
-            + (" with bf16 stochastic rounding (no fp32 master)" if p.bf16_stochastic_round else ""),
+            f"{'in tiles' if p.chunked_cross_entropy else 'over the full logits'}, optimizer "
+            f"{optimizer_words(p.optim, p.bf16_stochastic_round)}",
             f"  states {p.layout}"]
     rows.append(f"  per GPU at the peak, {phase_name(p.peak_phase)}:")
     rows += [f"  {name:<12}{gb(value):>12}" for name, value in peak_components(p).items()]

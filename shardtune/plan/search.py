@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware
 from shardtune.plan.planner import MemoryPlan, gb, plan
-from shardtune.plan.report import checkpointing_words
+from shardtune.plan.report import checkpointing_words, optimizer_words
 from shardtune.plan.states import Peft
-from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
+from shardtune.plan.strategy import CONFIGS_DIR, Strategy, read_accelerate_config
 
 # Fastest first: least sharding, then offload. On several nodes hybrid sharding (the states sharded within a node:
 # only the gradients' all-reduce crosses nodes) comes before ZeRO++ hpZ (the layers gathered within the node from a
@@ -26,6 +26,12 @@ SPEED_ORDER = (
     "ds_zero3",
     "ds_zero3_offload_optimizer", "ds_zero3_cpu_offload", "fsdp_full_shard_cpu_offload", "ds_zero3_nvme_offload",
 )
+# The optimizers the search steps down before it offloads, (--optim, --bf16_stochastic_round): each trades precision
+# for memory, so a run takes the first that fits. torch's AdamW over the fp32 master; torchao's 8-bit states over
+# it; 8-bit states and bf16 weights and gradients without a master; 4-bit states without a master. DeepSpeed
+# steps its own fp32 master with torch's AdamW only, and the rounding needs FSDP2 or one process (runs_under).
+OPTIMIZER_LADDER = (("adamw_torch", False), ("adamw_torch_8bit", False), ("adamw_torch_8bit", True),
+                    ("adamw_torch_4bit", True))
 MAX_NODES = 64  # how far "nothing fits" looks for a node count that does
 MAX_MICRO_BATCH = 64  # the largest micro-batch searched (powers of two)
 
@@ -59,6 +65,9 @@ class Search:
     # None: searched, selective before full (a recipe holds its own).
     checkpointing_mode: str | None = None
     activation_offloading: bool = False
+    # None: searched down OPTIMIZER_LADDER (a recipe holds its own).
+    optim: str | None = None
+    bf16_stochastic_round: bool | None = None
 
     def fixed(self) -> str:
         """What the search holds as given, in words: '' when it varies all of it."""
@@ -67,7 +76,15 @@ class Search:
             held.append(f"gradient checkpointing {checkpointing_words(self.checkpointing, self.checkpointing_mode)}")
         elif self.checkpointing_mode is not None:
             held.append(f"checkpointing mode {self.checkpointing_mode}")
+        if self.optim is not None or self.bf16_stochastic_round is not None:
+            held.append("optimizer " + " or ".join(optimizer_words(*pair) for pair in self.optimizers()))
         return " and ".join(held)
+
+    def optimizers(self) -> list[tuple[str, bool]]:
+        """(optim, bf16_stochastic_round) pairs in OPTIMIZER_LADDER's order; the fixed ones alone."""
+        ladder = [pair for pair in OPTIMIZER_LADDER if (self.optim is None or pair[0] == self.optim) and (
+            self.bf16_stochastic_round is None or pair[1] == self.bf16_stochastic_round)]
+        return ladder or [(self.optim or "adamw_torch", bool(self.bf16_stochastic_round))]
 
     def recomputations(self) -> list[tuple[bool, str]]:
         """(checkpointing, mode) pairs in speed order: none; selective, which recomputes only the cheap ops between
@@ -107,19 +124,34 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
                                             for path in config_paths(search.configs_dir))
                   if hardware.nodes > 1 or not strategy.multi_node_layout]
     # Recomputation (selective a few per cent more compute, full ~1/3 more) costs more than sharding on NVLink,
-    # offload more than both.
+    # offload more than both. Precision is traded (the optimizer ladder) only where no exact run fits.
     for offload in (False, True):
         group = [s for s in strategies if s.offloads == offload]
-        for checkpointing, mode in search.recomputations():
-            for strategy in group:
-                for micro, accumulation in pairs:
-                    yield (plan(shape, hardware, strategy, micro, search.seq, checkpointing, search.attn, search.peft,
-                                search.packing, async_save=search.async_save,
-                                save_only_model=search.save_only_model, eval_batch=search.eval_batch,
-                                checkpointing_mode=mode,
-                                activation_offloading=search.activation_offloading,
-                                chunked_cross_entropy=search.chunked_cross_entropy),
-                           accumulation, offload)
+        for optim, stochastic in search.optimizers():
+            for checkpointing, mode in search.recomputations():
+                for strategy in group:
+                    if not runs_under(strategy, hardware, search, optim, stochastic):
+                        continue
+                    for micro, accumulation in pairs:
+                        yield (plan(shape, hardware, strategy, micro, search.seq, checkpointing, search.attn,
+                                    search.peft, search.packing, async_save=search.async_save,
+                                    save_only_model=search.save_only_model, eval_batch=search.eval_batch,
+                                    checkpointing_mode=mode, activation_offloading=search.activation_offloading,
+                                    chunked_cross_entropy=search.chunked_cross_entropy, optim=optim,
+                                    bf16_stochastic_round=stochastic),
+                               accumulation, offload)
+
+
+def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: str, stochastic: bool) -> bool:
+    """Whether the trainer runs this optimizer under `strategy` (shardtune.checks.check_optimizer refuses the
+    rest): DeepSpeed with torch's AdamW alone; the rounding over bf16 full fine-tuning, under FSDP2 or one
+    process (DDP's replicas would round apart)."""
+    if strategy.kind == "deepspeed":
+        return (optim, stochastic) == ("adamw_torch", False)
+    if stochastic:
+        return search.mixed_precision == "bf16" and search.peft is None and (
+            strategy.kind == "fsdp" or hardware.world_size == 1)
+    return True
 
 
 def recommend(shape: ModelShape, hardware: Hardware, search: Search | None = None) -> Recommendation:
@@ -137,9 +169,11 @@ def recommend(shape: ModelShape, hardware: Hardware, search: Search | None = Non
     return Recommendation(None, False, None, nothing_fits(shape, hardware, search))
 
 
-def _describe(p: MemoryPlan, accumulation: int) -> str:
+def describe_plan(p: MemoryPlan, accumulation: int) -> str:
     return (f"{p.config}, micro-batch {p.micro_batch} x accumulation {accumulation}, gradient checkpointing "
-            f"{checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode)}")
+            f"{checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode)}"
+            + ("" if (p.optim, p.bf16_stochastic_round) == OPTIMIZER_LADDER[0] else
+               f", optimizer {optimizer_words(p.optim, p.bf16_stochastic_round)}"))
 
 
 def _smallest(p: MemoryPlan) -> str:
@@ -151,7 +185,7 @@ def _smallest(p: MemoryPlan) -> str:
 
 def _fit_message(chosen: MemoryPlan, accumulation: int, offload: bool, shape: ModelShape, hardware: Hardware,
                  search: Search) -> str:
-    text = (f"{shape.name} on {hardware.name}: {_describe(chosen, accumulation)}: {gb(chosen.per_gpu['total'])} "
+    text = (f"{shape.name} on {hardware.name}: {describe_plan(chosen, accumulation)}: {gb(chosen.per_gpu['total'])} "
             f"of {gb(chosen.capacity)} usable per GPU, {gb(chosen.host_ram_per_node)} of "
             f"{gb(chosen.host_ram_capacity)} usable host RAM per node.")
     if offload:
@@ -196,11 +230,11 @@ def nothing_fits(shape: ModelShape, hardware: Hardware, search: Search) -> str:
     else:
         nodes, fitting = found
         text += (f" It fits on {nodes} such nodes ({fitting.plan.hardware}): "
-                 f"{_describe(fitting.plan, fitting.accumulation)}, {gb(fitting.plan.per_gpu['total'])} per GPU.")
+                 f"{describe_plan(fitting.plan, fitting.accumulation)}, {gb(fitting.plan.per_gpu['total'])} per GPU.")
         if not fitting.gpu_only:
             fast = fewest_nodes(shape, hardware.with_nodes(nodes + 1), search, gpu_only=True)
-            text += (f" Without offload it fits on {fast[0]} nodes: {_describe(fast[1].plan, fast[1].accumulation)}."
-                     if fast else f" Without offload it fits on no number of nodes up to {MAX_NODES} with this "
-                     "global batch.")
+            text += (f" Without offload it fits on {fast[0]} nodes: "
+                     f"{describe_plan(fast[1].plan, fast[1].accumulation)}." if fast else
+                     f" Without offload it fits on no number of nodes up to {MAX_NODES} with this global batch.")
     return text + ("" if search.peft else " LoRA or QLoRA (--use_peft true) needs far less.")
 

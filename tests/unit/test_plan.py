@@ -105,8 +105,17 @@ def test_fp32_deepspeed_keeps_an_fp32_master_clone():
     assert states == pytest.approx((8 + 12 / 8) * MISSION_PARAMS["llama-3.1-8b"])
 
 
-def test_70b_recommendation_is_cpu_offload_with_host_ram():
+def test_70b_recommendation_trades_precision_before_it_offloads():
+    """No GPU-only plan with torch's AdamW fits 70B on one node; the search steps down the optimizer ladder before
+    it offloads, and 4-bit states without an fp32 master fit (8-bit ones do not). Held to torch's AdamW, the
+    optimizer states go to host RAM."""
     found = recommend(resolve_model("llama-3.1-70b"), H100, Search(64, 4096))
+    assert found.gpu_only and (found.plan.config, found.plan.optim, found.plan.bf16_stochastic_round) == (
+        "fsdp_full_shard", "adamw_torch_4bit", True)
+    assert "optimizer adamw_torch_4bit with bf16 stochastic rounding (no fp32 master)" in found.message
+    eight_bit = recommend(resolve_model("llama-3.1-70b"), H100, Search(64, 4096, optim="adamw_torch_8bit"))
+    assert not eight_bit.gpu_only
+    found = recommend(resolve_model("llama-3.1-70b"), H100, Search(64, 4096, optim="adamw_torch"))
     assert found.plan is not None and not found.gpu_only
     assert "offload" in found.plan.config and "nvme" not in found.plan.config
     assert found.plan.host_ram_per_node <= found.plan.host_ram_capacity == 0.9 * 2e12  # 2 TB per 8-GPU node
@@ -137,14 +146,14 @@ def test_nothing_fits_skips_node_counts_the_global_batch_does_not_divide(tmp_pat
     """70B full fine-tuning without offload: 3 nodes (24 GPUs) cannot keep a global batch of 64, so the
     smallest count named is one that can; the binding limit on one node is GPU memory."""
     shutil.copy(os.path.join(CONFIGS_DIR, "fsdp_full_shard.yaml"), tmp_path)
-    found = recommend(resolve_model("llama-3.1-70b"), H100, Search(64, 4096, configs_dir=str(tmp_path)))
+    exact = Search(64, 4096, configs_dir=str(tmp_path), optim="adamw_torch", bf16_stochastic_round=False)
+    found = recommend(resolve_model("llama-3.1-70b"), H100, exact)
     assert found.plan is None and "binding limit is GPU memory" in found.message
     nodes = int(re.search(r"It fits on (\d+) such nodes", found.message).group(1))
     assert nodes >= 2 and 64 % (8 * nodes) == 0
     for fewer in range(1, nodes):
         if 64 % (8 * fewer) == 0:
-            assert recommend(resolve_model("llama-3.1-70b"), H100.with_nodes(fewer),
-                             Search(64, 4096, configs_dir=str(tmp_path))).plan is None
+            assert recommend(resolve_model("llama-3.1-70b"), H100.with_nodes(fewer), exact).plan is None
 
 
 def test_qlora_loads_its_base_in_4_bits_not_fp32():

@@ -45,24 +45,26 @@ def test_a_recommendation_keeps_the_micro_batch_and_checkpointing_given(capsys):
     assert code == 0 and found["micro_batch"] == 4 and found["gradient_checkpointing"] is True
     assert found["micro_batch"] * found["accumulation"] * 8 == 64 or found["accumulation"] == 1
     assert found["held"] == ("Kept as given (--per_device_train_batch_size, --gradient_checkpointing): micro-batch 4 "
-                             "and gradient checkpointing on; searched: the accelerate config and checkpointing mode.")
+                             "and gradient checkpointing on; searched: the accelerate config and checkpointing mode "
+                             "and optimizer.")
     # The mode given too: nothing but the config is searched.
     code, found = run_json(capsys, "--model", "llama-3.1-8b", "--gradient_checkpointing", "true",
                            "--gradient_checkpointing_mode", "full", "--per_device_train_batch_size", "4")
     assert code == 0 and found["gradient_checkpointing_mode"] == "full"
-    assert found["held"].endswith("micro-batch 4 and gradient checkpointing on; searched: the accelerate config.")
+    assert found["held"].endswith("micro-batch 4 and gradient checkpointing on; searched: the accelerate config and "
+                                  "optimizer.")
     # One of the two given: the other is searched, and the line says so.
     code, found = run_json(capsys, "--model", "llama-3.1-8b", "--global_batch_size", "64",
                            "--gradient_checkpointing", "true")
     assert code == 0 and found["gradient_checkpointing"] is True
     assert found["micro_batch"] * found["accumulation"] * 8 == 64
     assert found["held"].endswith("gradient checkpointing on; searched: the accelerate config and micro-batch and "
-                                  "checkpointing mode.")
+                                  "checkpointing mode and optimizer.")
     assert main(["--model", "llama-3.1-8b", "--per_device_train_batch_size", "4"]) == 0
     out = capsys.readouterr().out
     assert "micro-batch 4 x accumulation" in out.splitlines()[0]
     assert out.splitlines()[1] == ("Kept as given (--per_device_train_batch_size): micro-batch 4; searched: the "
-                                   "accelerate config and checkpointing and checkpointing mode.")
+                                   "accelerate config and checkpointing and checkpointing mode and optimizer.")
     # A micro-batch that cannot keep the global batch is refused by the recipe's rule, before any search.
     line = refusal(capsys, "--model", "llama-3.1-8b", "--per_device_train_batch_size", "3", "--global_batch_size",
                    "64")
@@ -73,8 +75,8 @@ def test_a_recipe_recommendation_keeps_the_recipe_s_micro_batch_and_checkpointin
     code, found = run_json(capsys, "--model", str(REPO / "recipes" / "llama70b.py"))
     assert code == 0 and (found["micro_batch"], found["gradient_checkpointing"]) == (1, True)
     assert found["gradient_checkpointing_mode"] == "selective"
-    assert "llama70b.py): micro-batch 1 and gradient checkpointing on (selective); searched: the accelerate config." \
-        in found["held"]
+    assert ("llama70b.py): micro-batch 1 and gradient checkpointing on (selective) and optimizer adamw_torch; "
+            "searched: the accelerate config.") in found["held"]
     # A flag over the recipe's value is what is kept.
     code, found = run_json(capsys, "--model", str(REPO / "recipes" / "llama70b.py"), "--per_device_train_batch_size",
                            "2", "--gradient_checkpointing_mode", "full")

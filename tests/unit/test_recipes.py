@@ -17,16 +17,17 @@ from tests.conftest import CONFIGS, REPO
 from tests.unit.documented_commands import agrees, outside_a_launch, run, same_sentence
 
 RECIPES = sorted(path for path in (REPO / "recipes").glob("*.py") if path.stem != "tiny")
-EXPECTED = {"llama1b", "llama3b", "llama8b", "llama70b", "llama405b", "mistral7b", "qwen2_5_7b", "llama8b_lora",
-            "llama70b_lora", "llama70b_qlora"}
+EXPECTED = {"llama1b", "llama3b", "llama8b", "llama70b", "llama70b_no_offload", "llama405b", "mistral7b", "qwen2_5_7b",
+            "llama8b_lora", "llama70b_lora", "llama70b_qlora"}
 
 
 # The plan a header states (scripts/plan_table.py writes it), each figure as the header rounds it.
+# A header's plan block, its whitespace collapsed to single spaces (scripts/plan_table.py wraps it).
 HEADER_PLAN = re.compile(
-    r"Plan on (?P<hardware>\S+), from python -m shardtune\.plan[^\n]*\n[^:]*: (?P<sentence>(?P<config>\w+), "
-    r"micro-batch (?P<micro>\d+) x accumulation (?P<accumulation>\d+),\s+gradient checkpointing "
-    r"(?P<checkpointing>on \(selective\)|on|off): (?P<gpu>[\d.,]+) GB of (?P<usable>[\d.,]+) GB usable per GPU,\s+"
-    r"(?P<host>[\d.,]+) GB "
+    r"Plan on (?P<hardware>\S+), from python -m shardtune\.plan[^(]*\(scripts/plan_table\.py --write keeps this "
+    r"current\): (?P<sentence>(?P<config>\w+), micro-batch (?P<micro>\d+) x accumulation (?P<accumulation>\d+),\s+"
+    r"gradient checkpointing (?P<checkpointing>on \(selective\)|on|off)(?:,\s+optimizer (?P<optimizer>[^:]+))?: "
+    r"(?P<gpu>[\d.,]+) GB of (?P<usable>[\d.,]+) GB usable per GPU,\s+(?P<host>[\d.,]+) GB "
     r"of (?P<host_usable>[\d.,]+) GB usable host RAM per node\.)")
 HEADER_COMMAND = re.compile(r"python -m shardtune\.plan(?: --\w+ [^\s,;:)\"]+)+")
 QUOTED = re.compile(r'"([^"]+)"')
@@ -34,7 +35,8 @@ LAUNCH_NODES = re.compile(r"^Launch \((?:one node|(\d+) nodes)", re.MULTILINE)
 # What --dry_run prints (shardtune.plan.report.format_plan).
 DRY_RUN_FIGURES = {
     "config": r" with (\w+), micro-batch", "micro": r"micro-batch (\d+) x \d+ tokens",
-    "checkpointing": r"checkpointing (on \(selective\)|on|off),", "gpu": r"^\s+total\s+([\d.,]+) GB",
+    "checkpointing": r"checkpointing (on \(selective\)|on|off),", "optimizer": r"optimizer (.+)$",
+    "gpu": r"^\s+total\s+([\d.,]+) GB",
     "usable": r"^\s+usable\s+([\d.,]+) GB", "host": r"host RAM per node: ([\d.,]+) GB",
     "host_usable": r"host RAM per node: [\d.,]+ GB of ([\d.,]+) GB usable",
 }
@@ -85,7 +87,7 @@ def test_header_plan_is_the_recipes_dry_run(path, tmp_path, monkeypatch):
     node count, are what `python recipes/x.py --dry_run --hardware <the header's>` prints for its launch line."""
     outside_a_launch(monkeypatch)
     text = header(path)
-    claimed = HEADER_PLAN.search(text)
+    claimed = HEADER_PLAN.search(" ".join(text.split()))
     assert claimed, f"{path.name}: no 'Plan on ...' figures in its header (scripts/plan_table.py --write)"
     hardware = parse_hardware(claimed["hardware"])
     code, printed = run([f"recipes/{path.name}", "--dry_run", "--hardware", claimed["hardware"]], tmp_path)
@@ -94,8 +96,12 @@ def test_header_plan_is_the_recipes_dry_run(path, tmp_path, monkeypatch):
     for name, pattern in DRY_RUN_FIGURES.items():
         found = re.search(pattern, printed, re.MULTILINE).group(1)
         numeric = name in ("gpu", "usable", "host", "host_usable")
-        if not (agrees(claimed[name], found) if numeric else claimed[name] == found):
-            wrong.append(f"{name}: header {claimed[name]}, --dry_run {found}")
+        if name == "optimizer" and claimed[name] is None:  # the sentence names only an optimizer not the default
+            claimed_value = "adamw_torch"
+        else:
+            claimed_value = claimed[name]
+        if not (agrees(claimed_value, found) if numeric else claimed_value == found):
+            wrong.append(f"{name}: header {claimed_value}, --dry_run {found}")
     recipe = load(path)
     accumulation = recipe.global_batch_size // (int(claimed["micro"]) * hardware.world_size)
     if int(claimed["accumulation"]) != accumulation:
