@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardtune.checks import batch_sizes, check_packed_attention
-from shardtune.config import PLANNED_ATTENTION, Problems, Recipe
+from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe
 from shardtune.flops import ModelShape, recipe_fields
 from shardtune.hardware import Hardware
 from shardtune.model_checks import check_context_length
@@ -46,13 +46,23 @@ def recipe_peft(recipe: Recipe) -> Peft | None:
     return Peft(recipe.lora_r, recipe.lora_target_modules, recipe.load_in_4bit) if recipe.use_peft else None
 
 
+def recipe_accumulation(recipe: Recipe, world: int) -> int | None:
+    """The recipe's micro-batches per step on `world` ranks; None where its global batch does not divide there
+    (the recipe's own check refuses that run; the plan then counts the gradients as accumulating)."""
+    try:
+        return batch_sizes(recipe, world).accumulation
+    except ConfigError:
+        return None
+
+
 def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recipe: Recipe) -> MemoryPlan:
     """The plan of `recipe` under `strategy`: every field of the recipe that memory depends on."""
     return plan(shape, hardware, strategy, recipe.per_device_train_batch_size, recipe.max_seq_length,
                 recipe.gradient_checkpointing, PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe),
                 recipe.packing, async_save=recipe.async_save, save_only_model=recipe.save_only_model,
                 eval_batch=recipe.per_device_eval_batch_size, checkpointing_mode=recipe.gradient_checkpointing_mode,
-                activation_offloading=recipe.activation_offloading, chunked_cross_entropy=recipe.chunked_cross_entropy)
+                activation_offloading=recipe.activation_offloading, chunked_cross_entropy=recipe.chunked_cross_entropy,
+                gradient_accumulation_steps=recipe_accumulation(recipe, hardware.world_size))
 
 
 def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, fix_micro_batch: bool,

@@ -9,6 +9,7 @@ from shardtune.config import LOSS_TILE_POSITIONS
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware
 from shardtune.plan.activations import activation_bytes, activation_mode, dtype_bytes, offloaded_host_bytes
+from shardtune.plan.backward_moments import forward_backward_parts, gradients_fresh_each_micro_batch
 from shardtune.plan.buffers import buffers, freed_under_layer_gradients
 from shardtune.plan.host_fit import host_ram_peak, host_ram_terms
 from shardtune.plan.phases import PHASES, phase_bytes
@@ -68,6 +69,7 @@ class MemoryPlan:
     peak_phase: str = "forward_backward"
     gradient_checkpointing_mode: str = "full"
     activation_offloading: bool = False
+    gradient_accumulation_steps: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -91,7 +93,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
          checkpointing: bool = True, attn: str = "sdpa", peft: Peft | None = None,
          packing: bool = False, async_save: bool = False, save_only_model: bool = False, eval_batch: int = 8,
          foreach: bool = True, export_bytes: int = 2, checkpointing_mode: str = "full",
-         activation_offloading: bool = False, chunked_cross_entropy: bool = False) -> MemoryPlan:
+         activation_offloading: bool = False, chunked_cross_entropy: bool = False,
+         gradient_accumulation_steps: int | None = None) -> MemoryPlan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
     headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
@@ -104,7 +107,9 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     `activation_offloading` moves the layers' saved tensors to pinned host RAM (activations.offloaded_host_bytes).
     `chunked_cross_entropy`: the training loss over tiles of LOSS_TILE_POSITIONS positions (the recipe's
     default, which plan_recipe passes), not over the micro-batch's full logits; the recommendation's search plans
-    the full logits only where the recipe turns the tiled loss off."""
+    the full logits only where the recipe turns the tiled loss off. `gradient_accumulation_steps`: micro-batches
+    per step; at 1 on one process no gradient exists when a backward starts (backward_moments), unknown (None)
+    is planned as accumulating."""
     params, world = shape.params, hardware.world_size
     mode = activation_mode(strategy)
     states = peft_states(strategy, shape, world, peft) if peft else model_states(strategy, params, world, shape)
@@ -119,13 +124,17 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked, peft)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
                "activations": float(acts["total"]), "buffers": float(buffer)}
+    cache = buffer if strategy.kind == "ddp" else 0.0  # DDP's buffers are autocast's weight copies alone
+    fresh = gradients_fresh_each_micro_batch(strategy.kind, world, gradient_accumulation_steps)
+    peak_moment = forward_backward_parts(shape, rows, length, mode, checkpointing, acts, states.gradients, cache,
+                                         buffer - cache, fresh, attn, masked, peft, selective, loss_tile)
     # With recomputation peft makes the embedding output require grad (enable_input_require_grads): a leaf of the
     # loss's graph, which then holds it and its gradient; accelerate steps DeepSpeed's engine inside backward, while
     # that graph is alive (the trainer drops it before stepping any other strategy).
     graph = 2.0 * dtype_bytes(mode)[1] * rows * length * shape.hidden \
         if peft and checkpointing and strategy.kind == "deepspeed" else 0.0
     phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch, seq, peft, foreach, states.host,
-                         export_bytes, attn, graph)
+                         export_bytes, attn, graph, peak_moment)
     peak_phase = max(PHASES, key=lambda name: phases[name]["total"])
     per_gpu["total"] = phases[peak_phase]["total"]
     host = host_ram_terms(strategy, shape, world, hardware.gpus_per_node, states.host, peft, async_save,
@@ -150,5 +159,5 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         host_ram_fits=host_ram_peak(host) <= usable_host_ram(hardware), notes=notes,
         phases=phases, peak_phase=peak_phase,
         gradient_checkpointing_mode=checkpointing_mode if checkpointing else "full",
-        activation_offloading=activation_offloading,
+        activation_offloading=activation_offloading, gradient_accumulation_steps=gradient_accumulation_steps,
     )
