@@ -75,10 +75,13 @@ def head_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, fr
     """Outside the layers: input ids (int64, for the embedding's weight gradient), the final RMSNorm (as in a
     layer), the fp32 log-probabilities saved by cross-entropy (4·n·vocab: the upcast logits' log_softmax) and the
     int64 targets. A `frozen` base saves neither the ids nor lm_head's input, nor the norm's normalised x. With a
-    `loss_tile` (--chunked_cross_entropy) each tile is recomputed in backward: no log-probabilities are saved."""
+    `loss_tile` (--chunked_cross_entropy) each tile is recomputed in backward: no log-probabilities are saved, and
+    lm_head's input is the norm's output as the checkpointed tiles keep it, in the residual dtype (under autocast
+    each tile casts it again as it runs: loss_transient_bytes)."""
     compute, residual = dtype_bytes(mode)
     n, h = batch * seq, shape.hidden
-    norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h + compute * n * h)
+    head_input = residual * n * h if loss_tile else (0 if frozen else compute * n * h)
+    norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h) + head_input
     log_probs = 0 if loss_tile else 4 * n * shape.vocab
     return (0 if frozen else 8 * n) + norm + log_probs + 8 * n
 
@@ -91,10 +94,12 @@ def loss_transient_bytes(shape: ModelShape, n: int, mode: str, loss_tile: int | 
     upcast (4·n·vocab, none when fp32 already); the backward holds two fp32 n x vocab gradients (nll_loss's and
     log_softmax's, 8·n·vocab). With a `loss_tile` of t positions (shardtune.tiled_loss), one tile at a time: its
     backward recomputes the tile's log-probabilities (4·t·vocab, fp32) and holds the two fp32 gradients beside
-    them, 12·t·vocab in every mode (measured in tests/unit/test_tiled_loss.py)."""
-    compute, _ = dtype_bytes(mode)
+    them, 12·t·vocab in every mode (measured in tests/unit/test_tiled_loss.py), and under autocast the tile's
+    16-bit cast of lm_head's input (c·t·h)."""
+    compute, residual = dtype_bytes(mode)
     if loss_tile:
-        return 12 * min(n, loss_tile) * shape.vocab
+        tile = min(n, loss_tile)
+        return 12 * tile * shape.vocab + (compute * tile * shape.hidden if compute != residual else 0)
     forward = compute * n * shape.vocab + (4 * n * shape.vocab if compute != 4 else 0)
     backward = 8 * n * shape.vocab
     return {"forward": forward, "backward": backward, "peak": max(forward, backward)}[moment]
