@@ -9,7 +9,7 @@ Launch (2 nodes x 8xH100-80GB with local NVMe: add --num_machines 2 --num_proces
         recipes/llama405b.py --dataset data/train.jsonl --offload_nvme_path /local_nvme
 Plan on 2x8xh100-80gb, from python -m shardtune.plan --model recipes/llama405b.py --hardware 2x8xh100-80gb
     (scripts/plan_table.py --write keeps this current): ds_zero3_nvme_offload, micro-batch 2 x accumulation 4,
-    gradient checkpointing on: 48.0 GB of 69.9 GB usable per GPU, 1,679 GB of 1,800 GB usable host RAM per node.
+    gradient checkpointing on: 48.1 GB of 69.9 GB usable per GPU, 1,679 GB of 1,800 GB usable host RAM per node.
 Tested: the trainer, configs and launch path on CPU with the tiny model (make test); not yet run on this hardware.
 Override any field from the command line, e.g. --learning_rate 5e-6 --max_steps 500.
 """

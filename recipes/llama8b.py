@@ -5,7 +5,7 @@ Launch (one node, 8xH100-80GB):
         recipes/llama8b.py --dataset data/train.jsonl
 Plan on 8xh100-80gb, from python -m shardtune.plan --model recipes/llama8b.py --hardware 8xh100-80gb
     (scripts/plan_table.py --write keeps this current): fsdp_shard_grad_op, micro-batch 1 x accumulation 8, gradient
-    checkpointing off: 67.3 GB of 69.9 GB usable per GPU, 32 GB of 1,800 GB usable host RAM per node.
+    checkpointing off: 67.0 GB of 69.9 GB usable per GPU, 32 GB of 1,800 GB usable host RAM per node.
 Tested: the trainer, configs and launch path on CPU with the tiny model (make test); not yet run on this hardware.
 Override any field from the command line, e.g. --learning_rate 5e-6 --max_steps 500.
 """

@@ -75,24 +75,34 @@ def head_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, fr
     """Outside the layers: input ids (int64, for the embedding's weight gradient), the final RMSNorm (as in a
     layer), the fp32 log-probabilities saved by cross-entropy (4·n·vocab: the upcast logits' log_softmax) and the
     int64 targets. A `frozen` base saves neither the ids nor lm_head's input, nor the norm's normalised x. With a
-    `loss_tile` (--chunked_cross_entropy) each tile is recomputed in backward: no log-probabilities are saved."""
+    `loss_tile` (--chunked_cross_entropy) each tile is recomputed in backward: no log-probabilities are saved, and
+    lm_head's input is the norm's output as the checkpointed tiles keep it, in the residual dtype (under autocast
+    each tile casts it again as it runs: loss_transient_bytes)."""
     compute, residual = dtype_bytes(mode)
     n, h = batch * seq, shape.hidden
-    norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h + compute * n * h)
+    head_input = residual * n * h if loss_tile else (0 if frozen else compute * n * h)
+    norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h) + head_input
     log_probs = 0 if loss_tile else 4 * n * shape.vocab
     return (0 if frozen else 8 * n) + norm + log_probs + 8 * n
 
 
-def loss_transient_bytes(shape: ModelShape, n: int, mode: str, loss_tile: int | None = None) -> int:
-    """The loss's transient on top of what is saved, over n positions. Plain: the forward holds the logits
-    (c·n·vocab) and their fp32 upcast (4·n·vocab); its backward holds two fp32 n x vocab gradients (d log-probs,
-    d logits): the larger, 8·n·vocab. With a `loss_tile` of t positions (shardtune.tiled_loss), one tile at a
-    time: its backward recomputes the tile's log-probabilities (4·t·vocab, fp32) and holds the two fp32 gradients
-    beside them, 12·t·vocab in every mode (measured in tests/unit/test_tiled_loss.py)."""
-    compute, _ = dtype_bytes(mode)
+def loss_transient_bytes(shape: ModelShape, n: int, mode: str, loss_tile: int | None = None,
+                         moment: str = "peak") -> int:
+    """The loss's transient on top of what is saved, over n positions, in its `moment`: "forward", "backward" or
+    the larger ("peak"). Plain (transformers' ForCausalLMLoss, loss_utils.py: `logits = logits.float()`, then
+    cross_entropy, whose log_softmax output is saved): the forward holds the logits (c·n·vocab) and their fp32
+    upcast (4·n·vocab, none when fp32 already); the backward holds two fp32 n x vocab gradients (nll_loss's and
+    log_softmax's, 8·n·vocab). With a `loss_tile` of t positions (shardtune.tiled_loss), one tile at a time: its
+    backward recomputes the tile's log-probabilities (4·t·vocab, fp32) and holds the two fp32 gradients beside
+    them, 12·t·vocab in every mode (measured in tests/unit/test_tiled_loss.py), and under autocast the tile's
+    16-bit cast of lm_head's input (c·t·h)."""
+    compute, residual = dtype_bytes(mode)
     if loss_tile:
-        return 12 * min(n, loss_tile) * shape.vocab
-    return max(compute * n * shape.vocab + (4 * n * shape.vocab if compute != 4 else 0), 8 * n * shape.vocab)
+        tile = min(n, loss_tile)
+        return 12 * tile * shape.vocab + (compute * tile * shape.hidden if compute != residual else 0)
+    forward = compute * n * shape.vocab + (4 * n * shape.vocab if compute != 4 else 0)
+    backward = 8 * n * shape.vocab
+    return {"forward": forward, "backward": backward, "peak": max(forward, backward)}[moment]
 
 
 # The matmuls of a Llama decoder layer, in the order its forward runs them (shardtune.model.selective_policy saves
@@ -136,7 +146,7 @@ def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, c
     """Everything saved for backward at the end of the forward (what saved_tensors_hooks see, and with `selective`
     checkpointing what its policy keeps, selective_layer_bytes). With full recomputation (non-reentrant) a layer
     saves only its input (r·n·h); masks and RoPE tables are then held by the recompute closure, not the graph, and
-    are counted in the transient peak instead. With a `loss_tile` the head saves no full log-probabilities."""
+    are counted by recompute_held_bytes instead. With a `loss_tile` the head saves no full log-probabilities."""
     _, residual = dtype_bytes(mode)
     head = head_activation_bytes(shape, batch, seq, mode, frozen, loss_tile)
     if checkpointing:
@@ -170,32 +180,63 @@ def offloaded_host_bytes(shape: ModelShape, batch: int, seq: int, mode: str, che
     return float(offloaded_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen))
 
 
+def recompute_held_bytes(shape: ModelShape, batch: int, seq: int, mode: str, attn: str = "sdpa",
+                         masked: bool = True) -> int:
+    """With recomputation, what the recomputed layers' closures hold from the forward to the end of the backward:
+    the arguments of the checkpointed call (transformers' modeling_layers.py GradientCheckpointingLayer checkpoints
+    `partial(forward, self, **kwargs)`), shared by every layer: RoPE's cos and sin (shared_activation_bytes) and
+    the dense mask as transformers builds it (`masked`), a bool under SDPA (b·s² bytes, masking_utils.py
+    `sdpa_mask`), additive in the residual dtype under eager (`eager_mask`)."""
+    _, residual = dtype_bytes(mode)
+    mask = batch * seq * seq * (1 if attn != "eager" else residual) if masked and attn != "flash" else 0
+    return mask + shared_activation_bytes(shape, batch, seq, mode, attn, masked)
+
+
+def batch_tensor_bytes(batch: int, seq: int, frozen: bool = False) -> int:
+    """The micro-batch the training loop holds through its step (int64), beyond the ids the embedding saves
+    (head_activation_bytes): its labels and attention mask (a packed row's position ids), and the ids themselves
+    where the embedding saves none (a `frozen` base)."""
+    return (24 if frozen else 16) * batch * seq
+
+
+def layer_backward_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
+                         attn: str = "sdpa", masked: bool = True, frozen: bool = False, selective: bool = False,
+                         lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> int:
+    """A layer's backward on top of what is saved: with recomputation its full activations, recomputed (less what
+    a `selective` policy kept, already saved), and in every case the MLP backward's two intermediate-size
+    gradients (2·c·n·intermediate)."""
+    compute, _ = dtype_bytes(mode)
+    recompute = 0
+    if checkpointing:
+        recompute = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
+        if selective:
+            recompute -= selective_layer_bytes(shape, batch, seq, mode, attn, lora_rank, lora_targets)
+    return recompute + 2 * compute * batch * seq * shape.intermediate
+
+
 def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
                      attn: str = "sdpa", masked: bool = True, frozen: bool = False, selective: bool = False,
                      lora_rank: int = 0, lora_targets: tuple[str, ...] = (), offloading: bool = False,
                      loss_tile: int | None = None) -> dict[str, int]:
-    """Peak activation memory = saved + the largest transient on top of it:
-    - the loss's (loss_transient_bytes: the full logits, or one `loss_tile` of them);
-    - with recomputation, one layer's full activations while it is recomputed in backward (less what a
-      `selective` policy kept, already counted as saved);
-    - the MLP backward's two intermediate-size gradients (2·c·n·intermediate).
+    """Peak activation memory = saved (what the graph saves, with recomputation what the recompute closures
+    hold, recompute_held_bytes, and the micro-batch itself, batch_tensor_bytes) + the largest transient on top
+    of it. The loss's (loss_transient_bytes: the full
+    logits, or one `loss_tile` of them) runs before any layer's backward (layer_backward_bytes), so the
+    transient is the larger of the two, never their sum ("loss" and "layer" name each).
     With `offloading`, offloaded_activation_bytes leave the saved part for host memory ("offloaded")."""
-    compute, _ = dtype_bytes(mode)
-    n = batch * seq
     saved = saved_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen, selective,
                                    lora_rank, lora_targets, loss_tile)
+    if checkpointing:
+        saved += recompute_held_bytes(shape, batch, seq, mode, attn, masked)
+    saved += batch_tensor_bytes(batch, seq, frozen)
     offloaded = offloaded_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen) \
         if offloading else 0
-    logits = loss_transient_bytes(shape, n, mode, loss_tile)
-    recompute = 0
-    if checkpointing:
-        recompute = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
-        recompute += shared_activation_bytes(shape, batch, seq, mode, attn, masked)
-        if selective:
-            recompute -= selective_layer_bytes(shape, batch, seq, mode, attn, lora_rank, lora_targets)
-    transient = max(logits, recompute) + 2 * compute * n * shape.intermediate
+    loss = loss_transient_bytes(shape, batch * seq, mode, loss_tile)
+    layer = layer_backward_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen, selective,
+                                 lora_rank, lora_targets)
+    transient = max(loss, layer)
     return {"saved": saved - offloaded, "transient": transient, "total": saved - offloaded + transient,
-            "offloaded": offloaded}
+            "offloaded": offloaded, "loss": loss, "layer": layer}
 
 
 def eval_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, masked: bool = True,

@@ -125,14 +125,17 @@ def export_host_bytes(strategy: Strategy, shape: ModelShape, world: int, gpus_pe
 def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backward: dict[str, float],
                 eval_batch: int, seq: int, peft: Peft | None = None, foreach: bool = True,
                 host: float = 0.0, export_bytes: int = 2, attn: str = "sdpa", graph: float = 0.0,
-                optim: str = "adamw_torch", stochastic: bool = False) -> dict[str, dict]:
+                optim: str = "adamw_torch", stochastic: bool = False,
+                peak_moment: dict[str, float] | None = None) -> dict[str, dict]:
     """Per GPU, each phase's parts and total; `forward_backward` is the step's (model states, activations,
     buffers). Gradients are freed by the step (the trainer's zero_grad sets them to None), so eval and save hold
     the weights and optimizer states; DDP's gradients are views into its reducer's buckets, which stay, and
     ZeRO-3 keeps its gradient partitions allocated (ZeRO-1/2 free theirs with the step). Each phase also lists
     the host RAM one rank holds in it ("on_host", not in the GPU total): `host`, its offloaded states (FSDP's
     host gradients freed by the step), NVMe offload's pinned buffers, an optimizer step that runs on the host and
-    the save's host copy. `graph`: what the last micro-batch's spent graph still holds while the optimizer steps."""
+    the save's host copy. `graph`: what the last micro-batch's spent graph still holds while the optimizer steps.
+    `peak_moment`: the gradients, activations and buffers of forward/backward's largest moment
+    (backward_moments.forward_backward_parts), in place of `forward_backward`'s."""
     params = shape.params
     states = {key: forward_backward[key] for key in ("weights", "gradients", "optimizer")}
     kept = {"weights": states["weights"], "optimizer": states["optimizer"],
@@ -151,7 +154,7 @@ def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backw
         if strategy.kind == "deepspeed" and strategy.shard >= 3 else 0.0
     kept["persistent"] = persistent
     phases = {
-        "forward_backward": dict(forward_backward),
+        "forward_backward": {**forward_backward, **(peak_moment or {})},
         "optimizer": {**states, "buffers": kept["buffers"], "graph": graph,
                       "step": max(optimizer_step_bytes(strategy, shape, world, peft, foreach, optim, stochastic),
                                   persistent)},

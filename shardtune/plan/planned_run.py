@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Collection
 
 from shardtune.checks import batch_sizes, check_packed_attention
-from shardtune.config import PLANNED_ATTENTION, Problems, Recipe
+from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe
 from shardtune.flops import ModelShape, recipe_fields
 from shardtune.hardware import Hardware
 from shardtune.model_checks import check_context_length
@@ -49,6 +49,15 @@ def recipe_peft(recipe: Recipe) -> Peft | None:
     return Peft(recipe.lora_r, recipe.lora_target_modules, recipe.load_in_4bit) if recipe.use_peft else None
 
 
+def recipe_accumulation(recipe: Recipe, world: int) -> int | None:
+    """The recipe's micro-batches per step on `world` ranks; None where its global batch does not divide there
+    (the recipe's own check refuses that run; the plan then counts the gradients as accumulating)."""
+    try:
+        return batch_sizes(recipe, world).accumulation
+    except ConfigError:
+        return None
+
+
 def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recipe: Recipe) -> MemoryPlan:
     """The plan of `recipe` under `strategy`: every field of the recipe that memory depends on."""
     return plan(shape, hardware, strategy, recipe.per_device_train_batch_size, recipe.max_seq_length,
@@ -56,7 +65,8 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
                 recipe.packing, async_save=recipe.async_save, save_only_model=recipe.save_only_model,
                 eval_batch=recipe.per_device_eval_batch_size, checkpointing_mode=recipe.gradient_checkpointing_mode,
                 activation_offloading=recipe.activation_offloading, chunked_cross_entropy=recipe.chunked_cross_entropy,
-                optim=recipe.optim, bf16_stochastic_round=recipe.bf16_stochastic_round)
+                optim=recipe.optim, bf16_stochastic_round=recipe.bf16_stochastic_round,
+                gradient_accumulation_steps=recipe_accumulation(recipe, hardware.world_size))
 
 
 def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held: Collection[str] = (),

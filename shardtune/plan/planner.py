@@ -9,6 +9,7 @@ from shardtune.config import LOSS_TILE_POSITIONS
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware
 from shardtune.plan.activations import activation_bytes, activation_mode, dtype_bytes, offloaded_host_bytes
+from shardtune.plan.backward_moments import forward_backward_parts, gradients_fresh_each_micro_batch
 from shardtune.plan.buffers import buffers, freed_under_layer_gradients
 from shardtune.plan.host_fit import host_ram_peak, host_ram_terms
 from shardtune.plan.layouts import hpz_secondary_bytes
@@ -72,6 +73,7 @@ class MemoryPlan:
     gradient_checkpointing_mode: str = "full"
     activation_offloading: bool = False
     layout: str = ""  # how the states lie over the GPUs (Strategy.layout)
+    gradient_accumulation_steps: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -96,7 +98,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
          packing: bool = False, async_save: bool = False, save_only_model: bool = False, eval_batch: int = 8,
          foreach: bool = True, export_bytes: int = 2, checkpointing_mode: str = "full",
          activation_offloading: bool = False, chunked_cross_entropy: bool = False, optim: str = "adamw_torch",
-         bf16_stochastic_round: bool = False) -> MemoryPlan:
+         bf16_stochastic_round: bool = False, gradient_accumulation_steps: int | None = None) -> MemoryPlan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
     headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
@@ -110,7 +112,9 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     `chunked_cross_entropy`: the training loss over tiles of LOSS_TILE_POSITIONS positions (the recipe's
     default, which plan_recipe passes), not over the micro-batch's full logits; the recommendation's search plans
     the full logits only where the recipe turns the tiled loss off. `optim`: the recipe's --optim, whose
-    optimizer states model_states plans; `bf16_stochastic_round`: bf16 weights and gradients, no fp32 master."""
+    optimizer states model_states plans; `bf16_stochastic_round`: bf16 weights and gradients, no fp32 master.
+    `gradient_accumulation_steps`: micro-batches per step; at 1 on one process no gradient exists when a backward
+    starts (backward_moments), unknown (None) is planned as accumulating."""
     params = shape.params
     if strategy.kind == "deepspeed" and (optim != "adamw_torch" or bf16_stochastic_round):
         raise PlanError(f"{strategy.name}: DeepSpeed steps its own fp32 master partitions with adamw_torch; "
@@ -140,13 +144,17 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
                                           bf16_stochastic_round)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
                "activations": float(acts["total"]), "buffers": float(buffer)}
+    cache = buffer if strategy.kind == "ddp" else 0.0  # DDP's buffers are autocast's weight copies alone
+    fresh = gradients_fresh_each_micro_batch(strategy.kind, world, gradient_accumulation_steps)
+    peak_moment = forward_backward_parts(shape, rows, length, mode, checkpointing, acts, states.gradients, cache,
+                                         buffer - cache, fresh, attn, masked, peft, selective, loss_tile)
     # With recomputation peft makes the embedding output require grad (enable_input_require_grads): a leaf of the
     # loss's graph, which then holds it and its gradient; accelerate steps DeepSpeed's engine inside backward, while
     # that graph is alive (the trainer drops it before stepping any other strategy).
     graph = 2.0 * dtype_bytes(mode)[1] * rows * length * shape.hidden \
         if peft and checkpointing and strategy.kind == "deepspeed" else 0.0
     phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch, seq, peft, foreach, states.host,
-                         export_bytes, attn, graph, optim, bf16_stochastic_round)
+                         export_bytes, attn, graph, optim, bf16_stochastic_round, peak_moment)
     peak_phase = max(PHASES, key=lambda name: phases[name]["total"])
     per_gpu["total"] = phases[peak_phase]["total"]
     host = host_ram_terms(strategy, shape, world, hardware.gpus_per_node, states.host, peft, async_save,
@@ -173,4 +181,5 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         phases=phases, peak_phase=peak_phase,
         gradient_checkpointing_mode=checkpointing_mode if checkpointing else "full",
         activation_offloading=activation_offloading, layout=strategy.layout(hardware.world_size),
+        gradient_accumulation_steps=gradient_accumulation_steps,
     )

@@ -113,7 +113,9 @@ def test_a_flag_over_a_recipe_s_value_acts(capsys):
 
 def test_chunked_cross_entropy_flag_acts_in_the_plan(capsys):
     """The recipe's default (the loss in tiles) and --chunked_cross_entropy false (the full logits): the
-    activations differ by the full logits' term less one tile's, and --json says which was planned."""
+    activations differ by at most the full logits' term less one tile's (the peak moment is the larger of the
+    loss's and a layer's backward, shardtune.plan.backward_moments, so not all of it when a layer's backward
+    binds the tiled run), and --json says which was planned."""
     shape = resolve_model("llama-3.1-8b")
     _, tiled = run_json(capsys, "--model", LORA_RECIPE, "--config_file", DDP)
     _, full = run_json(capsys, "--model", LORA_RECIPE, "--config_file", DDP, "--chunked_cross_entropy", "false")
@@ -121,7 +123,8 @@ def test_chunked_cross_entropy_flag_acts_in_the_plan(capsys):
     positions = 4096  # the recipe's one packed row
     full_logits = 12 * positions * shape.vocab  # saved fp32 log-probabilities + their two fp32 gradients
     one_tile = 12 * LOSS_TILE_POSITIONS * shape.vocab
-    assert full["per_gpu"]["activations"] - tiled["per_gpu"]["activations"] == full_logits - one_tile
+    saved = full["per_gpu"]["activations"] - tiled["per_gpu"]["activations"]
+    assert 0.95 * (full_logits - one_tile) < saved <= full_logits - one_tile
 
 
 def test_the_planner_refuses_a_length_past_the_model_s_context_by_the_recipe_s_rule(capsys):
