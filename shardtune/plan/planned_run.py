@@ -52,7 +52,8 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
                 recipe.gradient_checkpointing, PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe),
                 recipe.packing, async_save=recipe.async_save, save_only_model=recipe.save_only_model,
                 eval_batch=recipe.per_device_eval_batch_size, checkpointing_mode=recipe.gradient_checkpointing_mode,
-                activation_offloading=recipe.activation_offloading, chunked_cross_entropy=recipe.chunked_cross_entropy)
+                activation_offloading=recipe.activation_offloading, chunked_cross_entropy=recipe.chunked_cross_entropy,
+                torch_compile=recipe.torch_compile)
 
 
 def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, fix_micro_batch: bool,

@@ -68,6 +68,9 @@ class MemoryPlan:
     peak_phase: str = "forward_backward"
     gradient_checkpointing_mode: str = "full"
     activation_offloading: bool = False
+    # Planned memory-neutral: a compiled layer's saved activations are at most eager's (AOT autograd's partitioner
+    # recomputes cheap elementwise ops instead of saving their outputs), so eager's bytes stay an upper bound.
+    torch_compile: bool = False
 
     @property
     def fits(self) -> bool:
@@ -91,7 +94,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
          checkpointing: bool = True, attn: str = "sdpa", peft: Peft | None = None,
          packing: bool = False, async_save: bool = False, save_only_model: bool = False, eval_batch: int = 8,
          foreach: bool = True, export_bytes: int = 2, checkpointing_mode: str = "full",
-         activation_offloading: bool = False, chunked_cross_entropy: bool = False) -> MemoryPlan:
+         activation_offloading: bool = False, chunked_cross_entropy: bool = False, torch_compile: bool = False
+         ) -> MemoryPlan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
     headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
@@ -104,7 +108,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     `activation_offloading` moves the layers' saved tensors to pinned host RAM (activations.offloaded_host_bytes).
     `chunked_cross_entropy`: the training loss over tiles of LOSS_TILE_POSITIONS positions (the recipe's
     default, which plan_recipe passes), not over the micro-batch's full logits; the recommendation's search plans
-    the full logits only where the recipe turns the tiled loss off."""
+    the full logits only where the recipe turns the tiled loss off. `torch_compile` is recorded and planned as
+    eager (MemoryPlan.torch_compile)."""
     params, world = shape.params, hardware.world_size
     mode = activation_mode(strategy)
     states = peft_states(strategy, shape, world, peft) if peft else model_states(strategy, params, world, shape)
@@ -150,5 +155,5 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         host_ram_fits=host_ram_peak(host) <= usable_host_ram(hardware), notes=notes,
         phases=phases, peak_phase=peak_phase,
         gradient_checkpointing_mode=checkpointing_mode if checkpointing else "full",
-        activation_offloading=activation_offloading,
+        activation_offloading=activation_offloading, torch_compile=torch_compile,
     )

@@ -38,7 +38,8 @@ def format_plan(p: MemoryPlan) -> str:
     rows = [f"{p.model} ({p.params:,} params) on {p.hardware} ({p.world_size} GPUs) with {p.config}, "
             f"micro-batch {p.micro_batch} x {p.max_seq_length} tokens, checkpointing "
             f"{'on' if p.gradient_checkpointing else 'off'}, {p.mixed_precision} ({p.activation_mode}), loss "
-            f"{'in tiles' if p.chunked_cross_entropy else 'over the full logits'}"]
+            f"{'in tiles' if p.chunked_cross_entropy else 'over the full logits'}"
+            f"{', layers compiled (planned as eager)' if p.torch_compile else ''}"]
     rows.append(f"  per GPU at the peak, {phase_name(p.peak_phase)}:")
     rows += [f"  {name:<12}{gb(value):>12}" for name, value in peak_components(p).items()]
     rows.append(f"  {'total':<12}{gb(p.per_gpu['total']):>12}")
