@@ -14,6 +14,7 @@ from shardtune.config import (
     ATTENTION_PACKAGES,
     BITSANDBYTES_OPTIMIZERS,
     CHECKPOINTING_MODES,
+    COMPILE_MODES,
     DATASET_FORMATS,
     LR_SCHEDULERS,
     MIXED_PRECISIONS,
@@ -136,6 +137,27 @@ def check_activation_offloading(recipe: Recipe, on_gpu: bool) -> None:
     if recipe.activation_offloading and not on_gpu:
         raise ConfigError("--activation_offloading moves activations from a CUDA GPU to host memory: on CPU they are "
                           "in host memory already; drop it on this machine.")
+
+
+def check_torch_compile(recipe: Recipe) -> None:
+    """--torch_compile's backend and mode: each acts only with compilation on, and must be one torch.compile has."""
+    given = [flag for flag, value, default in (("--torch_compile_backend", recipe.torch_compile_backend, "inductor"),
+                                               ("--torch_compile_mode", recipe.torch_compile_mode, None))
+             if value != default]
+    if given and not recipe.torch_compile:
+        raise ConfigError(f"{' and '.join(given)} configure{'s' if len(given) == 1 else ''} compilation, which runs "
+                          "only with --torch_compile true: add it, or drop them.")
+    if recipe.torch_compile_mode not in (None, *COMPILE_MODES):
+        raise ConfigError(f"--torch_compile_mode {recipe.torch_compile_mode!r} cannot train here: use one of "
+                          f"{', '.join(COMPILE_MODES)} (the CUDA-graph modes replay fixed shapes and addresses, "
+                          "which varying batches and sharded weights break).")
+    if recipe.torch_compile:
+        from torch._dynamo import list_backends  # only with compilation on: importing dynamo takes seconds
+
+        backends = [name for name in list_backends(exclude_tags=()) if name != "cudagraphs"]  # as the modes above
+        if recipe.torch_compile_backend not in backends:
+            raise ConfigError(f"--torch_compile_backend {recipe.torch_compile_backend!r} is not a torch.compile "
+                              f"backend: use inductor, or one of {', '.join(backends)}.")
 
 
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
@@ -313,6 +335,7 @@ RECIPE_CHECKS: tuple[Callable[[Recipe], None], ...] = (
     check_packing_strategy,
     check_lora,
     check_checkpointing_mode,
+    check_torch_compile,
     check_numbers,
     check_tracking,
     check_checkpoints,

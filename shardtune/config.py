@@ -36,6 +36,9 @@ PACKING_STRATEGIES = ("padding_free", "bfd")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 SAVE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 CHECKPOINTING_MODES = ("full", "selective")
+# torch.compile's modes that training can take: reduce-overhead and max-autotune capture CUDA graphs, which replay
+# fixed shapes and addresses (a varying sequence length re-records them; FSDP2's and ZeRO-3's gathers move weights).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # How the memory planner models each of them (the same names, in the planner CLI's order): SDPA and eager take a
 # dense mask; the flash kernels (flash-attn's varlen kernels, flex attention's block mask) none.
 PLANNED_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash", "flash_attention_3": "flash",
@@ -201,6 +204,16 @@ class Recipe:
         "help": f"Compute the training loss over tiles of {LOSS_TILE_POSITIONS} positions, each tile's logits "
                 "recomputed in backward, so that the full fp32 logits never exist; false: the plain loss over the "
                 "whole micro-batch's logits."})
+    torch_compile: bool = field(default=False, metadata={
+        "help": "Compile each decoder layer with torch.compile, in place (accelerate's regional compilation: the "
+                "layers share one compiled graph, so compile time does not grow with depth); the sequence length "
+                "becomes dynamic after its first change, so varying batches do not recompile each step."})
+    torch_compile_backend: str = field(default="inductor", metadata={
+        "help": "With --torch_compile: the torch.compile backend (inductor; aot_eager traces without generating "
+                "kernels)."})
+    torch_compile_mode: str | None = field(default=None, metadata={
+        "help": f"With --torch_compile: torch.compile's mode, one of {', '.join(COMPILE_MODES)}; unset = default. "
+                "The CUDA-graph modes are refused: graphs replay fixed shapes and addresses."})
     mixed_precision: str = field(default="bf16", metadata={"help": "bf16, fp16 (with a loss scaler) or no (fp32)."})
     attn_implementation: str = field(default="sdpa", metadata={
         "help": f"One of {', '.join(ATTENTION_PACKAGES)}. With --packing on a GPU: flash_attention_2 or "

@@ -73,6 +73,7 @@ RENAMED: dict[str, tuple[str, ...]] = {
     "--report_to": ("log_with", "logger", "loggers"),
     "--collective_timeout_minutes": ("ddp_timeout", "nccl_timeout"),
     "--use_cpu": ("no_cuda", "cpu"),
+    "--torch_compile": ("compile", "use_torch_compile", "compile_model"),
 }
 
 # Names with no one flag of their own: what the recipe does instead.
@@ -81,8 +82,6 @@ GUIDANCE: dict[tuple[str, ...], str] = {
         accelerate_config("DeepSpeed", "ds_zero3.yaml", "ds_*.yaml"),
     ("fsdp", "fsdp_config", "fsdp_version", "fsdp_sharding_strategy"):
         accelerate_config("FSDP", "fsdp_full_shard.yaml", "fsdp_*.yaml"),
-    ("torch_compile", "compile", "torch_compile_backend", "torch_compile_mode"):
-        "torch.compile is not supported yet: drop the flag (the model runs eagerly).",
     ("torch_dtype", "dtype", "model_dtype", "precision"):
         "the training precision is --mixed_precision (bf16, fp16 or no; full fine-tuning keeps fp32 weights) and "
         "the exported model's dtype is --save_dtype.",

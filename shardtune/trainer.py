@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from shardtune.batches import counted_steps, global_batches, make_collator
 from shardtune.checkpoint.nvme_resume import load_state
 from shardtune.checkpoint.saver import Checkpointer
+from shardtune.compilation import compile_decoder_layers, compile_figures, eager_calls
 from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.data import load_splits
 from shardtune.distributed import exit_process, make_accelerator, reduction_dtypes, shut_down
@@ -114,6 +115,8 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes) -> Run
     # torch AdamW's fused kernel on CUDA (TrainingArguments' default); DeepSpeed steps its flat partitions as before.
     fused = accelerator.device.type == "cuda" and accelerator.distributed_type != DistributedType.DEEPSPEED
     optimizer, scheduler = make_optimizer(model, recipe, max_steps, fused=fused)
+    if recipe.torch_compile:  # in place: the wrappers `prepare` adds find the layers' hooks where they were
+        compile_decoder_layers(model, recipe)
     train_loader = DataLoader(train_set, batch_size=batching.micro_batch, shuffle=True, drop_last=True,
                               collate_fn=make_collator(tokenizer, recipe.packing, recipe.attn_implementation))
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_eval_batch_size,
@@ -170,8 +173,12 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
             return refuse_non_finite(accelerator, step, summary)
         if step == start_step + 1:
             report_held(accelerator, output_dir, step, hooks.probe, run.loaded)
+            if recipe.torch_compile:
+                report_compiled(accelerator, recipe)
         if step % recipe.logging_steps == 0 or step == run.max_steps:
             row = metrics.window(step, summary, lr=out.lr)
+            if recipe.torch_compile:  # the count stays put once every shape the run meets has its graph
+                row.update(compile_figures(accelerator))
             log_window(accelerator, output_dir, step, row, progress)
         if summary.stop_requested:
             return save_and_stop(accelerator, checkpointer, step)
@@ -235,6 +242,14 @@ def report_held(accelerator: Accelerator, output_dir: str, step: int, probe: Mod
     log_metrics(accelerator, output_dir, step, held)
 
 
+def report_compiled(accelerator: Accelerator, recipe: Recipe) -> None:
+    """The first step's compilation, once: the layers compile in their first forward and backward."""
+    figures = compile_figures(accelerator)
+    accelerator.print(f"shardtune: torch.compile ({recipe.torch_compile_backend}) of the decoder layers: "
+                      f"{figures['compile_seconds']:.1f}s in the first step, {figures['compiled_frames']:.0f} "
+                      "frames compiled (the slowest rank)")
+
+
 def log_window(accelerator: Accelerator, output_dir: str, step: int, row: dict[str, float], progress: tqdm) -> None:
     progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_second']:.0f}")
     log_metrics(accelerator, output_dir, step, row)
@@ -259,7 +274,8 @@ def log_eval(accelerator: Accelerator, run: Run, output_dir: str, step: int) -> 
     log_metrics(accelerator, output_dir, step, phase_peak_gb(accelerator.device, "eval"))
     if run.held_out is not None:  # under ZeRO-3 / FSDP one full parameter gather per token: the time is shown
         started = time.perf_counter()
-        samples = generate_samples(accelerator, run.model, run.tokenizer, run.held_out)
+        with eager_calls():
+            samples = generate_samples(accelerator, run.model, run.tokenizer, run.held_out)
         accelerator.print(f"step {step}: {len(samples)} samples generated in {time.perf_counter() - started:.1f}s "
                           f"(samples.jsonl)")
         log_samples(accelerator, output_dir, step, samples)

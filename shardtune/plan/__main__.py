@@ -35,7 +35,7 @@ from shardtune.plan.strategy import PlanError, read_accelerate_config
 RUN_FLAGS = ("per_device_train_batch_size", "global_batch_size", "max_seq_length", "gradient_checkpointing",
              "mixed_precision", "attn_implementation", "packing", "use_peft", "lora_r", "lora_target_modules",
              "load_in_4bit", "gradient_checkpointing_mode", "activation_offloading", "chunked_cross_entropy",
-             "per_device_eval_batch_size", "optim", "bf16_stochastic_round")
+             "per_device_eval_batch_size", "optim", "bf16_stochastic_round", "torch_compile")
 # The flags the recommendation searches over when they are not given (a recipe gives them all), and their words.
 SEARCHED_FLAGS = {"per_device_train_batch_size": "micro-batch", "gradient_checkpointing": "checkpointing",
                   "gradient_checkpointing_mode": "checkpointing mode", "optim": "optimizer",
@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunked_cross_entropy", type=_bool,
                         help="true: the training loss over tiles of positions, one tile of fp32 logits at a time; "
                              "false: over the full logits (default: the recipe's, else true)")
+    parser.add_argument("--torch_compile", type=_bool,
+                        help="true: the decoder layers compiled (regional torch.compile), planned as eager: "
+                             "compilation keeps at most eager's activations (default: the recipe's, else false)")
     parser.add_argument("--host_ram_gb", type=float,
                         help="Host RAM per node in GB (default: 250 GB per GPU, as DGX nodes carry)")
     parser.add_argument("--use_peft", type=_bool, help="LoRA on a frozen base")

@@ -66,7 +66,8 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
                 eval_batch=recipe.per_device_eval_batch_size, checkpointing_mode=recipe.gradient_checkpointing_mode,
                 activation_offloading=recipe.activation_offloading, chunked_cross_entropy=recipe.chunked_cross_entropy,
                 optim=recipe.optim, bf16_stochastic_round=recipe.bf16_stochastic_round,
-                gradient_accumulation_steps=recipe_accumulation(recipe, hardware.world_size))
+                gradient_accumulation_steps=recipe_accumulation(recipe, hardware.world_size),
+                torch_compile=recipe.torch_compile)
 
 
 def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held: Collection[str] = (),

@@ -50,7 +50,8 @@ def format_plan(p: MemoryPlan) -> str:
             f"{checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode)}, "
             f"{p.mixed_precision} ({p.activation_mode}), loss "
             f"{'in tiles' if p.chunked_cross_entropy else 'over the full logits'}, optimizer "
-            f"{optimizer_words(p.optim, p.bf16_stochastic_round)}",
+            f"{optimizer_words(p.optim, p.bf16_stochastic_round)}"
+            f"{', layers compiled (planned as eager)' if p.torch_compile else ''}",
             f"  states {p.layout}"]
     rows.append(f"  per GPU at the peak, {phase_name(p.peak_phase)}:")
     rows += [f"  {name:<12}{gb(value):>12}" for name, value in peak_components(p).items()]

@@ -85,7 +85,7 @@ MEANT = {
                    "accelerate_configs/ds_zero3.yaml",  # not --seed
     "--fsdp": "FSDP is chosen by the accelerate config, not a recipe flag: accelerate launch --config_file "
               "accelerate_configs/fsdp_full_shard.yaml",
-    "--torch_compile": "torch.compile is not supported yet",  # not --chat_template
+    "--compile": "shardtune calls it --torch_compile.",
     "--torch_dtype": "the training precision is --mixed_precision (bf16, fp16 or no",  # not only --save_dtype
     "--output": "shardtune calls it --output_dir.",
     "--lora_rank": "shardtune calls it --lora_r.",
