@@ -6,11 +6,21 @@
 Flags after `--` go to the recipe. The first `--warmup` steps are left out of the figures. Without CUDA it
 also runs a bare accelerate loop (forward, backward, clip, step: no logging, checks or checkpoints) on the
 same model, data and batches, and prints the trainer's throughput as a ratio of it.
+
+    python scripts/bench.py --levers --config_file accelerate_configs/fsdp_full_shard.yaml --recipe recipes/tiny.py \
+        --num_processes 2 --steps 12 -- --use_cpu true --dataset data/train.jsonl
+
+With --levers it prints one table instead: the plain path (every lever off, shardtune.levers.PLAIN_FLAGS), each
+lever alone over it, and the recommended combination (the levers that cost no precision and run here), with
+tokens/s per device, the peak memory per rank and each row's ratio to the plain path. The peak is the GPU's
+allocated peak on CUDA; elsewhere the peak of live tensor bytes of the training steps on any rank, from the
+profiler's allocator events (SHARDTUNE_PROFILE_MEMORY: its first steps only, inside the warm-up).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -46,11 +56,11 @@ def run_launcher(command: list[str], timeout_s: float, capture: bool = False) ->
     return stdout or ""
 
 
-def launch(args: argparse.Namespace, script: list[str], output_dir: Path) -> None:
+def launch(args: argparse.Namespace, script: list[str], output_dir: Path, extra: tuple[str, ...] = ()) -> None:
     command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", args.config_file,
                "--num_processes", str(args.num_processes), *script, "--max_steps", str(args.steps),
                "--logging_steps", str(LOG_EVERY), "--eval_steps", "0", "--save_steps", "0", "--save_model", "false",
-               "--report_to", "none", "--output_dir", str(output_dir), *args.recipe_args]
+               "--report_to", "none", "--output_dir", str(output_dir), *args.recipe_args, *extra]
     run_launcher(command, args.timeout_s)
 
 
@@ -70,8 +80,6 @@ def summarize(rows: list[dict], warmup: int) -> dict:
 
 def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str]) -> None:
     """Run under `accelerate launch`: the plainest accelerate loop over the trainer's own batches."""
-    import importlib.util
-
     import torch
 
     from shardtune.checks import validate
@@ -164,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="alternate trainer and bare-loop runs N times (default: %(default)s)")
     parser.add_argument("--timeout_s", type=float, default=3600,
                         help="stop a launch (and its ranks) that runs longer than this (default: %(default)s)")
+    parser.add_argument("--levers", action="store_true",
+                        help="one table: the plain path, each lever alone and the recommended combination")
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # the worker side of the bare loop
     args = parser.parse_args(argv)
     args.recipe_args = recipe_args
@@ -176,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
         return bare_loop(args.recipe, args.steps, args.warmup, recipe_args)
 
     import torch
+
+    if args.levers:
+        return print(lever_table(args, torch.cuda.is_available()))
 
     # Launch-to-launch spread on a shared machine is larger than the difference measured: with --repeats, the
     # trainer and the bare loop run alternately and the medians are compared.
@@ -200,6 +213,74 @@ def main(argv: list[str] | None = None) -> None:
                  + ", ".join(f"{run['tokens_per_second_per_device'] / b:.3f}"
                              for run, b in zip(trainer_runs, bare_runs, strict=True)) + ")"
                  if args.repeats > 1 else ""))
+
+
+def lever_rows(kind: str, processes: int, mixed_precision: str, packing: bool, cuda: bool
+               ) -> list[tuple[str, tuple[str, ...], str]]:
+    """(name, the recipe flags over the user's, why it cannot run here: '' when it can) for the plain path, each
+    lever alone, and the recommended combination."""
+    from shardtune.levers import LEVERS, PLAIN_FLAGS
+
+    rows = [("plain", PLAIN_FLAGS, "")]
+    combined, names = list(PLAIN_FLAGS), []
+    for lever in LEVERS:
+        why = lever.runs(kind, processes, mixed_precision, packing, cuda)
+        rows.append((lever.name, (*PLAIN_FLAGS, *lever.flags), why))
+        if lever.always and not why:
+            combined += lever.flags
+            names.append(lever.name)
+    return [*rows, ("recommended: " + " + ".join(names), tuple(combined), "")]
+
+
+def run_row(args: argparse.Namespace, flags: tuple[str, ...], cuda: bool) -> dict:
+    """One launch of the recipe with `flags`: its summary, with `peak_mb` the peak memory of any rank."""
+    with tempfile.TemporaryDirectory() as scratch:
+        output_dir, memory = Path(scratch) / "bench", Path(scratch) / "memory"
+        if not cuda:  # the profiler records the first steps only: inside the warm-up, outside the timed steps
+            os.environ["SHARDTUNE_PROFILE_MEMORY"] = str(memory)
+        try:
+            launch(args, [args.recipe], output_dir, flags)
+        finally:
+            os.environ.pop("SHARDTUNE_PROFILE_MEMORY", None)
+        rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+        summary = summarize(rows, args.warmup)
+        if cuda:
+            summary["peak_mb"] = summary["peak_memory_gb"] * 2**30 / 1e6
+        else:
+            ranks = [json.loads(path.read_text()) for path in memory.glob("memory_rank*.json")]
+            summary["peak_mb"] = max(rank["peak"][phase] for rank in ranks
+                                     for phase in ("forward_backward", "optimizer")) / 1e6
+    return summary
+
+
+def lever_table(args: argparse.Namespace, cuda: bool) -> str:
+    """Launch every row of lever_rows and tabulate it against the plain path."""
+    from shardtune.flags import parse_recipe
+    from shardtune.plan.strategy import read_accelerate_config
+
+    spec = importlib.util.spec_from_file_location("bench_recipe", args.recipe)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    recipe = parse_recipe(module.RECIPE, args.recipe_args)
+    kind = read_accelerate_config(args.config_file, recipe.mixed_precision).kind
+    memory = "peak allocated per rank" if cuda else "peak live tensors per rank"
+    lines = [f"| lever | tokens/s per device | x plain | {memory} | x plain |", "|---|---|---|---|---|"]
+    plain = None
+    for name, flags, why in lever_rows(kind, args.num_processes, recipe.mixed_precision, recipe.packing, cuda):
+        if why:
+            lines.append(f"| {name} | not run: {why} | | | |")
+            continue
+        try:
+            summary = run_row(args, flags, cuda)
+        except SystemExit as failed:  # one lever refused or failed: the table still shows the others
+            lines.append(f"| {name} | failed: {failed} | | | |")
+            continue
+        plain = summary if name == "plain" else plain
+        speed, peak = summary["tokens_per_second_per_device"], summary["peak_mb"]
+        ratios = ((f"{speed / plain['tokens_per_second_per_device']:.2f}", f"{peak / plain['peak_mb']:.2f}")
+                  if plain else ("", ""))
+        lines.append(f"| {name} | {speed:,.1f} | {ratios[0]} | {peak:,.2f} MB | {ratios[1]} |")
+    return "\n".join(lines)
 
 
 def run_bare(args: argparse.Namespace, recipe_args: list[str]) -> float:

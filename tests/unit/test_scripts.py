@@ -9,6 +9,9 @@ import sys
 
 import pytest
 
+from shardtune.config import Recipe
+from shardtune.flags import parse_recipe
+from shardtune.levers import LEVERS, PLAIN_FLAGS
 from tests.conftest import CONFIGS, REPO, load_script
 from tests.unit.test_help import help_entries
 
@@ -85,3 +88,28 @@ def test_build_deepspeed_ops_asks_each_accelerator_only_for_the_ops_it_has(accel
         assert built == {"cpu_adam", "async_io"}
     else:
         assert absent == [] and built == {"cpu_adam", "async_io", "deepspeed_shm_comm"}
+
+
+def test_bench_levers_rows_run_each_lever_where_it_runs():
+    """scripts/bench.py --levers: the plain path turns every lever off; each lever's row is the plain flags and its
+    own (the last value of a flag is the one parsed); the combination adds the precision-free levers that run here;
+    a lever that cannot run under the launch says why instead of failing mid-table."""
+    bench = load_script("bench")
+    plain = dict(zip(PLAIN_FLAGS[::2], PLAIN_FLAGS[1::2], strict=True))
+    assert plain["--chunked_cross_entropy"] == plain["--torch_compile"] == "false"
+    rows = {name: (flags, why) for name, flags, why in bench.lever_rows("deepspeed", 2, "no", False, cuda=False)}
+    assert rows["plain"] == (PLAIN_FLAGS, "")
+    assert rows["8-bit AdamW states"][1] == "not under DeepSpeed"
+    assert rows["activation offloading"][1] == "needs CUDA"
+    assert rows["packing to full rows"][1] == "needs --packing true"
+    assert rows["4-bit states, no fp32 master"][1] == "not under DeepSpeed"
+    (combined,) = [name for name in rows if name.startswith("recommended")]
+    assert combined == "recommended: loss in tiles + compiled layers"
+    recipe = parse_recipe(Recipe(), list(rows[combined][0]))
+    assert recipe.chunked_cross_entropy and recipe.torch_compile and recipe.optim == "adamw_torch"
+    for lever in LEVERS:  # each lever's row parses as a recipe: the flags exist and their values are valid
+        recipe = parse_recipe(Recipe(packing=True, mixed_precision="bf16"), list(rows[lever.name][0]))
+        assert recipe.chunked_cross_entropy is (lever.name == "loss in tiles")
+    on_gpus = {name: why for name, _, why in bench.lever_rows("fsdp", 8, "bf16", True, cuda=True)}
+    assert not any(on_gpus.values()), on_gpus
+    assert "packing to full rows" in [name for name in on_gpus if name.startswith("recommended")][0]

@@ -1,0 +1,56 @@
+"""The speed and memory levers, as the recipe flags that turn each on over the plain path: one list for
+`scripts/bench.py --levers` and the docs. The planner's search (shardtune.plan.search) decides which a run needs.
+
+The plain path turns every lever off. Each lever's row adds its own flags to it; the recommended combination adds
+those of every lever marked `always` that runs here: the ones that cost no precision (the planner steps down to
+the optimizers that trade it only where no exact run fits the GPUs, OPTIMIZER_LADDER).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Every lever off: the loss over the full logits, eager layers, full checkpointing where the recipe checkpoints,
+# micro-batches packed as they come, saved activations on the accelerator, torch's AdamW over an fp32 master.
+PLAIN_FLAGS = ("--chunked_cross_entropy", "false", "--torch_compile", "false", "--gradient_checkpointing_mode",
+               "full", "--packing_strategy", "padding_free", "--activation_offloading", "false", "--optim",
+               "adamw_torch", "--bf16_stochastic_round", "false")
+
+
+@dataclass(frozen=True)
+class Lever:
+    name: str
+    flags: tuple[str, ...]  # over PLAIN_FLAGS
+    always: bool = False  # in the recommended combination wherever it runs (it costs no precision)
+    cuda_only: bool = False  # shardtune.checks refuses it elsewhere
+    deepspeed: bool = True  # runs under DeepSpeed (its engine steps its own fp32 master with torch's AdamW)
+    fsdp_or_one_process: bool = False  # stochastic rounding: DDP's replicas would round apart
+    needs_bf16: bool = False
+    needs_packing: bool = False
+
+    def runs(self, kind: str, processes: int, mixed_precision: str, packing: bool, cuda: bool) -> str:
+        """'' when the lever runs under this launch, else why not, in a few words."""
+        if self.cuda_only and not cuda:
+            return "needs CUDA"
+        if kind == "deepspeed" and not self.deepspeed:
+            return "not under DeepSpeed"
+        if self.fsdp_or_one_process and kind != "fsdp" and processes > 1:
+            return "FSDP2 or one process"
+        if self.needs_bf16 and mixed_precision != "bf16":
+            return "needs --mixed_precision bf16"
+        if self.needs_packing and not packing:
+            return "needs --packing true"
+        return ""
+
+
+LEVERS = (
+    Lever("loss in tiles", ("--chunked_cross_entropy", "true"), always=True),
+    Lever("compiled layers", ("--torch_compile", "true"), always=True),
+    Lever("selective checkpointing", ("--gradient_checkpointing", "true", "--gradient_checkpointing_mode",
+                                      "selective")),
+    Lever("packing to full rows", ("--packing_strategy", "bfd"), always=True, needs_packing=True),
+    Lever("activation offloading", ("--activation_offloading", "true"), cuda_only=True),
+    Lever("8-bit AdamW states", ("--optim", "adamw_torch_8bit"), deepspeed=False),
+    Lever("4-bit states, no fp32 master", ("--optim", "adamw_torch_4bit", "--bf16_stochastic_round", "true"),
+          deepspeed=False, fsdp_or_one_process=True, needs_bf16=True),
+)
