@@ -3,10 +3,14 @@ window apart as the warm-up), the lengths a packed row is planned at, and the ta
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 
+from shardtune.config import Recipe
+from shardtune.flags import parse_recipe
+from shardtune.plan.planner import plan
 from tests.conftest import load_script
 
 
@@ -63,8 +67,20 @@ def test_the_table_prints_every_figure_and_failed_rows(gpu_check, capsys):
     worst = max(25.0 / (21.5 * GIB) - 1, 13.0 / (12.0 * GIB) - 1, 10.0 / (10.0 * GIB) - 1, key=abs)
     assert good.split() == ["ddp", "packed", "x1", "18.0", "8,000", "35.0%", "1.10", f"{21.5 * GIB:.1f}", "25.0",
                             f"{12.0 * GIB:.1f}", "13.0", f"{10.0 * GIB:.1f}", "10.0", f"{worst:+.1%}"]
-    assert failed == "ds_zero3 padded x1         FAILED: exit 1: CUDA out of memory; log logs/gpu-check/x.log"
+    assert failed == "ds_zero3 padded x1                 FAILED: exit 1: CUDA out of memory; log logs/gpu-check/x.log"
     assert good.split()[-1] == "+8.3%"  # training: 25.0 GB planned, 23.1 measured
     assert gpu_check.failed_cases(rows) == ["ds_zero3 padded x1"]
     missed = gpu_check.summarize(metrics_rows(), {"train": 26.0, "save": 13.0, "eval": 10.0})
     assert gpu_check.failed_cases([{"case": "ddp packed x1", **missed}]) == ["ddp packed x1"]  # +12.6%
+
+
+def test_the_levers_case_launches_and_plans_the_same_fields(gpu_check):
+    """The levers case's recipe fields become its flags (parsed back to the same values) and its plan's arguments
+    (each a parameter of plan(), so the plan counts what the launch turns on)."""
+    config, _, packing, levers = gpu_check.CASES[-1]
+    assert levers == gpu_check.LEVERS and config == "fsdp_full_shard" and packing
+    recipe = parse_recipe(Recipe(mixed_precision="bf16"), gpu_check.lever_flags(levers))
+    assert {field: getattr(recipe, field) for field in levers} == levers
+    assert set(gpu_check.LEVER_PLAN) == set(levers)
+    assert set(gpu_check.LEVER_PLAN.values()) <= set(inspect.signature(plan).parameters)
+    assert gpu_check.case_name(config, 4, packing, levers) == "fsdp_full_shard packed x4 levers"
