@@ -36,7 +36,7 @@ $(VENV)/slurm: $(VENV)/installed
 demo: $(VENV)/installed
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --use_cpu true --overwrite_output_dir true
 
-# On one GPU (sized for 6 minutes on an H200), nothing downloaded: DDP, FSDP and ZeRO-3 on a 1.2B model, padded and
+# On one GPU (sized for 10 minutes on an H200), nothing downloaded: DDP, FSDP and ZeRO-3 on a 1.2B model, padded and
 # packed, each phase's peak measured against the plan. Refuses in one line without a GPU.
 gpu-check: $(VENV)/installed
 	$(PY) scripts/gpu_check.py

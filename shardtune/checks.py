@@ -22,6 +22,7 @@ from shardtune.config import (
     OPTIMIZERS,
     PACKING_STRATEGIES,
     SAVE_DTYPES,
+    TORCHAO_OPTIMIZERS,
     TORCHAO_VERSION,
     BatchSizes,
     ConfigError,
@@ -151,6 +152,11 @@ def check_torch_compile(recipe: Recipe) -> None:
         raise ConfigError(f"--torch_compile_mode {recipe.torch_compile_mode!r} cannot train here: use one of "
                           f"{', '.join(COMPILE_MODES)} (the CUDA-graph modes replay fixed shapes and addresses, "
                           "which varying batches and sharded weights break).")
+    if recipe.torch_compile and recipe.gradient_checkpointing and recipe.gradient_checkpointing_mode == "selective" \
+            and recipe.torch_compile_backend == "inductor":
+        raise ConfigError("--gradient_checkpointing_mode selective saves matmul outputs by their aten op, and inductor "
+                          "issues a compiled layer's matmuls as mm.out, which the policy recomputes: with "
+                          "--torch_compile use --gradient_checkpointing_mode full.")
     if recipe.torch_compile:
         from torch._dynamo import list_backends  # only with compilation on: importing dynamo takes seconds
 
@@ -207,6 +213,10 @@ def check_optimizer(recipe: Recipe, on_gpu: bool, launch_kind: str, world_size: 
     if stochastic and recipe.use_peft:
         raise ConfigError("--bf16_stochastic_round rounds bf16 weights, and LoRA's adapters train in fp32 (their "
                           "base is frozen): leave it out with --use_peft true.")
+    if recipe.async_save and optim in TORCHAO_OPTIMIZERS:
+        raise ConfigError(f"--async_save true copies the optimizer's states with torch.distributed.checkpoint's "
+                          f"stager, which cannot copy torchao's quantized states of --optim {optim} (no new_empty): "
+                          "drop --async_save (saves are then synchronous).")
     if optim in BITSANDBYTES_OPTIMIZERS and not on_gpu:
         raise ConfigError(f"--optim {optim} runs bitsandbytes' CUDA kernels: on this machine use --optim "
                           "adamw_torch_8bit (torchao's 8-bit AdamW, which runs on CPU).")

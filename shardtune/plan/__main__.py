@@ -28,7 +28,7 @@ from shardtune.plan.planned_run import (
     recipe_search,
 )
 from shardtune.plan.report import format_compare, format_plan, write_chart
-from shardtune.plan.search import config_paths, recommend
+from shardtune.plan.search import config_paths, launch_command, recommend
 from shardtune.plan.strategy import PlanError, read_accelerate_config
 
 # The flags that set a field of the planned run (Recipe's names); each overrides the recipe's value.
@@ -217,6 +217,8 @@ def _run(args: argparse.Namespace) -> int:
                           "accumulation": found.accumulation}))
     else:
         print(found.message)
+        if found.plan:
+            print(f"Launch: {launch_command(found.plan, args.model if is_recipe(args.model) else 'RECIPE')}")
         if held_line:
             print(held_line)
         if found.plan:

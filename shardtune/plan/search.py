@@ -4,6 +4,7 @@ does."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from collections.abc import Iterator
@@ -192,7 +193,23 @@ def _fit_message(chosen: MemoryPlan, accumulation: int, offload: bool, shape: Mo
         smallest = min((p for p, _, off in candidates(shape, hardware, search) if not off),
                        key=lambda p: p.per_gpu["total"])
         text += f" No GPU-only config fits: the smallest, {_smallest(smallest)} against {gb(smallest.capacity)} usable."
+    if (chosen.optim, chosen.bf16_stochastic_round) != OPTIMIZER_LADDER[0]:
+        exact = dataclasses.replace(search, optim=OPTIMIZER_LADDER[0][0], bf16_stochastic_round=False)
+        kept = next(((p, a) for p, a, _ in candidates(shape, hardware, exact) if p.fits), None)
+        text += (" No run with torch's AdamW over the fp32 master fits the GPUs; the fastest that fits with it: "
+                 f"{describe_plan(*kept)}, {gb(kept[0].host_ram_per_node)} host RAM per node." if kept else
+                 " No run with torch's AdamW over the fp32 master fits here.")
     return text
+
+
+def launch_command(chosen: MemoryPlan, recipe: str) -> str:
+    """The plan as the command that launches it: the accelerate config, the recipe, the fields the plan chose."""
+    return (f"accelerate launch --config_file accelerate_configs/{chosen.config}.yaml {recipe} "
+            f"--per_device_train_batch_size "
+            f"{chosen.micro_batch} --gradient_checkpointing {str(chosen.gradient_checkpointing).lower()}"
+            + (f" --gradient_checkpointing_mode {chosen.gradient_checkpointing_mode}"
+               if chosen.gradient_checkpointing else "")
+            + f" --optim {chosen.optim} --bf16_stochastic_round {str(chosen.bf16_stochastic_round).lower()}")
 
 
 def fewest_nodes(shape: ModelShape, hardware: Hardware, search: Search,

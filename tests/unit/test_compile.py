@@ -75,7 +75,10 @@ def test_compile_flags_are_checked():
     refusals = {"--torch_compile_backend": dataclasses.replace(Recipe(), torch_compile_backend="aot_eager"),
                 "'reduce-overhead'": dataclasses.replace(COMPILED, torch_compile_mode="reduce-overhead"),
                 "'cudagraphs'": dataclasses.replace(COMPILED, torch_compile_backend="cudagraphs"),
-                "'inductr'": dataclasses.replace(COMPILED, torch_compile_backend="inductr")}
+                "'inductr'": dataclasses.replace(COMPILED, torch_compile_backend="inductr"),
+                # inductor issues a compiled layer's matmuls as mm.out: the selective policy would save none
+                "mm.out": dataclasses.replace(COMPILED, gradient_checkpointing=True,
+                                              gradient_checkpointing_mode="selective")}
     for named, recipe in refusals.items():
         with pytest.raises(ConfigError, match=named):
             check_torch_compile(recipe)

@@ -14,13 +14,15 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
+from shardtune.config import Recipe
+from shardtune.flags import parse_recipe
 from shardtune.flops import BUILTIN_MODELS, builtin_configs, resolve_model, shape_from_config
 from shardtune.flops import main as flops_main
 from shardtune.hardware import HardwareError, nominal_gpu_memory, parse_hardware
 from shardtune.plan.__main__ import main
 from shardtune.plan.activations import activation_bytes, layer_activation_bytes, saved_activation_bytes
 from shardtune.plan.planner import plan, usable_capacity
-from shardtune.plan.search import Search, candidates, recommend
+from shardtune.plan.search import Search, candidates, launch_command, recommend
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
 from shardtune.tiny import tiny_llama_config
@@ -113,6 +115,14 @@ def test_70b_recommendation_trades_precision_before_it_offloads():
     assert found.gpu_only and (found.plan.config, found.plan.optim, found.plan.bf16_stochastic_round) == (
         "fsdp_full_shard", "adamw_torch_4bit", True)
     assert "optimizer adamw_torch_4bit with bf16 stochastic rounding (no fp32 master)" in found.message
+    # The exact alternative is named: torch's AdamW with its states in host RAM.
+    assert "the fastest that fits with it: ds_zero3_offload_optimizer" in found.message
+    command = launch_command(found.plan, "recipes/llama70b_no_offload.py")
+    assert command.endswith("--gradient_checkpointing_mode full --optim adamw_torch_4bit --bf16_stochastic_round "
+                            "true")
+    recipe = parse_recipe(Recipe(), command.split("recipes/llama70b_no_offload.py ")[1].split())
+    assert (recipe.optim, recipe.bf16_stochastic_round, recipe.per_device_train_batch_size) == (
+        "adamw_torch_4bit", True, 1)
     eight_bit = recommend(resolve_model("llama-3.1-70b"), H100, Search(64, 4096, optim="adamw_torch_8bit"))
     assert not eight_bit.gpu_only
     found = recommend(resolve_model("llama-3.1-70b"), H100, Search(64, 4096, optim="adamw_torch"))

@@ -63,7 +63,8 @@ def test_a_recommendation_keeps_the_micro_batch_and_checkpointing_given(capsys):
     assert main(["--model", "llama-3.1-8b", "--per_device_train_batch_size", "4"]) == 0
     out = capsys.readouterr().out
     assert "micro-batch 4 x accumulation" in out.splitlines()[0]
-    assert out.splitlines()[1] == ("Kept as given (--per_device_train_batch_size): micro-batch 4; searched: the "
+    assert out.splitlines()[1].startswith("Launch: accelerate launch --config_file accelerate_configs/")
+    assert out.splitlines()[2] == ("Kept as given (--per_device_train_batch_size): micro-batch 4; searched: the "
                                    "accelerate config and checkpointing and checkpointing mode and optimizer.")
     # A micro-batch that cannot keep the global batch is refused by the recipe's rule, before any search.
     line = refusal(capsys, "--model", "llama-3.1-8b", "--per_device_train_batch_size", "3", "--global_batch_size",
