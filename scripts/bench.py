@@ -12,9 +12,10 @@ same model, data and batches, and prints the trainer's throughput as a ratio of 
 
 With --levers it prints one table instead: the plain path (every lever off, shardtune.levers.PLAIN_FLAGS), each
 lever alone over it, and the recommended combination (the levers that cost no precision and run here), with
-tokens/s per device, the peak memory per rank and each row's ratio to the plain path. The peak is the GPU's
-allocated peak on CUDA; elsewhere the peak of live tensor bytes of the training steps on any rank, from the
-profiler's allocator events (SHARDTUNE_PROFILE_MEMORY: its first steps only, inside the warm-up).
+tokens/s per device, the peak memory and each row's ratio to the plain path. The peak is rank 0's allocated peak
+on CUDA; elsewhere the peak of live tensor bytes of the training steps on any rank, from the profiler's allocator
+events (SHARDTUNE_PROFILE_MEMORY: its first steps only, inside the warm-up). A row the start-up checks refuse (a
+plan that does not fit, for one) is shown as failed, and the table goes on.
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ def lever_rows(kind: str, processes: int, mixed_precision: str, packing: bool, c
     for lever in LEVERS:
         why = lever.runs(kind, processes, mixed_precision, packing, cuda)
         rows.append((lever.name, (*PLAIN_FLAGS, *lever.flags), why))
-        if lever.always and not why:
+        if lever.always and not why and (kind != "deepspeed" or lever.combined_under_deepspeed):
             combined += lever.flags
             names.append(lever.name)
     return [*rows, ("recommended: " + " + ".join(names), tuple(combined), "")]
@@ -263,7 +264,7 @@ def lever_table(args: argparse.Namespace, cuda: bool) -> str:
     spec.loader.exec_module(module)
     recipe = parse_recipe(module.RECIPE, args.recipe_args)
     kind = read_accelerate_config(args.config_file, recipe.mixed_precision).kind
-    memory = "peak allocated per rank" if cuda else "peak live tensors per rank"
+    memory = "peak allocated on rank 0" if cuda else "peak live tensors, any rank"
     lines = [f"| lever | tokens/s per device | x plain | {memory} | x plain |", "|---|---|---|---|---|"]
     plain = None
     for name, flags, why in lever_rows(kind, args.num_processes, recipe.mixed_precision, recipe.packing, cuda):

@@ -104,8 +104,11 @@ def test_bench_levers_rows_run_each_lever_where_it_runs():
     assert rows["packing to full rows"][1] == "needs --packing true"
     assert rows["4-bit states, no fp32 master"][1] == "not under DeepSpeed"
     (combined,) = [name for name in rows if name.startswith("recommended")]
-    assert combined == "recommended: loss in tiles + compiled layers"
-    recipe = parse_recipe(Recipe(), list(rows[combined][0]))
+    assert combined == "recommended: loss in tiles"  # compile alone under DeepSpeed (ZeRO-3's hooks split graphs)
+    assert rows["compiled layers"][1] == ""
+    fsdp = [(name, flags) for name, flags, _ in bench.lever_rows("fsdp", 2, "no", False, cuda=False)]
+    assert fsdp[-1][0] == "recommended: loss in tiles + compiled layers"
+    recipe = parse_recipe(Recipe(), list(fsdp[-1][1]))
     assert recipe.chunked_cross_entropy and recipe.torch_compile and recipe.optim == "adamw_torch"
     for lever in LEVERS:  # each lever's row parses as a recipe: the flags exist and their values are valid
         recipe = parse_recipe(Recipe(packing=True, mixed_precision="bf16"), list(rows[lever.name][0]))
