@@ -1,20 +1,21 @@
 """--torch_compile on 2 real ranks with the aot_eager backend (dynamo's tracing and AOT autograd's graphs, without
 inductor's code generation, which takes minutes on CPU; tests/unit/test_compile.py runs inductor in one process):
-the same losses and gradient norms as the plain runs under DDP with LoRA (recomputed), FSDP2 and ZeRO-3, and the
-compiled frames stop growing once the batches' lengths vary (padded batches of varying length: a recompilation per
-step would show); FSDP2's peak per phase at most the plain run's, which the plan (eager's bytes) is checked against
-in tests/launch/test_memory_phases.py."""
+the same losses and gradient norms as the plain runs under FSDP2 and ZeRO-3, and the compiled frames stop growing
+once the batches' lengths vary (padded batches of varying length: a recompilation per step would show); FSDP2's
+peak per phase at most the plain run's, which the plan (eager's bytes) is checked against in
+tests/launch/test_memory_phases.py. DDP compiles the same way (the layers in place, before `prepare`), as the
+one-process inductor test does."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.conftest import (
-    LORA_ARGS,
     REFERENCE_ARGS,
     grad_norms,
     measured_run,
     read_metrics,
+    run_recipe,
     train_losses,
 )
 from tests.launch.test_memory_phases import measured_peaks
@@ -23,15 +24,18 @@ NEUTRAL_RTOL = 0.01  # the allocator's rounding of the same tensors in two runs
 
 COMPILE_ARGS = ("--torch_compile", "true", "--torch_compile_backend", "aot_eager", "--save_steps", "0")
 # (config, arguments over the plain run's, the plain run's fixture)
-CASES = {"ddp": (LORA_ARGS, "lora_run"),  # LoRA recomputes: the plain LoRA run does too
-         "fsdp_full_shard": (REFERENCE_ARGS, "reference_run"),
+CASES = {"fsdp_full_shard": (REFERENCE_ARGS, "reference_run"),
          "ds_zero3": (REFERENCE_ARGS, "reference_run")}
 
 
 @pytest.mark.parametrize("config", list(CASES))
 def test_compiled_layers_train_as_eager(config, request, tiny_assets, tmp_path):
     args, plain_fixture = CASES[config]
-    out = measured_run(tmp_path, tiny_assets, *args, *COMPILE_ARGS, config=config, processes=2)
+    if config == "fsdp_full_shard":  # its phases are measured below
+        out = measured_run(tmp_path, tiny_assets, *args, *COMPILE_ARGS, config=config, processes=2)
+    else:
+        out = tmp_path / "out"
+        run_recipe(out, tiny_assets, *args, *COMPILE_ARGS, config=config, processes=2)
     plain = request.getfixturevalue(plain_fixture)(config)
     # aot_eager runs the traced aten ops in eager's order (no fusion, no code generation), and the recomputation
     # replays them: fp32 rounding of the logged figures at most (found bit-equal).
