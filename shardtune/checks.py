@@ -187,6 +187,16 @@ def check_lora(recipe: Recipe) -> None:
                           "(--chunked_cross_entropy, on by default) bypasses: add --chunked_cross_entropy false.")
 
 
+def check_compile_under(recipe: Recipe, launch: LaunchDescription) -> None:
+    """--torch_compile under ZeRO-3 compiles next to nothing: measured on 2 ranks, DeepSpeed's parameter hooks break
+    a compiled layer at every module and its pre-backward hook recompiles per module until dynamo's recompile limit
+    (8), after which the layers run eager."""
+    if recipe.torch_compile and launch.uses_deepspeed and str(launch.deepspeed_settings.get("stage")) == "3":
+        raise ConfigError("--torch_compile under ZeRO-3: DeepSpeed's parameter hooks break each compiled layer at "
+                          "every module and recompile it until dynamo's recompile limit, then it runs eager: "
+                          "compile under FSDP2, ZeRO-1/2 or DDP, or drop --torch_compile.")
+
+
 def check_optimizer(recipe: Recipe, on_gpu: bool, launch_kind: str, world_size: int = 1, loads: bool = True
                     ) -> None:
     """What --optim and --bf16_stochastic_round need from the launch and the machine, in the order a user meets
@@ -442,6 +452,7 @@ def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: Lau
     problems.check(check_activation_offloading, recipe, on_gpu)
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
     problems.check(check_optimizer, recipe, on_gpu, launch.kind, launch.world_size)
+    problems.check(check_compile_under, recipe, launch)
     if offloads_to_nvme(launch):
         problems.check(check_async_io, AsyncIOReadiness.of_this_machine(has_gpu))
 

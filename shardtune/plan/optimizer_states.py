@@ -16,6 +16,9 @@ on its local shape."""
 
 from __future__ import annotations
 
+from collections import Counter
+from functools import lru_cache
+
 from shardtune.config import BITSANDBYTES_OPTIMIZERS, TORCHAO_BLOCK_SIZE, TORCHAO_OPTIMIZERS
 from shardtune.flops import ModelShape
 
@@ -27,6 +30,7 @@ QMAP_ENTRIES = {"adamw_torch_8bit": 256, "adamw_torch_4bit": 16}
 CODE_BYTES = {"adamw_torch_8bit": 1.0, "adamw_torch_4bit": 0.5}
 
 
+@lru_cache(maxsize=64)  # the search plans one shape thousands of times; callers only read the list
 def parameter_matrices(shape: ModelShape) -> list[tuple[int, int]]:
     """(rows, columns) of every parameter of a Llama-class model as torch holds it (Linear: out x in; norms and
     biases: elements x 1), in `model.parameters()` order (states.parameter_sizes' elements)."""
@@ -67,8 +71,11 @@ def optimizer_state_bytes(optim: str, matrices: list[tuple[int, int]], shards: i
                           stochastic: bool = False) -> float:
     """Bytes of every trainable tensor's optimizer states on the largest rank: `matrices` their (rows, columns),
     `shards` 1 (DDP) or the FSDP world, `weight_bytes` the parameters' bytes per element."""
-    return float(sum(tensor_state_bytes(optim, local_elements(rows, columns, shards), weight_bytes, stochastic)
-                     for rows, columns in matrices))
+    # A model repeats a few shapes many times: each distinct local piece is counted once, times its count
+    # (integer-valued bytes well below 2**53: the same sum, exactly).
+    pieces = Counter(local_elements(rows, columns, shards) for rows, columns in matrices)
+    return float(sum(count * tensor_state_bytes(optim, elements, weight_bytes, stochastic)
+                     for elements, count in pieces.items()))
 
 
 # torchao's eager step (adam.py `single_param_adam` run without torch.compile, as on CPU): its fp32 temporaries of

@@ -11,7 +11,13 @@ from shardtune.plan.activations import activation_mode, eval_activation_bytes
 from shardtune.plan.buffers import buffers, persistent_buffer_bytes
 from shardtune.plan.host import swap_buffer_bytes
 from shardtune.plan.optimizer_states import local_elements, parameter_matrices, torchao_step_bytes
-from shardtune.plan.states import Peft, decay_tensors, deepspeed_sizes, parameter_sizes, persistent_elements
+from shardtune.plan.states import (
+    Peft,
+    decay_tensors,
+    deepspeed_sizes,
+    largest_parameter,
+    persistent_elements,
+)
 from shardtune.plan.strategy import DS_SUB_GROUP, Strategy
 
 PHASES = ("forward_backward", "optimizer", "eval", "save")
@@ -78,7 +84,7 @@ def eval_gather_bytes(strategy: Strategy, shape: ModelShape) -> float:
     if strategy.kind == "fsdp":
         return float((root + 2 * layer) * low if strategy.shard >= 3 else shape.params * low)
     if strategy.kind == "deepspeed" and strategy.shard >= 3:
-        largest = max(numel for numel, _ in parameter_sizes(shape))
+        largest = largest_parameter(shape)
         return float(2 * (largest + min(deepspeed_sizes(strategy, shape)["prefetch_bucket"], shape.params)) * low)
     return 0.0
 
@@ -87,7 +93,7 @@ def export_shard_bytes(shape: ModelShape, export_bytes: int = 2) -> float:
     """The largest output shard of the final export (shardtune.export.write_streamed_shards): huggingface_hub's
     split_torch_state_dict_into_shards fills each shard up to EXPORT_SHARD_BYTES and gives a larger tensor a
     shard of its own; a model smaller than that is one shard."""
-    largest = max(rows * columns for rows, columns in decay_tensors(shape))
+    largest = largest_parameter(shape)
     return float(max(min(EXPORT_SHARD_BYTES, export_bytes * shape.params), export_bytes * largest))
 
 
@@ -103,7 +109,7 @@ def save_gather_bytes(strategy: Strategy, shape: ModelShape, params: int, world:
     - ZeRO-1/2 and DDP: the whole local parameter, cast into a new tensor where the export dtype differs.
     A PEFT model gathers its adapters alone, fp32, all of them on the main process's host (adapter_state_dict)."""
     low = strategy.compute_bytes
-    largest = float(max(rows * columns for rows, columns in decay_tensors(shape)))
+    largest = float(largest_parameter(shape))
     stored = 4 if strategy.kind in ("fsdp", "ddp") else low  # FSDP2 and DDP keep fp32 parameters
     if strategy.kind == "fsdp" or (strategy.kind == "deepspeed" and strategy.shard >= 3):
         gathered = stored * largest

@@ -4,6 +4,7 @@ stores them; the parameter layout that DeepSpeed's partitions, groups and sub-gr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from shardtune.flops import ModelShape
 from shardtune.plan.optimizer_states import optimizer_state_bytes, parameter_matrices
@@ -85,6 +86,7 @@ def peft_states(strategy: Strategy, shape: ModelShape, world: int, peft: Peft, o
     return states
 
 
+@lru_cache(maxsize=64)  # the search plans one shape thousands of times; callers only read the list
 def parameter_sizes(shape: ModelShape) -> list[tuple[int, bool]]:
     """(elements, weight-decayed) of every parameter of a Llama-class model, in `model.parameters()` order: the
     order in which DeepSpeed fills each parameter group's sub-groups. Decayed as the trainer splits them
@@ -102,6 +104,13 @@ def parameter_sizes(shape: ModelShape) -> list[tuple[int, bool]]:
     return sizes + ([] if shape.tied else [(shape.vocab * h, True)])
 
 
+@lru_cache(maxsize=64)
+def largest_parameter(shape: ModelShape) -> int:
+    """Elements of the largest parameter (the embedding or lm_head for Llama)."""
+    return max(numel for numel, _ in parameter_sizes(shape))
+
+
+@lru_cache(maxsize=64)  # as parameter_sizes
 def decay_tensors(shape: ModelShape) -> list[tuple[int, int]]:
     """(rows, columns) of the matrices torch AdamW steps as one parameter group (the trainer's weight-decay group),
     in parameter order: embedding, per layer q, k, v, o, gate, up, down, then lm_head unless tied. Norm weights

@@ -65,7 +65,8 @@ def test_a_hanging_case_is_killed_whole_and_becomes_a_failed_row(tmp_path, capsy
     row = {"case": "ddp padded x1", "error": script.failure(log, finished, 8)}
     script.print_table([row])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1] == f"ddp padded x1              FAILED: killed after 8 s (process group and ranks); log {log}"
+    assert lines[1] == (f"ddp padded x1                      FAILED: killed after 8 s (process group and ranks); "
+                        f"log {log}")
     assert script.failed_cases([row]) == ["ddp padded x1"]
 
 

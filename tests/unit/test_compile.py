@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import MappingProxyType
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaForCausalLM
 
-from shardtune.checks import check_torch_compile
+from shardtune.checks import check_compile_under, check_torch_compile
 from shardtune.compilation import compile_decoder_layers, eager_calls, local_compile_figures
 from shardtune.config import ConfigError, Recipe
 from shardtune.tiled_loss import chunked_token_loss
 from shardtune.tiny import tiny_llama_config
+from tests.unit.test_async_io_check import deepspeed_launch
 
 LENGTHS = (24, 37, 29)  # one static graph at 24, one with the length dynamic at 37, reused at 29
 COMPILED = Recipe(torch_compile=True)
@@ -99,3 +101,16 @@ def test_the_plan_records_compilation_and_plans_it_as_eager(capsys):
     assert main(["--model", "llama-3.1-8b", "--config_file", "accelerate_configs/fsdp_full_shard.yaml",
                  "--torch_compile", "true"]) == 0
     assert "layers compiled (planned as eager)" in capsys.readouterr().out
+
+
+def test_compile_under_zero3_is_refused_and_under_zero2_taken():
+    """ZeRO-3's parameter hooks split a compiled layer at every module and recompile it up to dynamo's limit: the
+    launch is refused in one line; ZeRO-1/2 have no such hooks."""
+    zero3 = deepspeed_launch("none", "none")
+    with pytest.raises(ConfigError) as error:
+        check_compile_under(COMPILED, zero3)
+    (message,) = error.value.messages
+    assert message.startswith("--torch_compile under ZeRO-3") and "FSDP2, ZeRO-1/2 or DDP" in message
+    check_compile_under(Recipe(), zero3)  # eager: nothing to refuse
+    zero2 = dataclasses.replace(zero3, deepspeed_settings=MappingProxyType({**zero3.deepspeed_settings, "stage": 2}))
+    check_compile_under(COMPILED, zero2)
