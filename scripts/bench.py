@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
                  if args.repeats > 1 else ""))
 
 
-def lever_rows(kind: str, processes: int, mixed_precision: str, packing: bool, cuda: bool
+def lever_rows(kind: str, shard: int, processes: int, mixed_precision: str, packing: bool, cuda: bool
                ) -> list[tuple[str, tuple[str, ...], str]]:
     """(name, the recipe flags over the user's, why it cannot run here: '' when it can) for the plain path, each
     lever alone, and the recommended combination."""
@@ -225,9 +225,9 @@ def lever_rows(kind: str, processes: int, mixed_precision: str, packing: bool, c
     rows = [("plain", PLAIN_FLAGS, "")]
     combined, names = list(PLAIN_FLAGS), []
     for lever in LEVERS:
-        why = lever.runs(kind, processes, mixed_precision, packing, cuda)
+        why = lever.runs(kind, shard, processes, mixed_precision, packing, cuda)
         rows.append((lever.name, (*PLAIN_FLAGS, *lever.flags), why))
-        if lever.always and not why and (kind != "deepspeed" or lever.combined_under_deepspeed):
+        if lever.always and not why:
             combined += lever.flags
             names.append(lever.name)
     return [*rows, ("recommended: " + " + ".join(names), tuple(combined), "")]
@@ -263,11 +263,12 @@ def lever_table(args: argparse.Namespace, cuda: bool) -> str:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     recipe = parse_recipe(module.RECIPE, args.recipe_args)
-    kind = read_accelerate_config(args.config_file, recipe.mixed_precision).kind
+    strategy = read_accelerate_config(args.config_file, recipe.mixed_precision)
     memory = "peak allocated on rank 0" if cuda else "peak live tensors, any rank"
     lines = [f"| lever | tokens/s per device | x plain | {memory} | x plain |", "|---|---|---|---|---|"]
     plain = None
-    for name, flags, why in lever_rows(kind, args.num_processes, recipe.mixed_precision, recipe.packing, cuda):
+    for name, flags, why in lever_rows(strategy.kind, strategy.shard, args.num_processes, recipe.mixed_precision,
+                                       recipe.packing, cuda):
         if why:
             lines.append(f"| {name} | not run: {why} | | | |")
             continue

@@ -27,16 +27,16 @@ class Lever:
     fsdp_or_one_process: bool = False  # stochastic rounding: DDP's replicas would round apart
     needs_bf16: bool = False
     needs_packing: bool = False
-    # In the combination under DeepSpeed: compile is not (ZeRO-3's parameter hooks split a compiled layer into a
-    # graph per module, and dynamo's recompile limit leaves most of a deep model eager; run it alone to measure).
-    combined_under_deepspeed: bool = True
+    zero3: bool = True  # runs under ZeRO-3 (compile does not: shardtune.checks.check_compile_under)
 
-    def runs(self, kind: str, processes: int, mixed_precision: str, packing: bool, cuda: bool) -> str:
-        """'' when the lever runs under this launch, else why not, in a few words."""
+    def runs(self, kind: str, shard: int, processes: int, mixed_precision: str, packing: bool, cuda: bool) -> str:
+        """'' when the lever runs under this launch (`shard`: the ZeRO stage), else why not, in a few words."""
         if self.cuda_only and not cuda:
             return "needs CUDA"
         if kind == "deepspeed" and not self.deepspeed:
             return "not under DeepSpeed"
+        if kind == "deepspeed" and shard >= 3 and not self.zero3:
+            return "not under ZeRO-3"
         if self.fsdp_or_one_process and kind != "fsdp" and processes > 1:
             return "FSDP2 or one process"
         if self.needs_bf16 and mixed_precision != "bf16":
@@ -48,7 +48,7 @@ class Lever:
 
 LEVERS = (
     Lever("loss in tiles", ("--chunked_cross_entropy", "true"), always=True),
-    Lever("compiled layers", ("--torch_compile", "true"), always=True, combined_under_deepspeed=False),
+    Lever("compiled layers", ("--torch_compile", "true"), always=True, zero3=False),
     Lever("selective checkpointing", ("--gradient_checkpointing", "true", "--gradient_checkpointing_mode",
                                       "selective")),
     Lever("packing to full rows", ("--packing_strategy", "bfd"), always=True, needs_packing=True),

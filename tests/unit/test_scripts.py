@@ -97,22 +97,22 @@ def test_bench_levers_rows_run_each_lever_where_it_runs():
     bench = load_script("bench")
     plain = dict(zip(PLAIN_FLAGS[::2], PLAIN_FLAGS[1::2], strict=True))
     assert plain["--chunked_cross_entropy"] == plain["--torch_compile"] == "false"
-    rows = {name: (flags, why) for name, flags, why in bench.lever_rows("deepspeed", 2, "no", False, cuda=False)}
+    rows = {name: (flags, why) for name, flags, why in bench.lever_rows("deepspeed", 3, 2, "no", False, cuda=False)}
     assert rows["plain"] == (PLAIN_FLAGS, "")
     assert rows["8-bit AdamW states"][1] == "not under DeepSpeed"
     assert rows["activation offloading"][1] == "needs CUDA"
     assert rows["packing to full rows"][1] == "needs --packing true"
     assert rows["4-bit states, no fp32 master"][1] == "not under DeepSpeed"
     (combined,) = [name for name in rows if name.startswith("recommended")]
-    assert combined == "recommended: loss in tiles"  # compile alone under DeepSpeed (ZeRO-3's hooks split graphs)
-    assert rows["compiled layers"][1] == ""
-    fsdp = [(name, flags) for name, flags, _ in bench.lever_rows("fsdp", 2, "no", False, cuda=False)]
+    assert combined == "recommended: loss in tiles"
+    assert rows["compiled layers"][1] == "not under ZeRO-3"
+    fsdp = [(name, flags) for name, flags, _ in bench.lever_rows("fsdp", 3, 2, "no", False, cuda=False)]
     assert fsdp[-1][0] == "recommended: loss in tiles + compiled layers"
     recipe = parse_recipe(Recipe(), list(fsdp[-1][1]))
     assert recipe.chunked_cross_entropy and recipe.torch_compile and recipe.optim == "adamw_torch"
     for lever in LEVERS:  # each lever's row parses as a recipe: the flags exist and their values are valid
         recipe = parse_recipe(Recipe(packing=True, mixed_precision="bf16"), list(rows[lever.name][0]))
         assert recipe.chunked_cross_entropy is (lever.name == "loss in tiles")
-    on_gpus = {name: why for name, _, why in bench.lever_rows("fsdp", 8, "bf16", True, cuda=True)}
+    on_gpus = {name: why for name, _, why in bench.lever_rows("fsdp", 3, 8, "bf16", True, cuda=True)}
     assert not any(on_gpus.values()), on_gpus
     assert "packing to full rows" in [name for name in on_gpus if name.startswith("recommended")][0]
