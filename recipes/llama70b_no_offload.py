@@ -9,7 +9,7 @@ Launch (one node, 8xH100-80GB; every state on the GPUs, sharded by FSDP2):
 Plan on 8xh100-80gb, from python -m shardtune.plan --model recipes/llama70b_no_offload.py --hardware 8xh100-80gb
     (scripts/plan_table.py --write keeps this current): fsdp_full_shard, micro-batch 1 x accumulation 8, gradient
     checkpointing on, optimizer adamw_torch_4bit with bf16 stochastic rounding (no fp32 master): 64.1 GB of 69.9 GB
-    usable per GPU, 282 GB of 1,800 GB usable host RAM per node.
+    usable per GPU, 141 GB of 1,800 GB usable host RAM per node.
 Tested: the trainer, configs and launch path on CPU with the tiny model (make test); not yet run on this hardware.
 Override any field from the command line, e.g. --learning_rate 5e-6 --max_steps 500.
 """

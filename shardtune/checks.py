@@ -197,11 +197,12 @@ def check_compile_under(recipe: Recipe, launch: LaunchDescription) -> None:
                           "compile under FSDP2, ZeRO-1/2 or DDP, or drop --torch_compile.")
 
 
-def check_optimizer(recipe: Recipe, on_gpu: bool, launch_kind: str, world_size: int = 1, loads: bool = True
-                    ) -> None:
+def check_optimizer(recipe: Recipe, on_gpu: bool, launch_kind: str, world_size: int = 1, loads: bool = True,
+                    replicated: bool = False) -> None:
     """What --optim and --bf16_stochastic_round need from the launch and the machine, in the order a user meets
     it. `launch_kind`: "ddp", "fsdp" or "deepspeed" (LaunchDescription.kind). `loads`: the run will build the
-    optimizer (a --dry_run plans it without the package)."""
+    optimizer (a --dry_run plans it without the package). `replicated`: FSDP2's hybrid sharding, each shard held
+    by one rank per node."""
     optim, stochastic = recipe.optim, recipe.bf16_stochastic_round
     if optim not in OPTIMIZERS or (optim == "adamw_torch" and not stochastic):
         return
@@ -220,6 +221,10 @@ def check_optimizer(recipe: Recipe, on_gpu: bool, launch_kind: str, world_size: 
         raise ConfigError("--bf16_stochastic_round rounds each weight with a random draw, and DDP's replicas draw "
                           "independently, so they would drift apart: launch with an FSDP config (each rank rounds "
                           "its own shard) or one process.")
+    if stochastic and replicated:
+        raise ConfigError("--bf16_stochastic_round rounds each weight with a random draw, and hybrid sharding's "
+                          "replicas of a shard (one per node) draw independently, so they would drift apart: "
+                          "launch with accelerate_configs/fsdp_full_shard.yaml across the nodes.")
     if stochastic and recipe.use_peft:
         raise ConfigError("--bf16_stochastic_round rounds bf16 weights, and LoRA's adapters train in fp32 (their "
                           "base is frozen): leave it out with --use_peft true.")
@@ -451,7 +456,7 @@ def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: Lau
     problems.check(check_quantization, recipe, on_gpu)
     problems.check(check_activation_offloading, recipe, on_gpu)
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
-    problems.check(check_optimizer, recipe, on_gpu, launch.kind, launch.world_size)
+    problems.check(check_optimizer, recipe, on_gpu, launch.kind, launch.world_size, True, launch.hybrid_shard)
     problems.check(check_compile_under, recipe, launch)
     if offloads_to_nvme(launch):
         problems.check(check_async_io, AsyncIOReadiness.of_this_machine(has_gpu))

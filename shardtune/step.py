@@ -81,7 +81,25 @@ def global_grad_norm(accelerator: Accelerator, model: torch.nn.Module, max_grad_
     accelerator.clip_grad_norm_, which calls `.item()` on it: a host sync that waits for the whole optimizer step."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return model.get_global_grad_norm()
+    parameters = [param for param in model.parameters() if param.grad is not None]
+    if parameters and parameters[0].grad.dtype == torch.bfloat16:
+        return clip_bf16_gradients(parameters, max_grad_norm)
     return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+
+
+def clip_bf16_gradients(parameters: list[torch.nn.Parameter], max_grad_norm: float) -> torch.Tensor:
+    """Clip bf16 gradients (--bf16_stochastic_round) by their global norm summed in fp32, and return that norm.
+    torch's clip_grad_norm_ keeps each tensor's norm, and their total, in the gradients' dtype: the norm that
+    decides the clipping would be rounded to bf16's three digits. Each norm reads its bf16 gradient in place."""
+    norms = [torch.linalg.vector_norm(param.grad, 2.0, dtype=torch.float32) for param in parameters]
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    if isinstance(total, DTensor):  # FSDP2: a sum over the shards, replicated on every rank
+        total = total.full_tensor()
+        replicated = DTensor.from_local(total, parameters[0].grad.device_mesh)
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_grad_norm, replicated)
+    else:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_grad_norm, total)
+    return total
 
 
 def norm_on_device(norm: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | None:

@@ -40,9 +40,11 @@ def staging_host_bytes(strategy: Strategy, params: int, world: int, gpus_per_nod
     return 12 * p / n * local + (4 * p if strategy.kind == "deepspeed" and strategy.shard < 3 else 0)
 
 
-def loading_host_bytes(strategy: Strategy, params: int, gpus_per_node: int, peft: Peft | None = None) -> float:
+def loading_host_bytes(strategy: Strategy, params: int, gpus_per_node: int, peft: Peft | None = None,
+                       bf16_weights: bool = False) -> float:
     """Host RAM while the weights load, in the dtype they load in (shardtune.model.load_model): fp32 master
-    weights for full fine-tuning, the 16-bit frozen base under LoRA; QLoRA quantizes each checkpoint shard as it
+    weights for full fine-tuning (bf16 with --bf16_stochastic_round, `bf16_weights`), the 16-bit frozen base
+    under LoRA; QLoRA quantizes each checkpoint shard as it
     reaches the GPU, so a process holds its NF4 copy on the way plus one 16-bit shard (5 GB). Every local
     process reads its own copy, unless RAM-efficient loading is on (FSDP: rank 0 reads, the others start on the
     meta device; DeepSpeed zero.Init streams checkpoint shards and keeps partitions: approximated as one copy
@@ -50,7 +52,7 @@ def loading_host_bytes(strategy: Strategy, params: int, gpus_per_node: int, peft
     copies = 1 if strategy.ram_efficient_loading else gpus_per_node
     if peft is not None and peft.load_in_4bit:
         return (NF4_BYTES * params + CHECKPOINT_SHARD_BYTES) * copies
-    per_param = 4 if peft is None else strategy.compute_bytes
+    per_param = strategy.compute_bytes if peft is not None or bf16_weights else 4
     return float(per_param * params * copies)
 
 

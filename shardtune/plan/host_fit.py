@@ -19,8 +19,9 @@ from shardtune.plan.strategy import Strategy
 
 def host_ram_terms(strategy: Strategy, shape: ModelShape, world: int, gpus_per_node: int, states_host: float,
                    peft: Peft | None = None, async_save: bool = False, save_only_model: bool = False,
-                   export_bytes: int = 2) -> dict[str, float]:
-    """Each host-RAM term per node: `states_host` is one rank's offloaded states (States.host)."""
+                   export_bytes: int = 2, bf16_weights: bool = False) -> dict[str, float]:
+    """Each host-RAM term per node: `states_host` is one rank's offloaded states (States.host); `bf16_weights`:
+    the model loads and trains in bf16 (--bf16_stochastic_round)."""
     params = shape.params
     trainable = peft.trainable_params(shape) if peft else params
     local = gpus_per_node
@@ -28,7 +29,7 @@ def host_ram_terms(strategy: Strategy, shape: ModelShape, world: int, gpus_per_n
         "offloaded_states": states_host * local,
         "swap_buffers": swap_buffer_bytes(strategy, shape, trainable, world) * local,
         "pinned_rounding": pinned_rounding_bytes(strategy, shape, world, peft) * local,
-        "model_loading": loading_host_bytes(strategy, params, local, peft),
+        "model_loading": loading_host_bytes(strategy, params, local, peft, bf16_weights),
         "checkpoint_page_cache": checkpoint_page_cache_bytes(params),
         "checkpoint_staging": (staging_host_bytes(strategy, params, world, local, save_only_model)
                                if async_save else 0.0),

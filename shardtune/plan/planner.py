@@ -163,7 +163,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     peak_phase = max(PHASES, key=lambda name: phases[name]["total"])
     per_gpu["total"] = phases[peak_phase]["total"]
     host = host_ram_terms(strategy, shape, world, hardware.gpus_per_node, states.host, peft, async_save,
-                          save_only_model, export_bytes)
+                          save_only_model, export_bytes, bf16_stochastic_round)
     if activation_offloading:
         host["offloaded_activations"] = hardware.gpus_per_node * offloaded_host_bytes(
             shape, rows, length, mode, checkpointing, attn, masked, peft is not None)

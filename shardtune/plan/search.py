@@ -145,13 +145,14 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
 
 def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: str, stochastic: bool) -> bool:
     """Whether the trainer runs this optimizer under `strategy` (shardtune.checks.check_optimizer refuses the
-    rest): DeepSpeed with torch's AdamW alone; the rounding over bf16 full fine-tuning, under FSDP2 or one
-    process (DDP's replicas would round apart)."""
+    rest): DeepSpeed with torch's AdamW alone; the rounding over bf16 full fine-tuning, under FSDP2 sharded
+    over every GPU or one process (replicas would round apart: DDP's, hybrid sharding's)."""
     if strategy.kind == "deepspeed":
         return (optim, stochastic) == ("adamw_torch", False)
     if stochastic:
+        unreplicated = strategy.kind == "fsdp" and strategy.sharded_over(hardware.world_size) == hardware.world_size
         return search.mixed_precision == "bf16" and search.peft is None and (
-            strategy.kind == "fsdp" or hardware.world_size == 1)
+            unreplicated or hardware.world_size == 1)
     return True
 
 

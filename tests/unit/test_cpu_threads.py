@@ -41,10 +41,11 @@ def stand_ins(tmp_path_factory) -> Path:
 
 def run_job(config: str, stand_ins: Path, tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "OMP_"))}
-    env.update(PATH=f"{stand_ins}:{Path(sys.executable).parent}:{env['PATH']}", PYTHONPATH=str(REPO),
-               SLURM_JOB_ID="4242", SLURM_JOB_NAME="shardtune", SLURM_JOB_NODELIST="node-[a-b]", SLURM_NNODES="2",
-               SLURM_CPUS_ON_NODE=str(CPUS_ON_NODE), SHARDTUNE_PROCS_PER_NODE=str(PROCS_PER_NODE),
-               SHARDTUNE_LOG_DIR=str(tmp_path / "logs"), **extra)
+    env.update({"PATH": f"{stand_ins}:{Path(sys.executable).parent}:{env['PATH']}", "PYTHONPATH": str(REPO),
+                "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "shardtune", "SLURM_JOB_NODELIST": "node-[a-b]",
+                "SLURM_NNODES": "2", "SLURM_CPUS_ON_NODE": str(CPUS_ON_NODE),
+                "SHARDTUNE_PROCS_PER_NODE": str(PROCS_PER_NODE), "SHARDTUNE_LOG_DIR": str(tmp_path / "logs"),
+                **extra})
     return subprocess.run(["bash", str(SCRIPT), str(TINY_RECIPE), config], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -63,6 +64,17 @@ def test_threads_per_rank_follow_where_the_optimizer_steps(config, stand_ins, tm
     assert f"step environment: OMP_NUM_THREADS={threads}\n" in result.stdout, result.stdout
     assert f"OMP_NUM_THREADS={threads} per rank" in result.stdout
     assert "--num_processes 16" in result.stdout and "--main_process_ip node-a" in result.stdout
+
+
+def test_hybrid_sharding_replicates_across_the_jobs_nodes(stand_ins, tmp_path):
+    """fsdp_hybrid_shard.yaml is written for 2 nodes of 8: a job of 3 nodes of 4 ranks meshes 3 x 4."""
+    result = run_job(str(CONFIGS / "fsdp_hybrid_shard.yaml"), stand_ins, tmp_path, SLURM_NNODES="3",
+                     SHARDTUNE_PROCS_PER_NODE="4")
+    assert result.returncode == 0, result.stderr
+    assert "--num_processes 12" in result.stdout
+    assert "--parallelism_config_dp_replicate_size 3 --parallelism_config_dp_shard_size 4" in result.stdout
+    plain = run_job(str(CONFIGS / "fsdp_full_shard.yaml"), stand_ins, tmp_path)
+    assert "parallelism_config" not in plain.stdout
 
 
 def test_an_unreadable_config_stops_the_job_before_srun(stand_ins, tmp_path):

@@ -142,3 +142,23 @@ def test_an_hpz_group_that_does_not_divide_the_ranks_is_refused():
     check_hpz(8, 4)  # DeepSpeed takes min(size, world): the 4 ranks are one group
     with pytest.raises(ConfigError, match="zero_hpz_partition_size 8 does not divide the 12 processes"):
         check_hpz(8, 12)
+
+
+def test_stochastic_rounding_is_refused_and_not_planned_under_hybrid_sharding():
+    """Each node's replica of a shard would round with draws of its own: the trainer refuses it in one line, and
+    the search steps its rounding rungs under FULL_SHARD across the nodes instead."""
+    from shardtune.checks import check_optimizer
+    from shardtune.config import Recipe
+    from shardtune.plan.search import Search, runs_under
+
+    recipe = Recipe(optim="adamw_torch_8bit", bf16_stochastic_round=True, mixed_precision="bf16")
+    check_optimizer(recipe, True, "fsdp", 16, loads=False)
+    with pytest.raises(ConfigError) as error:
+        check_optimizer(recipe, True, "fsdp", 16, loads=False, replicated=True)
+    (message,) = error.value.messages
+    assert "hybrid sharding" in message and "fsdp_full_shard.yaml" in message
+    search = Search(mixed_precision="bf16")
+    hybrid, full = read_accelerate_config(HYBRID, "bf16"), read_accelerate_config(FULL_SHARD, "bf16")
+    assert not runs_under(hybrid, TWO_NODES, search, "adamw_torch_8bit", True)
+    assert runs_under(hybrid, TWO_NODES, search, "adamw_torch_8bit", False)
+    assert runs_under(full, TWO_NODES, search, "adamw_torch_8bit", True)

@@ -24,6 +24,7 @@ from shardtune.plan.optimizer_states import parameter_matrices
 from shardtune.plan.planner import plan
 from shardtune.plan.states import model_states
 from shardtune.plan.strategy import PlanError, Strategy
+from shardtune.step import global_grad_norm
 from tests.conftest import REPO
 from tests.unit.test_async_io_check import deepspeed_launch
 
@@ -166,6 +167,8 @@ def test_the_plan_carries_the_optimizer_and_refuses_what_cannot_run():
     assert (eight.to_json()["optim"], eight.to_json()["bf16_stochastic_round"]) == ("adamw_torch_8bit", True)
     assert eight.per_gpu["optimizer"] < plan(shape, hardware, FSDP).per_gpu["optimizer"] / 3
     assert eight.per_gpu["weights"] == plan(shape, hardware, FSDP).per_gpu["weights"] / 2
+    # The weights load in bf16 rather than fp32.
+    assert eight.host_ram["model_loading"] == plan(shape, hardware, FSDP).host_ram["model_loading"] / 2
     with pytest.raises(PlanError, match="DeepSpeed"):
         plan(shape, hardware, dataclasses.replace(FSDP, kind="deepspeed"), optim="adamw_torch_8bit")
     with pytest.raises(PlanError, match="DeepSpeed"):
@@ -250,6 +253,17 @@ def test_fsdp2_holds_the_bf16_weights_it_loaded(tiny_assets, monkeypatch):
         params = list(model.parameters())
         assert all(isinstance(param, DTensor) and param.dtype == torch.bfloat16 for param in params)
         optimizer = build_optimizer(model, recipe)
+        torch.manual_seed(0)
+        for param in params:
+            local = torch.randn(param.to_local().shape, dtype=torch.bfloat16)
+            param.grad = DTensor.from_local(local, param.device_mesh, param.placements)
+        # The gradient norm is summed in fp32 and clips in place: within 1e-5, where bf16 would round it by 3e-3.
+        exact = torch.cat([param.grad.full_tensor().double().reshape(-1) for param in params]).norm()
+        assert exact > 10
+        norm = global_grad_norm(accelerator, model, 1.0)
+        assert norm.dtype == torch.float32 and float(norm) == pytest.approx(float(exact), rel=1e-5)
+        clipped = torch.cat([param.grad.full_tensor().double().reshape(-1) for param in params]).norm()
+        assert float(clipped) == pytest.approx(1.0, rel=1e-2)  # the clipped bf16 gradients
         for param in params:
             param.grad = torch.ones_like(param)
         monkeypatch.setattr(torch, "compile", lambda function, **options: function)
