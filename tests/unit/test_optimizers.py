@@ -285,23 +285,16 @@ def test_the_eager_step_transient_is_planned(recipe, monkeypatch):
     """torchao's step on one tensor, eager, in this process: the bytes it allocates above the states at its
     second step are optimizer_states.torchao_step_bytes of that tensor."""
     from shardtune.plan.optimizer_states import torchao_step_bytes
-    from shardtune.profiling import PhaseRecorder
+    from tests.unit.test_memory_phases import step_rise
 
     monkeypatch.setattr(torch, "compile", lambda function, **options: function)  # eager: see the module's doc
     dtype = torch.bfloat16 if recipe.bf16_stochastic_round else torch.float32
     model = torch.nn.Linear(1024, 512, bias=False).to(dtype)
     optimizer = build_optimizer(model, dataclasses.replace(recipe, weight_decay=0.1))
     model.weight.grad = torch.randn_like(model.weight)
-    for _ in range(2):
-        recorder = PhaseRecorder()
-        recorder.start()
-        recorder.watch(model)
-        recorder.begin("optimizer")
-        optimizer.step()
-        recorder.end()
-        run = recorder.stop()["phases"]["optimizer"][0]
+    rises = [step_rise(model, optimizer) for _ in range(2)]  # the second: the states exist already
     planned = torchao_step_bytes(recipe.optim, recipe.bf16_stochastic_round, model.weight.numel())
-    assert run["peak"] - run["start"] == pytest.approx(planned, rel=0.01)
+    assert rises[1] == pytest.approx(planned, rel=0.01)
 
 
 @pytest.mark.parametrize("optim", TORCHAO_OPTIMIZERS)
