@@ -55,7 +55,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                                targets: torch.Tensor) -> torch.Tensor:
     """Liger's fused linear cross-entropy (CUDA only: Triton kernels) of `hidden` through `weight`, summed over
     the target tokens and divided by `targets`, as tiled_cross_entropy's. Its per-token losses are fp32; the
-    weight's gradient is accumulated in fp32 over Liger's chunks (accum_dtype), then cast to the weight's dtype."""
+    weight's gradient is accumulated in fp32 over Liger's chunks (accum_dtype), then cast to the weight's dtype.
+    Liger counts the targets on the host (`.item()`): one device sync per micro-batch, which the tiles do not make."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     loss = liger_fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),

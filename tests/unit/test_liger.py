@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,14 +212,20 @@ def test_the_fused_loss_and_its_gradients_equal_the_tiled_loss(torch_kernels, ti
 
 
 def saved_bytes(run) -> list[torch.Tensor]:
-    """The tensors autograd saves while `run()` runs, each storage once."""
+    """The tensors autograd saves while `run()` runs, each storage once. The graph keeps only their addresses (this
+    list keeps the tensors, so that no address is reused meanwhile): a graph that kept a saved output itself would
+    hold it in a reference cycle through its grad_fn that no backward here breaks and Python's gc cannot see."""
     saved = {}
 
     def pack(tensor):
-        saved.setdefault(tensor.untyped_storage().data_ptr(), tensor)
-        return tensor
+        pointer = tensor.untyped_storage().data_ptr()
+        saved.setdefault(pointer, tensor)
+        return pointer
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    def unpack(pointer):
+        raise AssertionError("measured forwards are not differentiated")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         run()
     return list(saved.values())
 
@@ -270,23 +277,44 @@ def layers_saved_bytes(config, batch: int, seq: int, dtype: torch.dtype, liger: 
 
 
 ROPE = modeling_llama.apply_rotary_pos_emb
+LAYER_SHAPE = dict(hidden_size=96, intermediate_size=256, num_attention_heads=6)
 
 
-@pytest.mark.parametrize("mode,dtype", [("fp32", torch.float32), ("half", torch.bfloat16)])
-def test_a_liger_layer_saves_what_the_planner_counts(torch_kernels, plain_rope, mode, dtype):
-    """One decoder layer's saved bytes (3 layers less 2) with Liger's RMSNorm and SwiGLU Functions: the norms
-    keep their input and fp32 rstd, the MLP gate's and up's outputs and the product. The plain layer is measured
-    by the same harness against the plain count first."""
-    shape = shape_from_config(tiny_llama_config(97, hidden_size=96, intermediate_size=256, num_attention_heads=6))
+def one_layer_saved_bytes(mode: str) -> dict[bool, int]:
+    """One decoder layer's saved bytes (3 layers less 2), plain and with Liger's Functions (their kernels in torch),
+    in a process of its own: run in the test's process, freeing these tensors moved later tests' profiler-measured
+    peaks (tests/unit/test_plan_accuracy.py)."""
+    import liger_kernel.ops.rms_norm as rms_norm
+    import liger_kernel.ops.swiglu as swiglu
+
+    rms_norm.rms_norm_forward, swiglu.swiglu_forward = rms_norm_forward, swiglu_forward
+    dtype = {"fp32": torch.float32, "half": torch.bfloat16}[mode]
+    two, three = ({liger: layers_saved_bytes(tiny_llama_config(97, num_hidden_layers=layers, **LAYER_SHAPE), 2, 24,
+                                             dtype, liger) for liger in (False, True)} for layers in (2, 3))
+    return {liger: three[liger] - two[liger] for liger in (False, True)}
+
+
+@pytest.mark.parametrize("mode", ["fp32", "half"])
+def test_a_liger_layer_saves_what_the_planner_counts(mode):
+    """One decoder layer's saved bytes with Liger's RMSNorm and SwiGLU Functions: the norms keep their input and
+    fp32 rstd, the MLP gate's and up's outputs and the product. The plain layer is measured by the same harness
+    against the plain count first."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = f"import json; from tests.unit.test_liger import one_layer_saved_bytes as m; print(json.dumps(m({mode!r})))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parents[2], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = {key == "true": value for key, value in json.loads(result.stdout.splitlines()[-1]).items()}
+    shape = shape_from_config(tiny_llama_config(97, **LAYER_SHAPE))
     for liger in (False, True):
-        two, three = (layers_saved_bytes(tiny_llama_config(97, hidden_size=96, intermediate_size=256,
-                                                           num_attention_heads=6, num_hidden_layers=layers),
-                                         2, 24, dtype, liger) for layers in (2, 3))
-        assert three - two == layer_activation_bytes(shape, 2, 24, mode, masked=False, liger=liger), liger
-    plain, fused = (layer_activation_bytes(shape, 2, 24, mode, masked=False, liger=liger) for liger in (False, True))
-    residual = 4 if mode == "fp32" else 2
-    n = 2 * 24
-    assert plain - fused == 2 * (4 * n * shape.hidden) + residual * n * shape.intermediate  # no fp32 copies, no SiLU
+        assert measured[liger] == layer_activation_bytes(shape, 2, 24, mode, masked=False, liger=liger), liger
+    residual, n = (4 if mode == "fp32" else 2), 2 * 24
+    # No fp32 copies and no normalised x in the two norms, no SiLU output in the MLP.
+    assert measured[False] - measured[True] == 2 * (4 * n * shape.hidden) + residual * n * shape.intermediate
 
 
 def test_liger_rope_saves_cos_and_sin_only(monkeypatch):
