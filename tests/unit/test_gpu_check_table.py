@@ -114,3 +114,10 @@ def test_a_liger_case_fails_when_its_losses_leave_the_plain_ones(gpu_check, caps
     gpu_check.print_table([plain, close])
     assert capsys.readouterr().out.splitlines()[-1] == \
         "ds_zero3 padded x1 liger: losses at most 0.20% from ds_zero3 padded x1's (tolerance 1%)"
+
+
+def test_the_planner_doc_states_the_loss_tolerance(gpu_check):
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text().split())
+    assert f"a Liger case's losses are more than {gpu_check.LOSS_TOLERANCE:.0%} off its plain case's" in text
