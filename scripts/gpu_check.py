@@ -4,7 +4,8 @@ It makes a randomly initialised model of Llama-3.2-1B's shape (1.24B parameters,
 checkpoints are) and synthetic text files, all local: nothing is downloaded. It then trains it through
 `accelerate launch --num_processes 1` with the shipped DDP, FSDP FULL_SHARD (4 micro-batches per step) and
 ZeRO-3 configs, bf16, gradient checkpointing on, padded (SDPA) and packed (flex attention), then FSDP packed with
-the levers (compiled layers, torchao's 8-bit AdamW without an fp32 master), and prints one table:
+the levers (compiled layers, torchao's 8-bit AdamW without an fp32 master), then FSDP and ZeRO-3 padded with Liger's
+kernels (--use_liger_kernel: their losses against the same case without them), and prints one table:
 the warm-up (the first logged window: CUDA start-up and flex attention's compilation), then over the later steps
 tokens/s per GPU, MFU and step time, and `torch.cuda.max_memory_allocated` per phase (training, the final export,
 the final eval; reset at each) against the planner's peak of that phase. No samples are generated.
@@ -13,7 +14,8 @@ Padded rows run from half to the whole --max_seq_length; packed rows all hold th
 packed micro-batch's row is known and planned at its real length. Each launch runs in a process group of its own
 and is killed whole, ranks included, when it overruns: it is then a FAILED row, as is a case that did not start
 within the budget. Exit 0 when every case trained and every planned peak is within 10% of the measured one; 1
-otherwise; 2 without a CUDA device. Sized for 10 minutes on one H200 (the levers case compiles).
+otherwise, or when a Liger case's losses leave its plain case's by more than LOSS_TOLERANCE; 2 without a CUDA
+device. Sized for 10 minutes on one H200 (the levers case compiles).
 """
 
 from __future__ import annotations
@@ -39,12 +41,16 @@ REPO = Path(__file__).resolve().parents[1]
 # fields: each becomes its --flag for the launch and its argument for the plan (LEVER_PLAN). Full checkpointing:
 # selective is refused with compile (shardtune.checks.check_torch_compile).
 LEVERS = {"torch_compile": True, "optim": "adamw_torch_8bit", "bf16_stochastic_round": True}
-LEVER_PLAN = {"torch_compile": "torch_compile", "optim": "optim", "bf16_stochastic_round": "bf16_stochastic_round"}
+# Liger's kernels apart: they are refused with compile (shardtune.liger.check_liger_kernel).
+LIGER = {"use_liger_kernel": True}
+LEVER_PLAN = {"torch_compile": "torch_compile", "optim": "optim", "bf16_stochastic_round": "bf16_stochastic_round",
+              "use_liger_kernel": "use_liger_kernel"}
 CASES = [  # (accelerate config, micro-batches per step, packing, recipe fields over the plain path)
     ("ddp", 1, False, {}), ("ddp", 1, True, {}),
     ("fsdp_full_shard", 4, False, {}), ("fsdp_full_shard", 4, True, {}),
     ("ds_zero3", 1, False, {}), ("ds_zero3", 1, True, {}),
     ("fsdp_full_shard", 4, True, LEVERS),
+    ("fsdp_full_shard", 4, False, LIGER), ("ds_zero3", 1, False, LIGER),
 ]
 # Llama-3.2-1B's shape, at a length and micro-batch that keep each case well under a minute.
 MODEL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -55,6 +61,9 @@ ROWS, EVAL_FRACTION = 400, 0.02  # 8 eval rows, one per batch
 # The levers case compiles its layers and torchao's step first: it gets LEVERS_TIMEOUT_S.
 BUDGET_S, CASE_TIMEOUT_S, LEVERS_TIMEOUT_S, KILL_GRACE_S = 600, 120, 240, 10
 TOLERANCE = 0.10
+# A Liger case's logged losses against its plain case's, relative: the same data and seed, bf16 kernels that round
+# differently (fused norm, SwiGLU and loss), six steps at lr 1e-5 of a random model whose loss is near ln(vocab).
+LOSS_TOLERANCE = 0.01
 MEASURED_PHASES = (("train", "peak_memory_gb"), ("save", "save_peak_memory_gb"), ("eval", "eval_peak_memory_gb"))
 
 
@@ -187,7 +196,8 @@ def summarize(rows: list[dict], planned: dict[str, float]) -> dict:
     timed = [row for row in windows if row["step"] > LOG_EVERY]
     if not windows or not timed:
         return {"error": "metrics.jsonl holds no timed window"}
-    result = {"warmup_s": windows[0]["step_time_s"] * windows[0]["step"],
+    result = {"losses": [row["loss"] for row in windows],
+              "warmup_s": windows[0]["step_time_s"] * windows[0]["step"],
               "tokens_per_second_per_gpu": statistics.mean(row["tokens_per_second_per_device"] for row in timed),
               "mfu": statistics.mean(row.get("mfu", float("nan")) for row in timed),
               "step_time_s": statistics.median(row["step_time_s"] for row in timed)}
@@ -202,7 +212,8 @@ def summarize(rows: list[dict], planned: dict[str, float]) -> dict:
 
 
 def case_name(config: str, accumulation: int, packing: bool, levers: dict) -> str:
-    return f"{config} {'packed' if packing else 'padded'} x{accumulation}" + (" levers" if levers else "")
+    suffix = " liger" if levers.get("use_liger_kernel") else " levers" if levers else ""
+    return f"{config} {'packed' if packing else 'padded'} x{accumulation}{suffix}"
 
 
 def lever_flags(levers: dict) -> list[str]:
@@ -246,14 +257,36 @@ def print_table(rows: list[dict]) -> None:
                           MEASURED_PHASES)
         print(f"{row['case']:<34}{row['warmup_s']:>10.1f}{row['tokens_per_second_per_gpu']:>11,.0f}"
               f"{row['mfu']:>7.1%}{row['step_time_s']:>8.2f}{figures}{worst_error(row):>+8.1%}")
+    for case, gap in loss_gaps(rows).items():
+        print(f"{case}: losses at most {gap:.2%} from {case.removesuffix(' liger')}'s "
+              f"(tolerance {LOSS_TOLERANCE:.0%})")
 
 
 def worst_error(row: dict) -> float:
     return max((row[f"{phase}_error"] for phase, _ in MEASURED_PHASES), key=abs)
 
 
+def loss_gaps(rows: list[dict]) -> dict[str, float]:
+    """Each Liger case's largest relative gap between its logged losses and those of the same case without Liger;
+    NaN where either did not train."""
+    by_case = {row["case"]: row for row in rows}
+    gaps = {}
+    for row in rows:
+        if not row["case"].endswith(" liger"):
+            continue
+        plain = by_case.get(row["case"].removesuffix(" liger"), {})
+        if "losses" not in row or "losses" not in plain or len(row["losses"]) != len(plain["losses"]):
+            gaps[row["case"]] = math.nan
+            continue
+        gaps[row["case"]] = max(abs(mine / theirs - 1) for mine, theirs in zip(row["losses"], plain["losses"],
+                                                                               strict=True))
+    return gaps
+
+
 def failed_cases(rows: list[dict]) -> list[str]:
-    return [row["case"] for row in rows if "error" in row or abs(worst_error(row)) > TOLERANCE]
+    gaps = loss_gaps(rows)
+    return [row["case"] for row in rows if "error" in row or abs(worst_error(row)) > TOLERANCE
+            or not gaps.get(row["case"], 0.0) <= LOSS_TOLERANCE]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,14 +315,16 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"case": name, "error": f"not started: the {BUDGET_S} s budget was spent"})
             else:
                 rows.append(run_case(config, accumulation, packing, levers, model, data[packing], root, log_dir,
-                                     min(LEVERS_TIMEOUT_S if levers else CASE_TIMEOUT_S, left)))
+                                     min(LEVERS_TIMEOUT_S if "torch_compile" in levers else CASE_TIMEOUT_S,
+                                         left)))
             print(json.dumps(rows[-1]), flush=True)
         print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     failed = failed_cases(rows)
     if failed:
-        print(f"gpu_check: {len(failed)} case(s) failed or missed the plan by more than {TOLERANCE:.0%}: "
+        print(f"gpu_check: {len(failed)} case(s) failed, missed the plan by more than {TOLERANCE:.0%} or the "
+              f"plain losses by more than {LOSS_TOLERANCE:.0%}: "
               f"{', '.join(failed)}", file=sys.stderr)
         return 1
     return 0

@@ -37,6 +37,7 @@ from shardtune.data_sources import (
     check_dataset_weights,
 )
 from shardtune.launch import LaunchDescription
+from shardtune.liger import check_liger_device, check_liger_kernel
 
 
 def check_device(recipe: Recipe, has_cuda: bool) -> None:
@@ -182,7 +183,7 @@ def check_lora(recipe: Recipe) -> None:
                           f"{recipe.lora_r}, {recipe.lora_alpha} and {recipe.lora_dropout}.")
     # The tiled loss multiplies by the head's weight itself (shardtune.tiled_loss): an adapter on it would not train.
     targets = [name.strip() for name in recipe.lora_target_modules.split(",")]
-    if recipe.use_peft and recipe.chunked_cross_entropy and "lm_head" in targets:
+    if recipe.use_peft and recipe.chunked_cross_entropy and "lm_head" in targets and not recipe.use_liger_kernel:
         raise ConfigError("--lora_target_modules lm_head puts an adapter on the LM head, which the tiled loss "
                           "(--chunked_cross_entropy, on by default) bypasses: add --chunked_cross_entropy false.")
 
@@ -361,6 +362,7 @@ RECIPE_CHECKS: tuple[Callable[[Recipe], None], ...] = (
     check_lora,
     check_checkpointing_mode,
     check_torch_compile,
+    check_liger_kernel,
     check_numbers,
     check_tracking,
     check_checkpoints,
@@ -455,6 +457,7 @@ def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: Lau
     problems.check(check_attention, recipe, on_gpu)
     problems.check(check_quantization, recipe, on_gpu)
     problems.check(check_activation_offloading, recipe, on_gpu)
+    problems.check(check_liger_device, recipe, on_gpu)
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
     problems.check(check_optimizer, recipe, on_gpu, launch.kind, launch.world_size, True, launch.hybrid_shard)
     problems.check(check_compile_under, recipe, launch)

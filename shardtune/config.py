@@ -27,6 +27,10 @@ OPTIMIZER_PACKAGES = {**dict.fromkeys(TORCHAO_OPTIMIZERS, "torchao"),
 TORCHAO_VERSION = "0.18.0"  # requirements.txt's pin
 # transformers' Trainer passes block_size 256 to AdamW8bit and AdamW4bit alike (its optim_args default).
 TORCHAO_BLOCK_SIZE = 256
+# --use_liger_kernel: the pinned Liger (requirements.txt), and the model types whose layers shardtune.liger patches
+# (Liger's apply_liger_kernel_to_llama, _mistral and _qwen2: the families the recipes train).
+LIGER_VERSION = "0.8.5"
+LIGER_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # transformers' attention implementations for training, and the package each needs beyond torch.
 ATTENTION_PACKAGES = {"sdpa": None, "eager": None, "flex_attention": None, "flash_attention_2": "flash_attn",
                       "flash_attention_3": "flash_attn_interface"}
@@ -204,6 +208,10 @@ class Recipe:
         "help": f"Compute the training loss over tiles of {LOSS_TILE_POSITIONS} positions, each tile's logits "
                 "recomputed in backward, so that the full fp32 logits never exist; false: the plain loss over the "
                 "whole micro-batch's logits."})
+    use_liger_kernel: bool = field(default=False, metadata={
+        "help": "Liger's Triton kernels (CUDA GPUs): RMSNorm, SwiGLU and RoPE in each layer, and the training loss "
+                "as Liger's fused linear cross-entropy inside the LM head's forward in place of the tiles of "
+                "--chunked_cross_entropy (which it needs); eval keeps its own loss. Llama, Mistral and Qwen2."})
     torch_compile: bool = field(default=False, metadata={
         "help": "Compile each decoder layer with torch.compile, in place (accelerate's regional compilation: the "
                 "layers share one compiled graph, so compile time does not grow with depth); the sequence length "

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Every lever off: the loss over the full logits, eager layers, full checkpointing where the recipe checkpoints,
-# micro-batches packed as they come, saved activations on the accelerator, torch's AdamW over an fp32 master.
+# micro-batches packed as they come, saved activations on the accelerator, torch's AdamW over an fp32 master, the
+# plain norms, MLP and RoPE.
 PLAIN_FLAGS = ("--chunked_cross_entropy", "false", "--torch_compile", "false", "--gradient_checkpointing_mode",
                "full", "--packing_strategy", "padding_free", "--activation_offloading", "false", "--optim",
-               "adamw_torch", "--bf16_stochastic_round", "false")
+               "adamw_torch", "--bf16_stochastic_round", "false", "--use_liger_kernel", "false")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ LEVERS = (
                                       "selective")),
     Lever("packing to full rows", ("--packing_strategy", "bfd"), always=True, needs_packing=True),
     Lever("activation offloading", ("--activation_offloading", "true"), cuda_only=True),
+    # Liger's fused loss replaces the tiles and runs in their place (shardtune.liger.check_liger_kernel); not in
+    # the recommended combination: it is refused with compile, which is.
+    Lever("Liger kernels", ("--chunked_cross_entropy", "true", "--use_liger_kernel", "true"), cuda_only=True),
     Lever("8-bit AdamW states", ("--optim", "adamw_torch_8bit"), deepspeed=False),
     Lever("4-bit states, no fp32 master", ("--optim", "adamw_torch_4bit", "--bf16_stochastic_round", "true"),
           deepspeed=False, fsdp_or_one_process=True, needs_bf16=True),

@@ -1,11 +1,12 @@
 """The recipe against the model's config.json, read without a weight: the model can be had, it has room for
---max_seq_length, and --lora_target_modules name some of its layers."""
+--max_seq_length, --lora_target_modules name some of its layers, and --use_liger_kernel knows its family."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from shardtune.config import ConfigError, Problems, Recipe
+from shardtune.liger import check_liger_model
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -18,6 +19,7 @@ def check_model(recipe: Recipe) -> None:
     problems = Problems()
     problems.check(check_context_length, recipe, config)
     problems.check(check_lora_targets, recipe, config)
+    problems.check(check_liger_model, recipe, config)
     problems.raise_any()
 
 

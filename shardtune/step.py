@@ -31,12 +31,14 @@ class StepOutput:
 
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                micro_batches: list[dict], targets: torch.Tensor, batching: BatchSizes, max_grad_norm: float,
-               after_backward: Callable[[int], None] | None = None, *, chunked_cross_entropy: bool) -> StepOutput:
+               after_backward: Callable[[int], None] | None = None, *, chunked_cross_entropy: bool,
+               fused_loss: bool = False) -> StepOutput:
     """The loss of an update is (sum of all target-token losses of the global batch) / (their count), however
     the batch is split over micro-batches and ranks: `targets` is that count over every rank, on the device
     (shardtune.metrics.TrainMetrics.global_targets). `after_backward(i)` runs after the backward of micro-batch
     i (the memory probe, fault injection). `chunked_cross_entropy`: the loss over tiles of positions
-    (shardtune.tiled_loss) instead of over the micro-batch's full logits."""
+    (shardtune.tiled_loss) instead of over the micro-batch's full logits; with `fused_loss` (--use_liger_kernel),
+    Liger's fused linear cross-entropy in the tiles' place."""
     device = accelerator.device
     unwrapped = accelerator.unwrap_model(model)
     # Read before anything steps the scheduler: afterwards it holds the next step's rate.
@@ -44,8 +46,10 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     loss_sum = torch.zeros((), device=device)
     for index, batch in enumerate(micro_batches):
         with accelerator.accumulate(model):
-            loss_of = chunked_token_loss if chunked_cross_entropy else token_loss
-            loss = loss_of(model, unwrapped, batch, targets)  # this micro-batch's share of the mean
+            if chunked_cross_entropy:  # this micro-batch's share of the mean
+                loss = chunked_token_loss(model, unwrapped, batch, targets, fused=fused_loss)
+            else:
+                loss = token_loss(model, unwrapped, batch, targets)
             loss_sum += loss.detach()
             # accelerate divides by the accumulation steps and the ranks average gradients: undo both.
             accelerator.backward(loss * batching.accumulation * batching.world_size)

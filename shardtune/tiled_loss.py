@@ -14,6 +14,10 @@ head's weight gathered where the tiles read it, in the forward and in the backwa
 Each tile runs under torch.utils.checkpoint: its forward frees the tile's logits, its backward recomputes them.
 The result is the plain loss of transformers' ForCausalLMLoss (logits upcast to fp32, summed over the target
 tokens, divided by `targets`) up to the order of the fp32 sums.
+
+With --use_liger_kernel the same swapped-in forward runs Liger's fused linear cross-entropy instead of the tiles
+(fused_linear_cross_entropy): it reads the weight where the tiles would, gathered, and computes the hidden states'
+and the weight's gradients already in its forward, chunk by chunk, so its backward reads no weight at all.
 """
 
 from __future__ import annotations
@@ -47,6 +51,19 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     return total / targets
 
 
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               targets: torch.Tensor) -> torch.Tensor:
+    """Liger's fused linear cross-entropy (CUDA only: Triton kernels) of `hidden` through `weight`, summed over
+    the target tokens and divided by `targets`, as tiled_cross_entropy's. Its per-token losses are fp32; the
+    weight's gradient is accumulated in fp32 over Liger's chunks (accum_dtype), then cast to the weight's dtype.
+    Liger counts the targets on the host (`.item()`): one device sync per micro-batch, which the tiles do not make."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    loss = liger_fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                            ignore_index=IGNORE_INDEX, reduction="sum", accum_dtype=torch.float32)
+    return loss / targets
+
+
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     """Each position's next-token label, IGNORE_INDEX after the last, as ForCausalLMLoss shifts them (so the hidden
     states need no shifted copy)."""
@@ -65,15 +82,17 @@ def forward_replaced(module: torch.nn.Module, forward):
 
 
 def chunked_token_loss(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict, targets: torch.Tensor,
-                       tile: int = LOSS_TILE_POSITIONS) -> torch.Tensor:
+                       tile: int = LOSS_TILE_POSITIONS, fused: bool = False) -> torch.Tensor:
     """The micro-batch's summed target-token loss over `targets`, in fp32, without its full logits: the model's
-    forward runs with the tiled loss as its LM head's forward, and returns it in place of the logits."""
+    forward runs with the tiled loss (`fused`: Liger's fused loss) as its LM head's forward, and returns it in
+    place of the logits."""
     labels = shifted_labels(batch["labels"])
     head = unwrapped.get_output_embeddings()
     computed = []
 
     def loss_forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        loss = tiled_cross_entropy(hidden_states, head.weight, labels, targets, tile)
+        loss = fused_linear_cross_entropy(hidden_states, head.weight, labels, targets) if fused else \
+            tiled_cross_entropy(hidden_states, head.weight, labels, targets, tile)
         computed.append(loss)
         return loss
 

@@ -34,6 +34,7 @@ from shardtune.flops import ModelShape, shape_from_config
 from shardtune.generation import HeldOutPrompts, generate_samples, held_out_prompts
 from shardtune.hardware import peak_flops
 from shardtune.launch import LaunchDescription
+from shardtune.liger import apply_liger_kernels
 from shardtune.memory import (
     COMPONENTS,
     ModelStateProbe,
@@ -107,6 +108,8 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes) -> Run
     # Host RAM the weights took while loading (before any move to a GPU): the planner's model_loading per process.
     loaded = {"parameter_bytes": local_parameter_bytes(model), "loading_rss_bytes": peak_rss_bytes() - rss_before}
     shape = shape_from_config(model.config, recipe.name)
+    if recipe.use_liger_kernel:  # before sharding: the wrappers find the patched modules' forwards in place
+        apply_liger_kernels(model)
     if accelerator.distributed_type == DistributedType.FSDP:
         # Shard first (accelerate's own FSDP2 preparation; `prepare` below finds the model sharded) and build the
         # optimizer on the shards: the ranks that loaded no weights hold meta parameters, which all share
@@ -166,7 +169,7 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
         begin_phase("forward_backward")
         out = train_step(accelerator, model, run.optimizer, run.scheduler, batch.micro_batches,
                          metrics.global_targets(batch), batching, recipe.max_grad_norm, hooks.after_backward,
-                         chunked_cross_entropy=recipe.chunked_cross_entropy)
+                         chunked_cross_entropy=recipe.chunked_cross_entropy, fused_loss=recipe.use_liger_kernel)
         end_phase()
         summary = metrics.after_step(out, batch, stop.requested)  # every rank's verdict reaches every rank
         if summary.non_finite:

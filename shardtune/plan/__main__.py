@@ -35,7 +35,7 @@ from shardtune.plan.strategy import PlanError, read_accelerate_config
 RUN_FLAGS = ("per_device_train_batch_size", "global_batch_size", "max_seq_length", "gradient_checkpointing",
              "mixed_precision", "attn_implementation", "packing", "use_peft", "lora_r", "lora_target_modules",
              "load_in_4bit", "gradient_checkpointing_mode", "activation_offloading", "chunked_cross_entropy",
-             "per_device_eval_batch_size", "optim", "bf16_stochastic_round", "torch_compile")
+             "per_device_eval_batch_size", "optim", "bf16_stochastic_round", "torch_compile", "use_liger_kernel")
 # The flags the recommendation searches over when they are not given (a recipe gives them all), and their words.
 SEARCHED_FLAGS = {"per_device_train_batch_size": "micro-batch", "gradient_checkpointing": "checkpointing",
                   "gradient_checkpointing_mode": "checkpointing mode", "optim": "optimizer",
@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch_compile", type=_bool,
                         help="true: the decoder layers compiled (regional torch.compile), planned as eager: "
                              "compilation keeps at most eager's activations (default: the recipe's, else false)")
+    parser.add_argument("--use_liger_kernel", type=_bool,
+                        help="true: Liger's RMSNorm and SwiGLU in the layers and its fused linear cross-entropy in "
+                             "place of the tiled loss (CUDA; not with selective checkpointing: a recommendation then "
+                             "searches full checkpointing only; default: the recipe's, else false)")
     parser.add_argument("--host_ram_gb", type=float,
                         help="Host RAM per node in GB (default: 250 GB per GPU, as DGX nodes carry)")
     parser.add_argument("--use_peft", type=_bool, help="LoRA on a frozen base")

@@ -25,7 +25,7 @@ def dtype_bytes(mode: str) -> tuple[int, int]:
 
 
 def layer_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, attn: str = "sdpa",
-                           masked: bool = True, frozen: bool = False) -> int:
+                           masked: bool = True, frozen: bool = False, liger: bool = False) -> int:
     """Bytes one Llama decoder layer saves for backward without recomputation (n = batch x seq tokens,
     c = compute bytes, r = residual bytes; the layer input itself is saved by the first norm).
 
@@ -41,13 +41,18 @@ def layer_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, a
       flash_attention_2/3, flex_attention) take no dense mask and save what unmasked SDPA saves. Eager saves q,
       repeated k and v, the fp32 softmax (4·b·heads·s²) and its 16-bit copy, and the contiguous o_proj input.
     - SwiGLU MLP: gate output, SiLU output, up output and their product (4·c·n·intermediate).
-    Residual adds save nothing."""
+    Residual adds save nothing.
+    With `liger` (--use_liger_kernel; read from liger-kernel 0.8.5's ops, not measured: its kernels need CUDA):
+    LigerRMSNormFunction saves its input X as it comes (r·nh, also under a frozen base: X's gradient flows on)
+    and the fp32 rstd (4n), no fp32 copy and no normalised x; its output, in X's dtype, feeds the matmuls as
+    before. LigerSiLUMulFunction saves only gate's and up's outputs, and down_proj its input, the product
+    (3·c·n·intermediate): SiLU is recomputed in the backward. Liger's RoPE saves cos and sin as the plain one."""
     compute, residual = dtype_bytes(mode)
     n, h, inter = batch * seq, shape.hidden, shape.intermediate
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     # Autocast casts a matmul input once per matmul (only leaf weights are cached): q, k, v and gate, up.
     attn_inputs, mlp_inputs = (3, 2) if mode == "autocast" else (1, 1)
-    norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h)
+    norm = residual * n * h + 4 * n if liger else 4 * n * h + 4 * n + (0 if frozen else residual * n * h)
     norms = 2 * norm + (attn_inputs + mlp_inputs) * compute * n * h
     if attn == "eager":
         scores = batch * shape.heads * seq * seq
@@ -60,7 +65,7 @@ def layer_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, a
         attention = compute * n * (2 * q_dim + key + value) + 4 * n * shape.heads
         if masked:  # each layer's SDPA call saves its own converted copy of the additive mask
             attention += batch * seq * seq * compute
-    return norms + attention + 4 * compute * n * inter
+    return norms + attention + (3 if liger else 4) * compute * n * inter
 
 
 def shared_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, attn: str = "sdpa",
@@ -71,19 +76,62 @@ def shared_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, 
 
 
 def head_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, frozen: bool = False,
-                          loss_tile: int | None = None) -> int:
+                          loss_tile: int | None = None, liger: bool = False) -> int:
     """Outside the layers: input ids (int64, for the embedding's weight gradient), the final RMSNorm (as in a
     layer), the fp32 log-probabilities saved by cross-entropy (4·n·vocab: the upcast logits' log_softmax) and the
     int64 targets. A `frozen` base saves neither the ids nor lm_head's input, nor the norm's normalised x. With a
     `loss_tile` (--chunked_cross_entropy) each tile is recomputed in backward: no log-probabilities are saved, and
     lm_head's input is the norm's output as the checkpointed tiles keep it, in the residual dtype (under autocast
-    each tile casts it again as it runs: loss_transient_bytes)."""
+    each tile casts it again as it runs: loss_transient_bytes). With `liger` the final norm is Liger's
+    (layer_activation_bytes) and the loss saves liger_loss_saved_bytes in place of lm_head's input and the targets.
+    """
     compute, residual = dtype_bytes(mode)
     n, h = batch * seq, shape.hidden
+    if liger:
+        return (0 if frozen else 8 * n) + residual * n * h + 4 * n + liger_loss_saved_bytes(shape, n, mode, frozen)
     head_input = residual * n * h if loss_tile else (0 if frozen else compute * n * h)
     norm = 4 * n * h + 4 * n + (0 if frozen else residual * n * h) + head_input
     log_probs = 0 if loss_tile else 4 * n * shape.vocab
     return (0 if frozen else 8 * n) + norm + log_probs + 8 * n
+
+
+def liger_chunk_positions(shape: ModelShape, n: int) -> int:
+    """Positions per chunk of Liger's fused linear cross-entropy over n positions (ops/fused_linear_cross_entropy.py:
+    its chunk's logits are bounded by n x hidden elements): n / ceil(vocab / hidden), rounded up to a power of
+    two, at most n."""
+    split = -(-shape.vocab // shape.hidden)
+    return min(1 << (max(-(-n // split), 1) - 1).bit_length(), n)
+
+
+def liger_loss_saved_bytes(shape: ModelShape, n: int, mode: str, frozen: bool = False) -> int:
+    """What LigerFusedLinearCrossEntropyFunction saves for backward: the gradients it computed in its forward, of
+    the hidden states (r·n·h, their dtype) and, unless the base is `frozen`, of the head's weight (vocab x h in
+    the weight's dtype: the residual one, bf16 under FSDP2's and DeepSpeed's 16-bit compute, fp32 under
+    autocast). Neither the hidden states, the weight nor the targets are saved."""
+    _, residual = dtype_bytes(mode)
+    return residual * n * shape.hidden + (0 if frozen else residual * shape.vocab * shape.hidden)
+
+
+def liger_loss_transient_bytes(shape: ModelShape, n: int, mode: str, frozen: bool = False,
+                               moment: str = "peak") -> int:
+    """Liger's fused loss on top of what it saves (liger_loss_saved_bytes), in its `moment`. The forward, chunk by
+    chunk (liger_chunk_positions): the chunk's logits in the compute dtype, turned into their gradient in place
+    (c·chunk·vocab); under autocast the chunk's 16-bit input cast (c·chunk·h); the fp32 weight-gradient
+    accumulator (accum_dtype fp32: 4·vocab·h) where the weight is 16-bit, beside which the saved 16-bit gradient
+    exists only once the last chunk is summed; in fp32 the weight gradient of each chunk before it is added
+    (4·vocab·h: torch.mm(...).float(); 16-bit gradients go through addmm into the accumulator on Ampere and
+    later); and throughout the fp32 per-token losses, the targets' mask and the shifted targets (13·n). The
+    backward scales the saved gradients in place: nothing on top."""
+    compute, residual = dtype_bytes(mode)
+    if moment == "backward":
+        return 0
+    h, vocab = shape.hidden, shape.vocab
+    chunk = liger_chunk_positions(shape, n)
+    cast = compute * chunk * h if compute != residual else 0
+    accumulator = 0 if frozen or residual == 4 else 4 * vocab * h
+    chunk_gradient = 4 * vocab * h if compute == 4 and not frozen else 0
+    during = (accumulator - residual * vocab * h if accumulator else 0) + chunk_gradient + compute * chunk * vocab
+    return max(during + cast, accumulator) + 13 * n
 
 
 def loss_transient_bytes(shape: ModelShape, n: int, mode: str, loss_tile: int | None = None,
@@ -142,22 +190,24 @@ def selective_layer_bytes(shape: ModelShape, batch: int, seq: int, mode: str, at
 
 def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
                            attn: str = "sdpa", masked: bool = True, frozen: bool = False, selective: bool = False,
-                           lora_rank: int = 0, lora_targets: tuple[str, ...] = (), loss_tile: int | None = None) -> int:
+                           lora_rank: int = 0, lora_targets: tuple[str, ...] = (), loss_tile: int | None = None,
+                           liger: bool = False) -> int:
     """Everything saved for backward at the end of the forward (what saved_tensors_hooks see, and with `selective`
     checkpointing what its policy keeps, selective_layer_bytes). With full recomputation (non-reentrant) a layer
     saves only its input (r·n·h); masks and RoPE tables are then held by the recompute closure, not the graph, and
     are counted by recompute_held_bytes instead. With a `loss_tile` the head saves no full log-probabilities."""
     _, residual = dtype_bytes(mode)
-    head = head_activation_bytes(shape, batch, seq, mode, frozen, loss_tile)
+    head = head_activation_bytes(shape, batch, seq, mode, frozen, loss_tile, liger)
     if checkpointing:
         kept = selective_layer_bytes(shape, batch, seq, mode, attn, lora_rank, lora_targets) if selective else 0
         return shape.layers * (residual * batch * seq * shape.hidden + kept) + head
-    per_layer = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
+    per_layer = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen, liger)
     return shape.layers * per_layer + shared_activation_bytes(shape, batch, seq, mode, attn, masked) + head
 
 
 def offloaded_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
-                               attn: str = "sdpa", masked: bool = True, frozen: bool = False) -> int:
+                               attn: str = "sdpa", masked: bool = True, frozen: bool = False, liger: bool = False
+                               ) -> int:
     """Bytes per rank that --activation_offloading moves from the GPU to host memory: what the decoder layers save
     through autograd's saved-tensor hooks (TRL's OffloadActivations packs those). With recomputation that is each
     layer's input (a selective policy's kept outputs stay on the GPU: torch's checkpoint caches them itself);
@@ -166,18 +216,19 @@ def offloaded_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: st
     _, residual = dtype_bytes(mode)
     if checkpointing:
         return shape.layers * residual * batch * seq * shape.hidden
-    return shape.layers * layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
+    return shape.layers * layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen, liger)
 
 
 def offloaded_host_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
-                         attn: str = "sdpa", masked: bool = True, frozen: bool = False) -> float:
+                         attn: str = "sdpa", masked: bool = True, frozen: bool = False, liger: bool = False
+                         ) -> float:
     """Pinned host RAM per rank that holds the offloaded activations: with recomputation one block per layer, as
     torch's caching host allocator sizes it (host.pinned_block_bytes: the next power of two); without, their
     bytes (many tensors of many sizes: the allocator's rounding is not counted)."""
     _, residual = dtype_bytes(mode)
     if checkpointing:
         return float(shape.layers * pinned_block_bytes(residual * batch * seq * shape.hidden))
-    return float(offloaded_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen))
+    return float(offloaded_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen, liger))
 
 
 def recompute_held_bytes(shape: ModelShape, batch: int, seq: int, mode: str, attn: str = "sdpa",
@@ -201,42 +252,49 @@ def batch_tensor_bytes(batch: int, seq: int, frozen: bool = False) -> int:
 
 def layer_backward_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
                          attn: str = "sdpa", masked: bool = True, frozen: bool = False, selective: bool = False,
-                         lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> int:
+                         lora_rank: int = 0, lora_targets: tuple[str, ...] = (), liger: bool = False) -> int:
     """A layer's backward on top of what is saved: with recomputation its full activations, recomputed (less what
     a `selective` policy kept, already saved), and in every case the MLP backward's two intermediate-size
-    gradients (2·c·n·intermediate)."""
+    gradients (2·c·n·intermediate); with `liger` one, the product's: Liger's SwiGLU backward writes gate's and
+    up's gradients over their saved outputs."""
     compute, _ = dtype_bytes(mode)
     recompute = 0
     if checkpointing:
-        recompute = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
+        recompute = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen, liger)
         if selective:
             recompute -= selective_layer_bytes(shape, batch, seq, mode, attn, lora_rank, lora_targets)
-    return recompute + 2 * compute * batch * seq * shape.intermediate
+    return recompute + (1 if liger else 2) * compute * batch * seq * shape.intermediate
 
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
                      attn: str = "sdpa", masked: bool = True, frozen: bool = False, selective: bool = False,
                      lora_rank: int = 0, lora_targets: tuple[str, ...] = (), offloading: bool = False,
-                     loss_tile: int | None = None) -> dict[str, int]:
+                     loss_tile: int | None = None, liger: bool = False) -> dict[str, int]:
     """Peak activation memory = saved (what the graph saves, with recomputation what the recompute closures
     hold, recompute_held_bytes, and the micro-batch itself, batch_tensor_bytes) + the largest transient on top
     of it. The loss's (loss_transient_bytes: the full
     logits, or one `loss_tile` of them) runs before any layer's backward (layer_backward_bytes), so the
     transient is the larger of the two, never their sum ("loss" and "layer" name each).
-    With `offloading`, offloaded_activation_bytes leave the saved part for host memory ("offloaded")."""
+    With `offloading`, offloaded_activation_bytes leave the saved part for host memory ("offloaded"). With `liger`
+    Liger's layers and fused loss (liger_loss_transient_bytes in place of the tiles'); "head_gradient": the weight
+    gradient Liger's loss saved, handed to lm_head before any layer's backward."""
     saved = saved_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen, selective,
-                                   lora_rank, lora_targets, loss_tile)
+                                   lora_rank, lora_targets, loss_tile, liger)
     if checkpointing:
         saved += recompute_held_bytes(shape, batch, seq, mode, attn, masked)
     saved += batch_tensor_bytes(batch, seq, frozen)
-    offloaded = offloaded_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen) \
+    offloaded = offloaded_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen, liger) \
         if offloading else 0
-    loss = loss_transient_bytes(shape, batch * seq, mode, loss_tile)
+    n = batch * seq
+    loss = liger_loss_transient_bytes(shape, n, mode, frozen) if liger else \
+        loss_transient_bytes(shape, n, mode, loss_tile)
     layer = layer_backward_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen, selective,
-                                 lora_rank, lora_targets)
+                                 lora_rank, lora_targets, liger)
     transient = max(loss, layer)
+    head_gradient = liger_loss_saved_bytes(shape, n, mode, frozen) - liger_loss_saved_bytes(shape, n, mode, True) \
+        if liger else 0
     return {"saved": saved - offloaded, "transient": transient, "total": saved - offloaded + transient,
-            "offloaded": offloaded, "loss": loss, "layer": layer}
+            "offloaded": offloaded, "loss": loss, "layer": layer, "head_gradient": head_gradient}
 
 
 def eval_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, masked: bool = True,

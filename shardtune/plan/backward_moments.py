@@ -13,6 +13,7 @@ from shardtune.flops import ModelShape
 from shardtune.plan.activations import (
     dtype_bytes,
     layer_activation_bytes,
+    liger_loss_transient_bytes,
     loss_transient_bytes,
     recompute_held_bytes,
     selective_layer_bytes,
@@ -29,7 +30,8 @@ def gradients_fresh_each_micro_batch(kind: str, world: int, accumulation: int | 
 def forward_backward_parts(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
                            acts: dict[str, int], gradients: float, cache: float, other_buffers: float,
                            fresh: bool, attn: str = "sdpa", masked: bool = True, peft: Peft | None = None,
-                           selective: bool = False, loss_tile: int | None = None) -> dict[str, float]:
+                           selective: bool = False, loss_tile: int | None = None, liger: bool = False
+                           ) -> dict[str, float]:
     """The parts ("gradients", "activations", "buffers") of the forward/backward's largest moment, from
     activation_bytes' `acts`, the step's `gradients` bytes, autocast's 16-bit weight copies (`cache`, DDP's
     buffers) and the strategy's `other_buffers`, alive throughout. The moments:
@@ -42,7 +44,9 @@ def forward_backward_parts(shape: ModelShape, batch: int, seq: int, mode: str, c
     - the bottom layer's backward: fresh gradients all but the embedding's; one layer's saved activations, its
       backward, the closures' mask and RoPE tables, the incoming gradient of the residual stream and the ids;
     - the end: every gradient, the embedding's incoming gradient and the ids.
-    Where gradients are not `fresh`, all of them are alive at every moment."""
+    Where gradients are not `fresh`, all of them are alive at every moment. With `liger` the loss is Liger's
+    (liger_loss_transient_bytes), and the weight gradient it saved has been handed to lm_head before the layers'
+    backward ("head_gradient": counted as a gradient from then on)."""
     compute, residual = dtype_bytes(mode)
     n, h = batch * seq, shape.hidden
     frozen = peft is not None
@@ -58,18 +62,21 @@ def forward_backward_parts(shape: ModelShape, batch: int, seq: int, mode: str, c
                                               else 0)
         one_layer_saved += recompute_held_bytes(shape, batch, seq, mode, attn, masked)
     else:
-        one_layer_saved = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen)
+        one_layer_saved = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen, liger)
     saved = acts["saved"]
+
+    def loss(moment: str) -> int:
+        return liger_loss_transient_bytes(shape, n, mode, frozen, moment) if liger else \
+            loss_transient_bytes(shape, n, mode, loss_tile, moment)
 
     def moment(fresh_grads: float, activations: float, copies: float) -> dict[str, float]:
         return {"gradients": gradients if not fresh else fresh_grads, "activations": float(activations),
                 "buffers": copies + other_buffers}
 
     moments = [
-        moment(0.0, saved + loss_transient_bytes(shape, n, mode, loss_tile, "forward"), cache),
-        moment(0.0, saved + loss_transient_bytes(shape, n, mode, loss_tile, "backward"),
-               head_copy if checkpointing else cache),
-        moment(head_grads + layer_grads, saved + acts["layer"],
+        moment(0.0, saved + loss("forward"), cache),
+        moment(0.0, saved + loss("backward"), head_copy if checkpointing else cache),
+        moment(head_grads + layer_grads, saved - acts.get("head_gradient", 0) + acts["layer"],
                layer_copy if checkpointing else cache - head_copy),
         moment(gradients - embedding_grads, one_layer_saved + acts["layer"] + stream, layer_copy),
         moment(gradients, stream, 0.0),

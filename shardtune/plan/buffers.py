@@ -52,13 +52,13 @@ def layer_gradient_elements(shape: ModelShape, peft: Peft | None = None) -> floa
 
 def freed_under_layer_gradients(strategy: Strategy, shape: ModelShape, batch: int, seq: int, mode: str,
                                 attn: str = "sdpa", masked: bool = True, peft: Peft | None = None,
-                                pure_bf16: bool = False) -> float:
+                                pure_bf16: bool = False, liger: bool = False) -> float:
     """FSDP: a layer's unsharded fp32 gradients (in buffers()) grow while that layer's backward frees the
     activations it saved or recomputed, so they sit on top of the peak activations only by what exceeds one
     layer's activations (measured on CPU: counting both overshoots the forward/backward peak by 5-9%)."""
     if strategy.kind != "fsdp":
         return 0.0
-    activations = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen=peft is not None)
+    activations = layer_activation_bytes(shape, batch, seq, mode, attn, masked, peft is not None, liger)
     return float(min(reduce_bytes(pure_bf16) * layer_gradient_elements(shape, peft), activations))
 
 

@@ -11,6 +11,7 @@ from shardtune.checks import batch_sizes, check_packed_attention
 from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe
 from shardtune.flops import ModelShape, recipe_fields
 from shardtune.hardware import Hardware
+from shardtune.liger import check_liger_kernel
 from shardtune.model_checks import check_context_length
 from shardtune.plan.planner import MemoryPlan, plan
 from shardtune.plan.search import Search
@@ -37,11 +38,12 @@ def planned_recipe(model: str, flags: dict[str, object]) -> Recipe:
 
 def check_planned(recipe: Recipe, model_config: object) -> None:
     """The recipe's own refusals that concern the plan, by the recipe's rules (a plan is for GPUs): the model has
-    room for --max_seq_length, and a packed row gets a kernel without a dense mask. Raises one ConfigError with
-    every failure."""
+    room for --max_seq_length, a packed row gets a kernel without a dense mask, and Liger's kernels run with the
+    rest. Raises one ConfigError with every failure."""
     problems = Problems()
     problems.check(check_context_length, recipe, model_config)
     problems.check(check_packed_attention, recipe)
+    problems.check(check_liger_kernel, recipe)
     problems.raise_any()
 
 
@@ -67,7 +69,7 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
                 activation_offloading=recipe.activation_offloading, chunked_cross_entropy=recipe.chunked_cross_entropy,
                 optim=recipe.optim, bf16_stochastic_round=recipe.bf16_stochastic_round,
                 gradient_accumulation_steps=recipe_accumulation(recipe, hardware.world_size),
-                torch_compile=recipe.torch_compile)
+                torch_compile=recipe.torch_compile, use_liger_kernel=recipe.use_liger_kernel)
 
 
 def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held: Collection[str] = (),
@@ -89,4 +91,5 @@ def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held
                   recipe.gradient_checkpointing_mode if "gradient_checkpointing_mode" in held else None,
                   recipe.activation_offloading,
                   recipe.optim if "optim" in held else None,
-                  recipe.bf16_stochastic_round if "bf16_stochastic_round" in held else None)
+                  recipe.bf16_stochastic_round if "bf16_stochastic_round" in held else None,
+                  use_liger_kernel=recipe.use_liger_kernel)

@@ -77,6 +77,7 @@ class MemoryPlan:
     # Planned memory-neutral: a compiled layer saves only what its backward graph reads, at most eager's
     # activations (measured 12.6% below eager's forward/backward peak, docs/planner.md): eager's bytes bound it.
     torch_compile: bool = False
+    use_liger_kernel: bool = False  # Liger's layers and fused loss (activations.py's `liger` terms)
 
     @property
     def fits(self) -> bool:
@@ -102,7 +103,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
          foreach: bool = True, export_bytes: int = 2, checkpointing_mode: str = "full",
          activation_offloading: bool = False, chunked_cross_entropy: bool = False, optim: str = "adamw_torch",
          bf16_stochastic_round: bool = False, gradient_accumulation_steps: int | None = None,
-         torch_compile: bool = False) -> MemoryPlan:
+         torch_compile: bool = False, use_liger_kernel: bool = False) -> MemoryPlan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
     headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
@@ -119,8 +120,15 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     optimizer states model_states plans; `bf16_stochastic_round`: bf16 weights and gradients, no fp32 master.
     `gradient_accumulation_steps`: micro-batches per step; at 1 on one process no gradient exists when a backward
     starts (backward_moments), unknown (None) is planned as accumulating. `torch_compile` is recorded and planned
-    as eager (MemoryPlan.torch_compile)."""
+    as eager (MemoryPlan.torch_compile). `use_liger_kernel`: Liger's RMSNorm and SwiGLU in the layers and its fused
+    linear cross-entropy in place of the tiles, which it needs (chunked_cross_entropy)."""
     params = shape.params
+    if use_liger_kernel and not chunked_cross_entropy:
+        raise PlanError("--use_liger_kernel replaces the tiled loss with Liger's fused loss: it needs "
+                        "--chunked_cross_entropy true.")
+    if use_liger_kernel and checkpointing and checkpointing_mode == "selective":
+        raise PlanError("--use_liger_kernel's RoPE rotates q_proj's output in place, which selective checkpointing "
+                        "keeps: plan --gradient_checkpointing_mode full.")
     if strategy.kind == "deepspeed" and (optim != "adamw_torch" or bf16_stochastic_round):
         raise PlanError(f"{strategy.name}: DeepSpeed steps its own fp32 master partitions with adamw_torch; "
                         f"--optim {optim} and --bf16_stochastic_round run under DDP or FSDP only.")
@@ -143,16 +151,17 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     selective = checkpointing and checkpointing_mode == "selective"
     loss_tile = LOSS_TILE_POSITIONS if chunked_cross_entropy else None
     acts = activation_bytes(shape, rows, length, mode, checkpointing, attn, masked, peft is not None, selective,
-                            *lora, offloading=activation_offloading, loss_tile=loss_tile)
+                            *lora, offloading=activation_offloading, loss_tile=loss_tile, liger=use_liger_kernel)
     buffer = buffers(strategy, shape, params, world, mode, peft, bf16_stochastic_round)
     buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked, peft,
-                                          bf16_stochastic_round)
+                                          bf16_stochastic_round, use_liger_kernel)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
                "activations": float(acts["total"]), "buffers": float(buffer)}
     cache = buffer if strategy.kind == "ddp" else 0.0  # DDP's buffers are autocast's weight copies alone
     fresh = gradients_fresh_each_micro_batch(strategy.kind, world, gradient_accumulation_steps)
     peak_moment = forward_backward_parts(shape, rows, length, mode, checkpointing, acts, states.gradients, cache,
-                                         buffer - cache, fresh, attn, masked, peft, selective, loss_tile)
+                                         buffer - cache, fresh, attn, masked, peft, selective, loss_tile,
+                                         use_liger_kernel)
     # With recomputation peft makes the embedding output require grad (enable_input_require_grads): a leaf of the
     # loss's graph, which then holds it and its gradient; accelerate steps DeepSpeed's engine inside backward, while
     # that graph is alive (the trainer drops it before stepping any other strategy).
@@ -166,7 +175,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
                           save_only_model, export_bytes, bf16_stochastic_round)
     if activation_offloading:
         host["offloaded_activations"] = hardware.gpus_per_node * offloaded_host_bytes(
-            shape, rows, length, mode, checkpointing, attn, masked, peft is not None)
+            shape, rows, length, mode, checkpointing, attn, masked, peft is not None, use_liger_kernel)
     capacity = usable_capacity(hardware)
     notes = []
     if strategy.kind == "ddp" and mode == "autocast":
@@ -187,4 +196,5 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         gradient_checkpointing_mode=checkpointing_mode if checkpointing else "full",
         activation_offloading=activation_offloading, layout=strategy.layout(hardware.world_size),
         gradient_accumulation_steps=gradient_accumulation_steps, torch_compile=torch_compile,
+        use_liger_kernel=use_liger_kernel,
     )

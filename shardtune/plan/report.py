@@ -44,14 +44,21 @@ HOST_EXTRAS = (("pinned_rounding", "pinned-memory rounding"),
                ("offloaded_activations", "offloaded activations"))
 
 
+def loss_words(p: MemoryPlan) -> str:
+    if p.use_liger_kernel:
+        return "Liger's fused linear cross-entropy"
+    return "in tiles" if p.chunked_cross_entropy else "over the full logits"
+
+
 def format_plan(p: MemoryPlan) -> str:
     rows = [f"{p.model} ({p.params:,} params) on {p.hardware} ({p.world_size} GPUs) with {p.config}, "
             f"micro-batch {p.micro_batch} x {p.max_seq_length} tokens, checkpointing "
             f"{checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode)}, "
             f"{p.mixed_precision} ({p.activation_mode}), loss "
-            f"{'in tiles' if p.chunked_cross_entropy else 'over the full logits'}, optimizer "
+            f"{loss_words(p)}, optimizer "
             f"{optimizer_words(p.optim, p.bf16_stochastic_round)}"
-            f"{', layers compiled (planned as eager)' if p.torch_compile else ''}",
+            f"{', layers compiled (planned as eager)' if p.torch_compile else ''}"
+            f"{', Liger RMSNorm, SwiGLU and RoPE' if p.use_liger_kernel else ''}",
             f"  states {p.layout}"]
     rows.append(f"  per GPU at the peak, {phase_name(p.peak_phase)}:")
     rows += [f"  {name:<12}{gb(value):>12}" for name, value in peak_components(p).items()]

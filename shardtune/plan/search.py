@@ -69,6 +69,8 @@ class Search:
     # None: searched down OPTIMIZER_LADDER (a recipe holds its own).
     optim: str | None = None
     bf16_stochastic_round: bool | None = None
+    # CUDA only, planned as given like activation offloading; it rules out selective checkpointing (its RoPE).
+    use_liger_kernel: bool = False
 
     def fixed(self) -> str:
         """What the search holds as given, in words: '' when it varies all of it."""
@@ -91,6 +93,8 @@ class Search:
         """(checkpointing, mode) pairs in speed order: none; selective, which recomputes only the cheap ops between
         the saved matmul and attention outputs; full, which recomputes the whole layer. The fixed ones alone."""
         modes = ("selective", "full") if self.checkpointing_mode is None else (self.checkpointing_mode,)
+        if self.use_liger_kernel and self.checkpointing_mode is None:
+            modes = ("full",)
         pairs = [(False, "full")] + [(True, mode) for mode in modes]
         return [pair for pair in pairs if self.checkpointing is None or pair[0] == self.checkpointing]
 
@@ -139,7 +143,7 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
                                     save_only_model=search.save_only_model, eval_batch=search.eval_batch,
                                     checkpointing_mode=mode, activation_offloading=search.activation_offloading,
                                     chunked_cross_entropy=search.chunked_cross_entropy, optim=optim,
-                                    bf16_stochastic_round=stochastic),
+                                    bf16_stochastic_round=stochastic, use_liger_kernel=search.use_liger_kernel),
                                accumulation, offload)
 
 

@@ -77,10 +77,47 @@ def test_the_table_prints_every_figure_and_failed_rows(gpu_check, capsys):
 def test_the_levers_case_launches_and_plans_the_same_fields(gpu_check):
     """The levers case's recipe fields become its flags (parsed back to the same values) and its plan's arguments
     (each a parameter of plan(), so the plan counts what the launch turns on)."""
-    config, _, packing, levers = gpu_check.CASES[-1]
-    assert levers == gpu_check.LEVERS and config == "fsdp_full_shard" and packing
+    config, _, packing, levers = next(case for case in gpu_check.CASES if case[3] == gpu_check.LEVERS)
+    assert config == "fsdp_full_shard" and packing
     recipe = parse_recipe(Recipe(mixed_precision="bf16"), gpu_check.lever_flags(levers))
     assert {field: getattr(recipe, field) for field in levers} == levers
-    assert set(gpu_check.LEVER_PLAN) == set(levers)
+    assert set(gpu_check.LEVER_PLAN) == set(levers) | set(gpu_check.LIGER)
     assert set(gpu_check.LEVER_PLAN.values()) <= set(inspect.signature(plan).parameters)
     assert gpu_check.case_name(config, 4, packing, levers) == "fsdp_full_shard packed x4 levers"
+
+
+def test_the_liger_cases_run_on_sharded_weights_beside_their_plain_cases(gpu_check):
+    """Liger's cases (FSDP2 and ZeRO-3, where the head's weight is sharded) launch --use_liger_kernel true, plan it,
+    and each has a plain case with the same config, accumulation and packing to compare losses with."""
+    liger = [case for case in gpu_check.CASES if case[3] == gpu_check.LIGER]
+    assert {config for config, *_ in liger} == {"fsdp_full_shard", "ds_zero3"}
+    recipe = parse_recipe(Recipe(mixed_precision="bf16"), gpu_check.lever_flags(gpu_check.LIGER))
+    assert recipe.use_liger_kernel and recipe.chunked_cross_entropy and not recipe.torch_compile
+    assert set(gpu_check.LIGER.values()) == {True} and set(gpu_check.LIGER) <= set(inspect.signature(plan).parameters)
+    names = {gpu_check.case_name(*case) for case in gpu_check.CASES}
+    for config, accumulation, packing, levers in liger:
+        name = gpu_check.case_name(config, accumulation, packing, levers)
+        assert name.endswith(" liger") and name.removesuffix(" liger") in names
+
+
+def test_a_liger_case_fails_when_its_losses_leave_the_plain_ones(gpu_check, capsys):
+    planned = {"train": 23.0 * GIB, "save": 12.0 * GIB, "eval": 10.0 * GIB}
+    plain = {"case": "ds_zero3 padded x1", **gpu_check.summarize(metrics_rows(), planned)}
+    assert plain["losses"] == [3.0, 3.0, 3.0]
+    close = {**plain, "case": "ds_zero3 padded x1 liger", "losses": [3.0, 3.006, 2.997]}
+    assert gpu_check.loss_gaps([plain, close]) == {"ds_zero3 padded x1 liger": pytest.approx(0.002)}
+    assert gpu_check.failed_cases([plain, close]) == []
+    far = {**close, "losses": [3.0, 3.06, 3.0]}  # 2% off
+    assert gpu_check.failed_cases([plain, far]) == ["ds_zero3 padded x1 liger"]
+    alone = {**close, "case": "fsdp_full_shard padded x4 liger"}  # its plain case did not train: no comparison
+    assert gpu_check.failed_cases([plain, alone]) == ["fsdp_full_shard padded x4 liger"]
+    gpu_check.print_table([plain, close])
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "ds_zero3 padded x1 liger: losses at most 0.20% from ds_zero3 padded x1's (tolerance 1%)"
+
+
+def test_the_planner_doc_states_the_loss_tolerance(gpu_check):
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text().split())
+    assert f"a Liger case's losses are more than {gpu_check.LOSS_TOLERANCE:.0%} off its plain case's" in text

@@ -100,7 +100,7 @@ def test_bench_levers_rows_run_each_lever_where_it_runs():
     rows = {name: (flags, why) for name, flags, why in bench.lever_rows("deepspeed", 3, 2, "no", False, cuda=False)}
     assert rows["plain"] == (PLAIN_FLAGS, "")
     assert rows["8-bit AdamW states"][1] == "not under DeepSpeed"
-    assert rows["activation offloading"][1] == "needs CUDA"
+    assert rows["activation offloading"][1] == rows["Liger kernels"][1] == "needs CUDA"
     assert rows["packing to full rows"][1] == "needs --packing true"
     assert rows["4-bit states, no fp32 master"][1] == "not under DeepSpeed"
     (combined,) = [name for name in rows if name.startswith("recommended")]
@@ -112,7 +112,8 @@ def test_bench_levers_rows_run_each_lever_where_it_runs():
     assert recipe.chunked_cross_entropy and recipe.torch_compile and recipe.optim == "adamw_torch"
     for lever in LEVERS:  # each lever's row parses as a recipe: the flags exist and their values are valid
         recipe = parse_recipe(Recipe(packing=True, mixed_precision="bf16"), list(rows[lever.name][0]))
-        assert recipe.chunked_cross_entropy is (lever.name == "loss in tiles")
+        assert recipe.chunked_cross_entropy is (lever.name in ("loss in tiles", "Liger kernels"))
+        assert recipe.use_liger_kernel is (lever.name == "Liger kernels")
     on_gpus = {name: why for name, _, why in bench.lever_rows("fsdp", 3, 8, "bf16", True, cuda=True)}
     assert not any(on_gpus.values()), on_gpus
     assert "packing to full rows" in [name for name in on_gpus if name.startswith("recommended")][0]
