@@ -3,8 +3,10 @@
 It makes a randomly initialised model of Llama-3.2-1B's shape (1.24B parameters, bf16 on disk, as Hub
 checkpoints are) and synthetic text files, all local: nothing is downloaded. It then trains it through
 `accelerate launch --num_processes 1` with the shipped DDP, FSDP FULL_SHARD (4 micro-batches per step) and
-ZeRO-3 configs, bf16, gradient checkpointing on, padded (SDPA) and packed (flex attention), then FSDP packed with
-the levers (compiled layers, torchao's 8-bit AdamW without an fp32 master), and prints one table:
+ZeRO-3 configs, bf16, gradient checkpointing on, padded (SDPA) and packed (flex attention), then FSDP padded with
+--mixed_precision fp8 where the GPU has float8 tensor cores (compute capability 8.9 or more; its losses must stay
+within FP8_LOSS_RTOL of the bf16 FSDP padded case's), then FSDP packed with the levers (compiled layers, torchao's
+8-bit AdamW without an fp32 master), and prints one table:
 the warm-up (the first logged window: CUDA start-up and flex attention's compilation), then over the later steps
 tokens/s per GPU, MFU and step time, and `torch.cuda.max_memory_allocated` per phase (training, the final export,
 the final eval; reset at each) against the planner's peak of that phase. No samples are generated.
@@ -40,10 +42,17 @@ REPO = Path(__file__).resolve().parents[1]
 # selective is refused with compile (shardtune.checks.check_torch_compile).
 LEVERS = {"torch_compile": True, "optim": "adamw_torch_8bit", "bf16_stochastic_round": True}
 LEVER_PLAN = {"torch_compile": "torch_compile", "optim": "optim", "bf16_stochastic_round": "bf16_stochastic_round"}
+# float8 linears with float8 all-gather (shardtune.float8): run where the GPU's capability reaches FP8_MIN_CAPABILITY.
+FP8 = {"mixed_precision": "fp8"}
+# Its losses against the bf16 run of the same config and data, step by step: e4m3 rounds each matmul operand by up
+# to 6% (3 mantissa bits), which the loss, a mean over every token, averages far below this; broken scales or
+# weights gathered wrong move it by more.
+FP8_LOSS_RTOL = 0.02
 CASES = [  # (accelerate config, micro-batches per step, packing, recipe fields over the plain path)
     ("ddp", 1, False, {}), ("ddp", 1, True, {}),
     ("fsdp_full_shard", 4, False, {}), ("fsdp_full_shard", 4, True, {}),
     ("ds_zero3", 1, False, {}), ("ds_zero3", 1, True, {}),
+    ("fsdp_full_shard", 4, False, FP8),
     ("fsdp_full_shard", 4, True, LEVERS),
 ]
 # Llama-3.2-1B's shape, at a length and micro-batch that keep each case well under a minute.
@@ -173,10 +182,12 @@ def planned_peaks(config: str, packing: bool, seq: int, levers: dict | None = No
 
     shape = shape_from_config(LlamaConfig(**MODEL), "llama-1.2b (random)")
     hardware = Hardware(1, 1, torch.cuda.get_device_properties(0).total_memory, name="1 GPU")
-    strategy = read_accelerate_config(str(REPO / "accelerate_configs" / f"{config}.yaml"), mixed_precision="bf16")
+    levers = levers or {}
+    strategy = read_accelerate_config(str(REPO / "accelerate_configs" / f"{config}.yaml"),
+                                      mixed_precision=levers.get("mixed_precision", "bf16"))
     phases = plan(shape, hardware, strategy, MICRO, seq, checkpointing=True, attn="flash" if packing else "sdpa",
                   packing=packing, eval_batch=1, chunked_cross_entropy=True,  # the trainer's default
-                  **{LEVER_PLAN[field]: value for field, value in (levers or {}).items()}).phases
+                  **{LEVER_PLAN[field]: value for field, value in levers.items() if field in LEVER_PLAN}).phases
     return {"train": max(phases["forward_backward"]["total"], phases["optimizer"]["total"]) / 1e9,
             "save": phases["save"]["total"] / 1e9, "eval": phases["eval"]["total"] / 1e9}
 
@@ -202,7 +213,30 @@ def summarize(rows: list[dict], planned: dict[str, float]) -> dict:
 
 
 def case_name(config: str, accumulation: int, packing: bool, levers: dict) -> str:
-    return f"{config} {'packed' if packing else 'padded'} x{accumulation}" + (" levers" if levers else "")
+    suffix = " fp8" if levers == FP8 else " levers" if levers else ""
+    return f"{config} {'packed' if packing else 'padded'} x{accumulation}{suffix}"
+
+
+def runs_here(levers: dict, capability: tuple[int, int]) -> bool:
+    """Whether this GPU can run a case: fp8 needs float8 tensor cores (shardtune.float8.check_fp8)."""
+    from shardtune.config import FP8_MIN_CAPABILITY
+
+    return levers.get("mixed_precision") != "fp8" or tuple(capability) >= FP8_MIN_CAPABILITY
+
+
+def check_fp8_losses(rows: list[dict]) -> None:
+    """Each fp8 row's largest relative loss difference from the bf16 row of the same config, accumulation and
+    packing (`loss_vs_bf16`); beyond FP8_LOSS_RTOL the row becomes an error."""
+    by_name = {row["case"]: row for row in rows}
+    for row in rows:
+        reference = by_name.get(row["case"].removesuffix(" fp8")) if row["case"].endswith(" fp8") else None
+        if reference is None or "error" in row or "error" in reference:
+            continue
+        pairs = list(zip(row["losses"], reference["losses"], strict=True))
+        row["loss_vs_bf16"] = max(abs(fp8 / bf16 - 1) for fp8, bf16 in pairs)
+        if row["loss_vs_bf16"] > FP8_LOSS_RTOL:
+            row["error"] = (f"losses up to {row['loss_vs_bf16']:.1%} from the bf16 run's (tolerance "
+                            f"{FP8_LOSS_RTOL:.0%})")
 
 
 def lever_flags(levers: dict) -> list[str]:
@@ -220,10 +254,12 @@ def run_case(config: str, accumulation: int, packing: bool, levers: dict, model:
         "--model_name_or_path", model, "--dataset", data[0], "--output_dir", str(output_dir),
         "--max_seq_length", str(SEQ), "--per_device_train_batch_size", str(MICRO),
         "--global_batch_size", str(MICRO * accumulation), "--max_steps", str(STEPS), "--logging_steps",
-        str(LOG_EVERY), "--learning_rate", "1e-5", "--mixed_precision", "bf16", "--gradient_checkpointing", "true",
+        str(LOG_EVERY), "--learning_rate", "1e-5", "--mixed_precision", levers.get("mixed_precision", "bf16"),
+        "--gradient_checkpointing", "true",
         "--packing", str(packing).lower(), "--attn_implementation", "flex_attention" if packing else "sdpa",
         "--eval_fraction", str(EVAL_FRACTION), "--per_device_eval_batch_size", "1", "--generation_samples", "0",
-        "--save_steps", "0", "--save_model", "true", "--report_to", "none", *lever_flags(levers),
+        "--save_steps", "0", "--save_model", "true", "--report_to", "none",
+        *lever_flags({field: value for field, value in levers.items() if field != "mixed_precision"}),
     ]
     planned = planned_peaks(config, packing, planned_seq(data[1], packing), levers)
     log_path = log_dir / f"{output_dir.name}.log"
@@ -232,7 +268,8 @@ def run_case(config: str, accumulation: int, packing: bool, levers: dict, model:
     if finished.returncode != 0:
         return {**row, "error": failure(log_path, finished, timeout)}
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return {**row, **summarize(rows, planned)}
+    losses = [window["loss"] for window in rows if "loss" in window]
+    return {**row, **summarize(rows, planned), "losses": losses}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -268,14 +305,18 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: error: no CUDA device is visible; run `make gpu-check` on a GPU machine.", file=sys.stderr)
         return 2
     deadline = time.monotonic() + BUDGET_S
-    print(f"gpu_check: {torch.cuda.get_device_name(0)}, {len(CASES)} cases, budget {BUDGET_S} s", flush=True)
+    capability = torch.cuda.get_device_capability(0)
+    cases = [case for case in CASES if runs_here(case[3], capability)]
+    print(f"gpu_check: {torch.cuda.get_device_name(0)} (compute capability {capability[0]}.{capability[1]}), "
+          f"{len(cases)} cases, budget {BUDGET_S} s" + ("" if len(cases) == len(CASES) else
+                                                       "; fp8 skipped: no float8 tensor cores"), flush=True)
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
         root = Path(scratch)
         model, data = write_assets(root)
         rows = []
-        for config, accumulation, packing, levers in CASES:
+        for config, accumulation, packing, levers in cases:
             left = deadline - time.monotonic()
             name = case_name(config, accumulation, packing, levers)
             if left < 30:
@@ -284,7 +325,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_case(config, accumulation, packing, levers, model, data[packing], root, log_dir,
                                      min(LEVERS_TIMEOUT_S if levers else CASE_TIMEOUT_S, left)))
             print(json.dumps(rows[-1]), flush=True)
+        check_fp8_losses(rows)
         print_table(rows)
+        for row in rows:
+            if "loss_vs_bf16" in row:
+                print(f"{row['case']}: losses at most {row['loss_vs_bf16']:.2%} from the bf16 run's "
+                      f"(tolerance {FP8_LOSS_RTOL:.0%})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     failed = failed_cases(rows)

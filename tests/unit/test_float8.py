@@ -127,3 +127,26 @@ def test_recommend_keeps_the_precision_it_is_given():
     assert recommend(shape, hardware).plan.mixed_precision == "bf16"  # never traded for fp8
     chosen = recommend(shape, hardware, Search(mixed_precision="fp8")).plan
     assert chosen.mixed_precision == "fp8" and not chosen.config.startswith("ds_")
+
+
+def test_gpu_check_runs_fp8_on_float8_tensor_cores_and_against_its_bf16_run():
+    from shardtune.flags import parse_recipe
+    from tests.conftest import load_script
+
+    gpu_check = load_script("gpu_check")
+    config, accumulation, packing, levers = next(case for case in gpu_check.CASES if case[3] == gpu_check.FP8)
+    assert (config, accumulation, packing, {}) in gpu_check.CASES  # its bf16 reference
+    assert gpu_check.CASES[-1][3] == gpu_check.LEVERS
+    assert parse_recipe(Recipe(), ["--mixed_precision", levers["mixed_precision"]]).mixed_precision == "fp8"
+    assert [gpu_check.runs_here(levers, capability) for capability in ((8, 0), (8, 6), (8, 9), (9, 0))] \
+        == [False, False, True, True]
+    assert gpu_check.runs_here({}, (7, 0))
+    name = gpu_check.case_name(config, accumulation, packing, levers)
+    reference = gpu_check.case_name(config, accumulation, packing, {})
+    assert name == f"{reference} fp8"
+    close = [{"case": reference, "losses": [11.0, 10.0]}, {"case": name, "losses": [11.1, 10.05]}]
+    gpu_check.check_fp8_losses(close)
+    assert close[1]["loss_vs_bf16"] == pytest.approx(0.1 / 11.0) and "error" not in close[1]
+    far = [{"case": reference, "losses": [11.0, 10.0]}, {"case": name, "losses": [11.0, 10.5]}]
+    gpu_check.check_fp8_losses(far)
+    assert far[1]["error"] == "losses up to 5.0% from the bf16 run's (tolerance 2%)"
