@@ -150,3 +150,15 @@ def test_gpu_check_runs_fp8_on_float8_tensor_cores_and_against_its_bf16_run():
     far = [{"case": reference, "losses": [11.0, 10.0]}, {"case": name, "losses": [11.0, 10.5]}]
     gpu_check.check_fp8_losses(far)
     assert far[1]["error"] == "losses up to 5.0% from the bf16 run's (tolerance 2%)"
+
+
+def test_the_float8_lever_needs_cuda_float8_tensor_cores_and_no_deepspeed():
+    from shardtune.levers import LEVERS
+
+    (lever,) = [lever for lever in LEVERS if lever.flags == ("--mixed_precision", "fp8")]
+    assert not lever.always  # it trades precision
+    assert lever.runs("fsdp", 3, 8, "bf16", False, cuda=False) == "needs CUDA"
+    assert lever.runs("fsdp", 3, 8, "bf16", False, cuda=True, capability=(8, 0)) == "needs compute capability 8.9"
+    assert lever.runs("deepspeed", 3, 8, "bf16", False, cuda=True, capability=(9, 0)) == "not under DeepSpeed"
+    assert lever.runs("fsdp", 3, 8, "bf16", False, cuda=True, capability=(9, 0)) == ""
+    assert lever.runs("ddp", 0, 8, "no", False, cuda=True, capability=(8, 9)) == ""
