@@ -162,3 +162,28 @@ def test_the_float8_lever_needs_cuda_float8_tensor_cores_and_no_deepspeed():
     assert lever.runs("deepspeed", 3, 8, "bf16", False, cuda=True, capability=(9, 0)) == "not under DeepSpeed"
     assert lever.runs("fsdp", 3, 8, "bf16", False, cuda=True, capability=(9, 0)) == ""
     assert lever.runs("ddp", 0, 8, "no", False, cuda=True, capability=(8, 9)) == ""
+
+
+def test_planner_md_states_the_float8_figures_the_planner_computes():
+    from tests.conftest import REPO
+
+    text = " ".join((REPO / "docs" / "planner.md").read_text().split())
+    shape, hardware = resolve_model("llama-3.1-8b"), parse_hardware("8xh100-80gb")
+    fsdp = Strategy("fsdp_full_shard", "fsdp", 3)
+    saved = plan(shape, hardware, fsdp).per_gpu["buffers"] \
+        - plan(shape, hardware, dataclasses.replace(fsdp, mixed_precision="fp8")).per_gpu["buffers"]
+    ddp = Strategy("ddp", "ddp", 0)
+    cached = [buffers(dataclasses.replace(ddp, mixed_precision=precision), shape, shape.params, 1, "autocast")
+              for precision in ("fp8", "bf16")]
+    assert f"Llama-3.1-8B's {float8_weight_elements(shape):,} elements per layer make {saved / 1e9:.2f} GB less" in text
+    assert f"only lm_head's stays ({cached[0] / 1e9:.2f} GB instead of {cached[1] / 1e9:.1f} GB" in text
+
+
+def test_training_md_states_what_the_launched_float8_test_asserts():
+    from tests.conftest import REPO
+    from tests.launch.test_float8 import FLOAT8_LINEARS, LOSS_RTOL
+
+    text = " ".join((REPO / "docs" / "training.md").read_text().split())
+    assert f"every rank's {FLOAT8_LINEARS} linears gather in float8" in text
+    assert f"the losses stay within {LOSS_RTOL:.0%} of the bf16 run's" in text
+    assert len(PROJECTIONS) * tiny_llama_config(128).num_hidden_layers == FLOAT8_LINEARS
