@@ -102,8 +102,7 @@ def quantization(recipe: Recipe, compute_dtype: torch.dtype | None):
 # Op-level selective checkpointing (torchtitan's "op" mode): the outputs of these ops are kept from the forward and
 # every other op is recomputed in backward. Matmuls (every other one, below) and the attention kernels: the SDPA
 # backends' exact overloads, CPU's included, as TRL's selective checkpointing lists them.
-# A float8 linear (--mixed_precision fp8) multiplies with _scaled_mm, as torchtitan's policy lists it.
-SAVED_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}
+SAVED_MATMUL = torch.ops.aten.mm.default
 SAVED_ATTENTION = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
@@ -117,7 +116,7 @@ def selective_policy() -> Callable[..., CheckpointPolicy]:
     matmuls = {False: 0, True: 0}
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        if func in SAVED_MATMULS:
+        if func == SAVED_MATMUL:
             matmuls[ctx.is_recompute] += 1
             return CheckpointPolicy.MUST_SAVE if matmuls[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
         if func in SAVED_ATTENTION or "flash_attn" in str(func):  # flash-attn registers under hashed namespaces

@@ -187,3 +187,26 @@ def test_training_md_states_what_the_launched_float8_test_asserts():
     assert f"every rank's {FLOAT8_LINEARS} linears gather in float8" in text
     assert f"the losses stay within {LOSS_RTOL:.0%} of the bf16 run's" in text
     assert len(PROJECTIONS) * tiny_llama_config(128).num_hidden_layers == FLOAT8_LINEARS
+
+
+def test_selective_checkpointing_meets_a_float8_matmul_as_mm():
+    """shardtune.model's policy saves by aten op: a float8 linear's product reaches it as aten.mm (torchao's float8
+    tensors turn it into _scaled_mm below the policy), so selective checkpointing keeps the same outputs."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from shardtune.model import SAVED_MATMUL
+
+    seen = []
+
+    def policy(ctx, func, *args, **kwargs):
+        if not ctx.is_recompute:
+            seen.append(func)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    layers = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    convert_linears(layers, all_gather=False, emulate=True)
+    inputs = torch.randn(4, 32, requires_grad=True)
+    checkpoint(layers, inputs, use_reentrant=False,
+               context_fn=lambda: create_selective_checkpoint_contexts(policy)).sum().backward()
+    assert seen.count(SAVED_MATMUL) == 2  # one per linear
+    assert not [func for func in seen if "_scaled_mm" in str(func)]
