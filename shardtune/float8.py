@@ -76,14 +76,13 @@ def check_fp8(recipe: Recipe, capability: tuple[int, int] | None, launch_kind: s
                           f"H200, L4, L40S); this GPU's is {capability[0]}.{capability[1]}: use --mixed_precision "
                           "bf16.")
     if launch_kind == "deepspeed":
-        raise ConfigError("--mixed_precision fp8 trains torchao's float8 linears under FSDP2 (float8 all-gather) or "
-                          "DDP; DeepSpeed's engine flattens and casts the weights itself: launch with an FSDP or DDP "
-                          "config, or use --mixed_precision bf16.")
+        raise ConfigError("--mixed_precision fp8 trains under FSDP2 (float8 all-gather) and DDP only: DeepSpeed "
+                          "gathers its own flat bf16 partitions, and float8 is untested under its engine: launch with "
+                          "an FSDP or DDP config, or use --mixed_precision bf16.")
     if recipe.use_peft:
         raise ConfigError("--mixed_precision fp8 speeds up the matmuls of full fine-tuning; LoRA's frozen base would "
                           "still compute each weight gradient in float8 and discard it: use --mixed_precision bf16 "
                           "with --use_peft true.")
-
 
 
 def rewrap_loaded_shards(model: torch.nn.Module) -> int:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.conftest import REPO, run_recipe, train_losses
 
 PROBE = REPO / "tests" / "launch" / "float8_probe.py"
 ARGS = ("--mixed_precision", "bf16", "--max_steps", "6", "--per_device_train_batch_size", "8", "--global_batch_size",
-        "16", "--learning_rate", "3e-3", "--warmup_ratio", "0", "--save_steps", "0", "--save_model", "false")
+        "16", "--learning_rate", "3e-3", "--warmup_ratio", "0", "--save_steps", "0")
 # The tiny model's linears: 2 layers x (q, k, v, o, gate, up, down); lm_head stays bf16 (shardtune.float8).
 FLOAT8_LINEARS = 14
 # e4m3's 3 mantissa bits round each operand by up to 6%; over 6 steps the mean loss drifts by far less (measured
@@ -36,3 +38,9 @@ def test_float8_linears_gather_in_float8_on_every_rank_and_track_bf16(tiny_asset
     assert per_rank[0][2] == per_rank[1][2] > 0  # one all-reduce of the amaxes: the same scales on every rank
     assert train_losses(fp8) != train_losses(bf16)  # the float8 casts acted
     assert train_losses(fp8) == pytest.approx(train_losses(bf16), rel=LOSS_RTOL)
+    # The export gathers the float8-wrapped shards into the plain Hugging Face weights a bf16 run writes.
+    exported = {name: load_file(path) for name, path in (("bf16", bf16 / "model.safetensors"),
+                                                         ("fp8", fp8 / "model.safetensors"))}
+    assert {key: (tensor.dtype, tensor.shape) for key, tensor in exported["fp8"].items()} == \
+        {key: (tensor.dtype, tensor.shape) for key, tensor in exported["bf16"].items()}
+    assert all(type(tensor) is torch.Tensor for tensor in exported["fp8"].values())
