@@ -216,16 +216,16 @@ def main(argv: list[str] | None = None) -> None:
                  if args.repeats > 1 else ""))
 
 
-def lever_rows(kind: str, shard: int, processes: int, mixed_precision: str, packing: bool, cuda: bool
-               ) -> list[tuple[str, tuple[str, ...], str]]:
+def lever_rows(kind: str, shard: int, processes: int, mixed_precision: str, packing: bool, cuda: bool,
+               capability: tuple[int, int] | None = None) -> list[tuple[str, tuple[str, ...], str]]:
     """(name, the recipe flags over the user's, why it cannot run here: '' when it can) for the plain path, each
-    lever alone, and the recommended combination."""
+    lever alone, and the recommended combination. `capability`: the GPU's compute capability, where known."""
     from shardtune.levers import LEVERS, PLAIN_FLAGS
 
     rows = [("plain", PLAIN_FLAGS, "")]
     combined, names = list(PLAIN_FLAGS), []
     for lever in LEVERS:
-        why = lever.runs(kind, shard, processes, mixed_precision, packing, cuda)
+        why = lever.runs(kind, shard, processes, mixed_precision, packing, cuda, capability)
         rows.append((lever.name, (*PLAIN_FLAGS, *lever.flags), why))
         if lever.always and not why:
             combined += lever.flags
@@ -256,6 +256,8 @@ def run_row(args: argparse.Namespace, flags: tuple[str, ...], cuda: bool) -> dic
 
 def lever_table(args: argparse.Namespace, cuda: bool) -> str:
     """Launch every row of lever_rows and tabulate it against the plain path."""
+    import torch
+
     from shardtune.flags import parse_recipe
     from shardtune.plan.strategy import read_accelerate_config
 
@@ -267,8 +269,9 @@ def lever_table(args: argparse.Namespace, cuda: bool) -> str:
     memory = "peak allocated on rank 0" if cuda else "peak live tensors, any rank"
     lines = [f"| lever | tokens/s per device | x plain | {memory} | x plain |", "|---|---|---|---|---|"]
     plain = None
+    capability = torch.cuda.get_device_capability() if cuda else None
     for name, flags, why in lever_rows(strategy.kind, strategy.shard, args.num_processes, recipe.mixed_precision,
-                                       recipe.packing, cuda):
+                                       recipe.packing, cuda, capability):
         if why:
             lines.append(f"| {name} | not run: {why} | | | |")
             continue

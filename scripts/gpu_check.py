@@ -5,7 +5,9 @@ checkpoints are) and synthetic text files, all local: nothing is downloaded. It 
 `accelerate launch --num_processes 1` with the shipped DDP, FSDP FULL_SHARD (4 micro-batches per step) and
 ZeRO-3 configs, bf16, gradient checkpointing on, padded (SDPA) and packed (flex attention), then FSDP packed with
 the levers (compiled layers, torchao's 8-bit AdamW without an fp32 master), then FSDP and ZeRO-3 padded with Liger's
-kernels (--use_liger_kernel: their losses against the same case without them), and prints one table:
+kernels (--use_liger_kernel), then FSDP padded with --mixed_precision fp8 where the GPU has float8 tensor cores
+(compute capability 8.9 or more); the Liger and fp8 cases' losses against the same case without them
+(LOSS_TOLERANCE). It prints one table:
 the warm-up (the first logged window: CUDA start-up and flex attention's compilation), then over the later steps
 tokens/s per GPU, MFU and step time, and `torch.cuda.max_memory_allocated` per phase (training, the final export,
 the final eval; reset at each) against the planner's peak of that phase. No samples are generated.
@@ -14,8 +16,8 @@ Padded rows run from half to the whole --max_seq_length; packed rows all hold th
 packed micro-batch's row is known and planned at its real length. Each launch runs in a process group of its own
 and is killed whole, ranks included, when it overruns: it is then a FAILED row, as is a case that did not start
 within the budget. Exit 0 when every case trained and every planned peak is within 10% of the measured one; 1
-otherwise, or when a Liger case's losses leave its plain case's by more than LOSS_TOLERANCE; 2 without a CUDA
-device. Sized for 10 minutes on one H200 (the levers case compiles).
+otherwise, or when a Liger or fp8 case's losses leave its plain case's by more than its LOSS_TOLERANCE; 2
+without a CUDA device. Sized for 10 minutes on one H200 (the levers case compiles).
 """
 
 from __future__ import annotations
@@ -45,12 +47,15 @@ LEVERS = {"torch_compile": True, "optim": "adamw_torch_8bit", "bf16_stochastic_r
 LIGER = {"use_liger_kernel": True}
 LEVER_PLAN = {"torch_compile": "torch_compile", "optim": "optim", "bf16_stochastic_round": "bf16_stochastic_round",
               "use_liger_kernel": "use_liger_kernel"}
+# float8 linears with float8 all-gather (shardtune.float8): run where the GPU's capability reaches FP8_MIN_CAPABILITY.
+FP8 = {"mixed_precision": "fp8"}
 CASES = [  # (accelerate config, micro-batches per step, packing, recipe fields over the plain path)
     ("ddp", 1, False, {}), ("ddp", 1, True, {}),
     ("fsdp_full_shard", 4, False, {}), ("fsdp_full_shard", 4, True, {}),
     ("ds_zero3", 1, False, {}), ("ds_zero3", 1, True, {}),
     ("fsdp_full_shard", 4, True, LEVERS),
     ("fsdp_full_shard", 4, False, LIGER), ("ds_zero3", 1, False, LIGER),
+    ("fsdp_full_shard", 4, False, FP8),
 ]
 # Llama-3.2-1B's shape, at a length and micro-batch that keep each case well under a minute.
 MODEL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -61,9 +66,12 @@ ROWS, EVAL_FRACTION = 400, 0.02  # 8 eval rows, one per batch
 # The levers case compiles its layers and torchao's step first: it gets LEVERS_TIMEOUT_S.
 BUDGET_S, CASE_TIMEOUT_S, LEVERS_TIMEOUT_S, KILL_GRACE_S = 600, 120, 240, 10
 TOLERANCE = 0.10
-# A Liger case's logged losses against its plain case's, relative: the same data and seed, bf16 kernels that round
-# differently (fused norm, SwiGLU and loss), six steps at lr 1e-5 of a random model whose loss is near ln(vocab).
-LOSS_TOLERANCE = 0.01
+# A compared case's logged losses against its plain case's (the same name without the suffix), relative: the same
+# data and seed, six steps at lr 1e-5 of a random model whose loss is near ln(vocab). Liger: bf16 kernels that round
+# differently (fused norm, SwiGLU and loss). fp8: e4m3 rounds each matmul operand by up to 6% (3 mantissa bits),
+# which the loss, a mean over every token, averages far below 2%; broken scales or weights gathered wrong move it
+# by more.
+LOSS_TOLERANCE = {" liger": 0.01, " fp8": 0.02}
 MEASURED_PHASES = (("train", "peak_memory_gb"), ("save", "save_peak_memory_gb"), ("eval", "eval_peak_memory_gb"))
 
 
@@ -182,10 +190,12 @@ def planned_peaks(config: str, packing: bool, seq: int, levers: dict | None = No
 
     shape = shape_from_config(LlamaConfig(**MODEL), "llama-1.2b (random)")
     hardware = Hardware(1, 1, torch.cuda.get_device_properties(0).total_memory, name="1 GPU")
-    strategy = read_accelerate_config(str(REPO / "accelerate_configs" / f"{config}.yaml"), mixed_precision="bf16")
+    levers = levers or {}
+    strategy = read_accelerate_config(str(REPO / "accelerate_configs" / f"{config}.yaml"),
+                                      mixed_precision=levers.get("mixed_precision", "bf16"))
     phases = plan(shape, hardware, strategy, MICRO, seq, checkpointing=True, attn="flash" if packing else "sdpa",
                   packing=packing, eval_batch=1, chunked_cross_entropy=True,  # the trainer's default
-                  **{LEVER_PLAN[field]: value for field, value in (levers or {}).items()}).phases
+                  **{LEVER_PLAN[field]: value for field, value in levers.items() if field in LEVER_PLAN}).phases
     return {"train": max(phases["forward_backward"]["total"], phases["optimizer"]["total"]) / 1e9,
             "save": phases["save"]["total"] / 1e9, "eval": phases["eval"]["total"] / 1e9}
 
@@ -212,12 +222,21 @@ def summarize(rows: list[dict], planned: dict[str, float]) -> dict:
 
 
 def case_name(config: str, accumulation: int, packing: bool, levers: dict) -> str:
-    suffix = " liger" if levers.get("use_liger_kernel") else " levers" if levers else ""
+    suffix = " liger" if levers.get("use_liger_kernel") else " fp8" if levers == FP8 else " levers" if levers else ""
     return f"{config} {'packed' if packing else 'padded'} x{accumulation}{suffix}"
 
 
+def runs_here(levers: dict, capability: tuple[int, int]) -> bool:
+    """Whether this GPU can run a case: fp8 needs float8 tensor cores (shardtune.float8.check_fp8)."""
+    from shardtune.config import FP8_MIN_CAPABILITY
+
+    return levers.get("mixed_precision") != "fp8" or tuple(capability) >= FP8_MIN_CAPABILITY
+
+
 def lever_flags(levers: dict) -> list[str]:
-    return [word for field, value in levers.items() for word in (f"--{field}", str(value).lower())]
+    """The case's flags over the plain path (its precision is given apart: --mixed_precision)."""
+    return [word for field, value in levers.items() if field != "mixed_precision"
+            for word in (f"--{field}", str(value).lower())]
 
 
 def run_case(config: str, accumulation: int, packing: bool, levers: dict, model: str, data: tuple[str, list[int]],
@@ -231,7 +250,8 @@ def run_case(config: str, accumulation: int, packing: bool, levers: dict, model:
         "--model_name_or_path", model, "--dataset", data[0], "--output_dir", str(output_dir),
         "--max_seq_length", str(SEQ), "--per_device_train_batch_size", str(MICRO),
         "--global_batch_size", str(MICRO * accumulation), "--max_steps", str(STEPS), "--logging_steps",
-        str(LOG_EVERY), "--learning_rate", "1e-5", "--mixed_precision", "bf16", "--gradient_checkpointing", "true",
+        str(LOG_EVERY), "--learning_rate", "1e-5", "--mixed_precision", levers.get("mixed_precision", "bf16"),
+        "--gradient_checkpointing", "true",
         "--packing", str(packing).lower(), "--attn_implementation", "flex_attention" if packing else "sdpa",
         "--eval_fraction", str(EVAL_FRACTION), "--per_device_eval_batch_size", "1", "--generation_samples", "0",
         "--save_steps", "0", "--save_model", "true", "--report_to", "none", *lever_flags(levers),
@@ -258,23 +278,30 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['case']:<34}{row['warmup_s']:>10.1f}{row['tokens_per_second_per_gpu']:>11,.0f}"
               f"{row['mfu']:>7.1%}{row['step_time_s']:>8.2f}{figures}{worst_error(row):>+8.1%}")
     for case, gap in loss_gaps(rows).items():
-        print(f"{case}: losses at most {gap:.2%} from {case.removesuffix(' liger')}'s "
-              f"(tolerance {LOSS_TOLERANCE:.0%})")
+        suffix = compared_suffix(case)
+        print(f"{case}: losses at most {gap:.2%} from {case.removesuffix(suffix)}'s "
+              f"(tolerance {LOSS_TOLERANCE[suffix]:.0%})")
 
 
 def worst_error(row: dict) -> float:
     return max((row[f"{phase}_error"] for phase, _ in MEASURED_PHASES), key=abs)
 
 
+def compared_suffix(case: str) -> str:
+    """The suffix of a case compared with its plain case (a LOSS_TOLERANCE key), else ''."""
+    return next((suffix for suffix in LOSS_TOLERANCE if case.endswith(suffix)), "")
+
+
 def loss_gaps(rows: list[dict]) -> dict[str, float]:
-    """Each Liger case's largest relative gap between its logged losses and those of the same case without Liger;
-    NaN where either did not train."""
+    """Each compared case's (Liger, fp8) largest relative gap between its logged losses and those of the same case
+    without the lever; NaN where either did not train."""
     by_case = {row["case"]: row for row in rows}
     gaps = {}
     for row in rows:
-        if not row["case"].endswith(" liger"):
+        suffix = compared_suffix(row["case"])
+        if not suffix:
             continue
-        plain = by_case.get(row["case"].removesuffix(" liger"), {})
+        plain = by_case.get(row["case"].removesuffix(suffix), {})
         if "losses" not in row or "losses" not in plain or len(row["losses"]) != len(plain["losses"]):
             gaps[row["case"]] = math.nan
             continue
@@ -286,7 +313,7 @@ def loss_gaps(rows: list[dict]) -> dict[str, float]:
 def failed_cases(rows: list[dict]) -> list[str]:
     gaps = loss_gaps(rows)
     return [row["case"] for row in rows if "error" in row or abs(worst_error(row)) > TOLERANCE
-            or not gaps.get(row["case"], 0.0) <= LOSS_TOLERANCE]
+            or not gaps.get(row["case"], 0.0) <= LOSS_TOLERANCE.get(compared_suffix(row["case"]), 0.0)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,14 +328,18 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: error: no CUDA device is visible; run `make gpu-check` on a GPU machine.", file=sys.stderr)
         return 2
     deadline = time.monotonic() + BUDGET_S
-    print(f"gpu_check: {torch.cuda.get_device_name(0)}, {len(CASES)} cases, budget {BUDGET_S} s", flush=True)
+    capability = torch.cuda.get_device_capability(0)
+    cases = [case for case in CASES if runs_here(case[3], capability)]
+    print(f"gpu_check: {torch.cuda.get_device_name(0)} (compute capability {capability[0]}.{capability[1]}), "
+          f"{len(cases)} cases, budget {BUDGET_S} s" + ("" if len(cases) == len(CASES) else
+                                                       "; fp8 skipped: no float8 tensor cores"), flush=True)
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
         root = Path(scratch)
         model, data = write_assets(root)
         rows = []
-        for config, accumulation, packing, levers in CASES:
+        for config, accumulation, packing, levers in cases:
             left = deadline - time.monotonic()
             name = case_name(config, accumulation, packing, levers)
             if left < 30:
@@ -324,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = failed_cases(rows)
     if failed:
         print(f"gpu_check: {len(failed)} case(s) failed, missed the plan by more than {TOLERANCE:.0%} or the "
-              f"plain losses by more than {LOSS_TOLERANCE:.0%}: "
+              "plain losses by more than their tolerance: "
               f"{', '.join(failed)}", file=sys.stderr)
         return 1
     return 0

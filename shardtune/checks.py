@@ -36,6 +36,7 @@ from shardtune.data_sources import (
     check_dataset_sources,
     check_dataset_weights,
 )
+from shardtune.float8 import check_fp8
 from shardtune.launch import LaunchDescription
 from shardtune.liger import check_liger_device, check_liger_kernel
 
@@ -450,8 +451,8 @@ def check_recipe(recipe: Recipe, problems: Problems, launch: LaunchDescription |
 
 def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: LaunchDescription) -> None:
     """The checks that depend on this machine: a GPU, or CPU mode asked for; the attention kernel, 4-bit
-    quantization, fp16's loss scaler and the optimizer on it; NVMe offload's async_io op. `has_gpu`: CUDA is
-    available."""
+    quantization, fp16's loss scaler, the optimizer and fp8's float8 tensor cores on it; NVMe offload's async_io
+    op. `has_gpu`: CUDA is available."""
     problems.check(check_device, recipe, has_gpu)
     on_gpu = has_gpu and not recipe.use_cpu
     problems.check(check_attention, recipe, on_gpu)
@@ -461,8 +462,18 @@ def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: Lau
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
     problems.check(check_optimizer, recipe, on_gpu, launch.kind, launch.world_size, True, launch.hybrid_shard)
     problems.check(check_compile_under, recipe, launch)
+    problems.check(check_fp8, recipe, gpu_capability(recipe, on_gpu), launch.kind)
     if offloads_to_nvme(launch):
         problems.check(check_async_io, AsyncIOReadiness.of_this_machine(has_gpu))
+
+
+def gpu_capability(recipe: Recipe, on_gpu: bool) -> tuple[int, int] | None:
+    """This GPU's compute capability where a check needs it (--mixed_precision fp8), else None."""
+    if not (on_gpu and recipe.mixed_precision == "fp8"):
+        return None
+    import torch
+
+    return torch.cuda.get_device_capability()
 
 
 def validate(recipe: Recipe, launch: LaunchDescription, has_gpu: bool) -> BatchSizes:

@@ -9,7 +9,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-MIXED_PRECISIONS = ("bf16", "fp16", "no")
+MIXED_PRECISIONS = ("bf16", "fp16", "no", "fp8")
+# --mixed_precision fp8 (shardtune.float8): the decoder layers' linears in float8, everything else as under bf16.
+FP8_COMPUTE_PRECISION = "bf16"
+FP8_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 tensor cores: Ada (8.9), Hopper (9.0) and later
+FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both dimensions of a float8 operand divisible by 16
 DATASET_FORMATS = ("auto", "text", "prompt_completion", "messages", "alpaca", "sharegpt")
 DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 # transformers' schedulers that need neither extra arguments nor a metric at every step (the trainer gives neither).
@@ -66,6 +70,12 @@ LOWEST_VALUES = {
     "--save_steps": 0,  # 0: never
     "--save_total_limit": 0,  # 0: keep all
 }
+
+
+def compute_precision(mixed_precision: str) -> str:
+    """The precision accelerate, FSDP2's policy and the loaded weights take for --mixed_precision: fp8's is bf16
+    (its float8 linears cast their own operands)."""
+    return FP8_COMPUTE_PRECISION if mixed_precision == "fp8" else mixed_precision
 
 
 def below_lowest(values: Iterable[tuple[str, float | None]]) -> list[str]:
@@ -222,7 +232,11 @@ class Recipe:
     torch_compile_mode: str | None = field(default=None, metadata={
         "help": f"With --torch_compile: torch.compile's mode, one of {', '.join(COMPILE_MODES)}; unset = default. "
                 "The CUDA-graph modes are refused: graphs replay fixed shapes and addresses."})
-    mixed_precision: str = field(default="bf16", metadata={"help": "bf16, fp16 (with a loss scaler) or no (fp32)."})
+    mixed_precision: str = field(default="bf16", metadata={
+        "help": "bf16, fp16 (with a loss scaler), no (fp32), or fp8: bf16 with the decoder layers' linears in float8 "
+                "(torchao's float8 training, tensorwise scaling; under FSDP2 the weights are gathered in float8; "
+                "lm_head stays bf16). fp8 trades precision for speed: GPUs of compute capability 8.9 or more "
+                "(H100, H200, L4, L40S), full fine-tuning under FSDP2 or DDP."})
     attn_implementation: str = field(default="sdpa", metadata={
         "help": f"One of {', '.join(ATTENTION_PACKAGES)}. With --packing on a GPU: flash_attention_2 or "
                 "flex_attention (SDPA and eager build a dense mask over the packed row)."})

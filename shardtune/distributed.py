@@ -23,7 +23,7 @@ from accelerate.utils import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from shardtune.config import BatchSizes, ConfigError, Recipe
+from shardtune.config import BatchSizes, ConfigError, Recipe, compute_precision
 from shardtune.launch import LaunchDescription
 from shardtune.plan.host import PINNED_MAX_CACHED_MB
 
@@ -34,7 +34,8 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
                      ) -> Accelerator:
     world_size, uses_deepspeed, uses_fsdp = launch.world_size, launch.uses_deepspeed, launch.uses_fsdp
     on_cpu = recipe.use_cpu
-    plugin = fsdp_plugin(recipe.mixed_precision, on_cpu, recipe.bf16_stochastic_round) if uses_fsdp else None
+    precision = compute_precision(recipe.mixed_precision)  # fp8: shardtune.float8 converts the linears itself
+    plugin = fsdp_plugin(precision, on_cpu, recipe.bf16_stochastic_round) if uses_fsdp else None
     hybrid_on_cpu = on_cpu and uses_fsdp and launch.hybrid_shard
     if uses_deepspeed:
         deepspeed_launch_env(recipe, launch)
@@ -44,8 +45,9 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
         # MULTI_CPU over gloo. DeepSpeed ignores `cpu=True`; it gets gloo through the process-group kwargs.
         cpu=on_cpu and not uses_deepspeed,
         # The recipe wins over the config file, DeepSpeed included. Stochastically rounded bf16 weights need no cast,
-        # and accelerate's FSDP2 preparation would upcast them to an fp32 master under any other value.
-        mixed_precision="no" if recipe.bf16_stochastic_round else recipe.mixed_precision,
+        # and accelerate's FSDP2 preparation would upcast them to an fp32 master under any other value. Never "fp8":
+        # accelerate's AO backend would convert the linears again inside `prepare`, after FSDP2 sharded them.
+        mixed_precision="no" if recipe.bf16_stochastic_round else precision,
         fsdp_plugin=plugin,
         # The launch's (replicate, shard) mesh: accelerate builds it from the PARALLELISM_CONFIG_* variables, but
         # refuses it on MULTI_CPU; on CPU it is set once the state is FSDP (enable_fsdp_on_cpu), and a config of

@@ -3,12 +3,15 @@
 
 The plain path turns every lever off. Each lever's row adds its own flags to it; the recommended combination adds
 those of every lever marked `always` that runs here: the ones that cost no precision (the planner steps down to
-the optimizers that trade it only where no exact run fits the GPUs, OPTIMIZER_LADDER).
+the optimizers that trade it only where no exact run fits the GPUs, OPTIMIZER_LADDER). The plain path keeps the
+recipe's --mixed_precision; the float8 lever sets fp8 over it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from shardtune.config import FP8_MIN_CAPABILITY
 
 # Every lever off: the loss over the full logits, eager layers, full checkpointing where the recipe checkpoints,
 # micro-batches packed as they come, saved activations on the accelerator, torch's AdamW over an fp32 master, the
@@ -29,11 +32,16 @@ class Lever:
     needs_bf16: bool = False
     needs_packing: bool = False
     zero3: bool = True  # runs under ZeRO-3 (compile does not: shardtune.checks.check_compile_under)
+    min_capability: tuple[int, int] | None = None  # the GPU's compute capability it needs (fp8: float8 tensor cores)
 
-    def runs(self, kind: str, shard: int, processes: int, mixed_precision: str, packing: bool, cuda: bool) -> str:
-        """'' when the lever runs under this launch (`shard`: the ZeRO stage), else why not, in a few words."""
+    def runs(self, kind: str, shard: int, processes: int, mixed_precision: str, packing: bool, cuda: bool,
+             capability: tuple[int, int] | None = None) -> str:
+        """'' when the lever runs under this launch (`shard`: the ZeRO stage), else why not, in a few words.
+        `capability`: the GPU's compute capability, where known."""
         if self.cuda_only and not cuda:
             return "needs CUDA"
+        if self.min_capability and capability is not None and tuple(capability) < self.min_capability:
+            return f"needs compute capability {'.'.join(map(str, self.min_capability))}"
         if kind == "deepspeed" and not self.deepspeed:
             return "not under DeepSpeed"
         if kind == "deepspeed" and shard >= 3 and not self.zero3:
@@ -60,4 +68,7 @@ LEVERS = (
     Lever("8-bit AdamW states", ("--optim", "adamw_torch_8bit"), deepspeed=False),
     Lever("4-bit states, no fp32 master", ("--optim", "adamw_torch_4bit", "--bf16_stochastic_round", "true"),
           deepspeed=False, fsdp_or_one_process=True, needs_bf16=True),
+    # Trades precision (the layers' matmuls in float8), so never `always`; the plain path keeps the recipe's precision.
+    Lever("float8 linears", ("--mixed_precision", "fp8"), cuda_only=True, deepspeed=False,
+          min_capability=FP8_MIN_CAPABILITY),
 )

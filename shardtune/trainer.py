@@ -30,6 +30,7 @@ from shardtune.data import load_splits
 from shardtune.distributed import exit_process, make_accelerator, reduction_dtypes, shut_down
 from shardtune.evaluation import evaluate
 from shardtune.export import add_model_files, export_dtype, save_hf_model
+from shardtune.float8 import convert_linears, precompute_scales_after_step, rewrap_loaded_shards
 from shardtune.flops import ModelShape, shape_from_config
 from shardtune.generation import HeldOutPrompts, generate_samples, held_out_prompts
 from shardtune.hardware import peak_flops
@@ -110,14 +111,21 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes) -> Run
     shape = shape_from_config(model.config, recipe.name)
     if recipe.use_liger_kernel:  # before sharding: the wrappers find the patched modules' forwards in place
         apply_liger_kernels(model)
-    if accelerator.distributed_type == DistributedType.FSDP:
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if recipe.mixed_precision == "fp8":  # before sharding: FSDP2 then gathers the wrapped weights in float8
+        convert_linears(model, all_gather=fsdp)
+    if fsdp:
         # Shard first (accelerate's own FSDP2 preparation; `prepare` below finds the model sharded) and build the
         # optimizer on the shards: the ranks that loaded no weights hold meta parameters, which all share
         # data_ptr 0, the key by which `prepare` would map the optimizer's parameters to the sharded ones.
         model = fsdp2_prepare_model(accelerator, model)
+        if recipe.mixed_precision == "fp8":
+            rewrap_loaded_shards(model)
     # torch AdamW's fused kernel on CUDA (TrainingArguments' default); DeepSpeed steps its flat partitions as before.
     fused = accelerator.device.type == "cuda" and accelerator.distributed_type != DistributedType.DEEPSPEED
     optimizer, scheduler = make_optimizer(model, recipe, max_steps, fused=fused)
+    if recipe.mixed_precision == "fp8" and fsdp:
+        precompute_scales_after_step(optimizer, model)
     if recipe.torch_compile:  # in place: the wrappers `prepare` adds find the layers' hooks where they were
         compile_decoder_layers(model, recipe)
     train_loader = DataLoader(train_set, batch_size=batching.micro_batch, shuffle=True, drop_last=True,

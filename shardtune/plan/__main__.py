@@ -16,7 +16,14 @@ import os
 import re
 import sys
 
-from shardtune.config import CHECKPOINTING_MODES, OPTIMIZERS, PLANNED_ATTENTION, ConfigError, below_lowest
+from shardtune.config import (
+    CHECKPOINTING_MODES,
+    MIXED_PRECISIONS,
+    OPTIMIZERS,
+    PLANNED_ATTENTION,
+    ConfigError,
+    below_lowest,
+)
 from shardtune.flops import ModelError, recipe_fields, resolve_config, shape_from_config
 from shardtune.hardware import HardwareError, parse_hardware
 from shardtune.plan.planned_run import (
@@ -83,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--activation_offloading", type=_bool,
                         help="true: the layers' saved activations in pinned host RAM instead of on the GPU "
                              "(default: the recipe's, else false)")
-    parser.add_argument("--mixed_precision", choices=("bf16", "fp16", "no"),
+    parser.add_argument("--mixed_precision", choices=MIXED_PRECISIONS,
                         help="Training precision (default: the recipe's, else the accelerate config's; a "
-                             "recommendation's: bf16)")
+                             "recommendation's: bf16, which it never trades for fp8); fp8: the decoder layers' "
+                             "float8 weights gathered in 1 byte each under FSDP2, FSDP and DDP configs only")
     parser.add_argument("--attn_implementation", choices=tuple(PLANNED_ATTENTION),
                         help="Attention as the recipe's --attn_implementation: sdpa and eager hold a dense mask, "
                              "the flash kernels and flex_attention none (default: the recipe's, else sdpa)")

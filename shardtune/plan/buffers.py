@@ -3,6 +3,7 @@ buffers that outlive them, at the sizes each strategy allocates."""
 
 from __future__ import annotations
 
+from shardtune.config import FP8_DIM_MULTIPLE
 from shardtune.flops import ModelShape
 from shardtune.plan.activations import layer_activation_bytes
 from shardtune.plan.states import Peft, deepspeed_sizes, largest_parameter, persistent_elements
@@ -20,7 +21,8 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
       stage 3). ZeRO-3: the module being computed plus the one prefetched (2 x the largest module, which for
       Llama 3 is the embedding or lm_head), the prefetch bucket and the reduce bucket.
     - FSDP FULL_SHARD: the root unit (embedding, final norm, lm_head) stays gathered from forward to backward;
-      one layer computing and one prefetched; the unsharded gradients of one layer and of the root before
+      one layer computing and one prefetched (with --mixed_precision fp8 its float8 weights gathered in 1 byte
+      each, gathered_layer_bytes); the unsharded gradients of one layer and of the root before
       reduce-scatter, in fp32 (the trainer's reduce_dtype; with LoRA one layer's adapters), or with `pure_bf16`
       (--bf16_stochastic_round, reduced in bf16) only the bf16 gradients themselves. SHARD_GRAD_OP keeps every
       unsharded 16-bit weight from forward to backward instead of re-gathering."""
@@ -29,14 +31,34 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
     root = shape.params - shape.layers * layer
     if strategy.kind == "ddp":  # with LoRA only the adapters have gradients, and a 16-bit base needs no cast
         cached = peft.trainable_params(shape) if peft else shape.non_embedding_matmul_params
+        if strategy.float8:  # a float8 linear casts its fp32 weight to float8 itself, per call: nothing cached
+            cached -= shape.layers * float8_weight_elements(shape)
         return 2 * cached if activation_mode == "autocast" else 0
     if strategy.kind == "deepspeed":
         return deepspeed_buffers(strategy, shape, params, peft)
     reduced = reduce_bytes(pure_bf16)
     reducing = reduced * layer_gradient_elements(shape, peft) + (0 if peft else reduced * root)
+    gathered = gathered_layer_bytes(strategy, shape)
     if strategy.shard >= 3:
-        return (root + 2 * layer) * low + reducing
-    return params * low + reducing
+        return root * low + 2 * gathered + reducing
+    return root * low + shape.layers * gathered + reducing
+
+
+def float8_weight_elements(shape: ModelShape) -> int:
+    """Elements of one decoder layer's weights that --mixed_precision fp8 trains in float8 (shardtune.float8.converts):
+    the projections whose two dimensions are multiples of FP8_DIM_MULTIPLE (biases and norms stay 16-bit)."""
+    q_out, kv_out, h, inter = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.hidden, \
+        shape.intermediate
+    dims = ((h, q_out), (h, kv_out), (h, kv_out), (q_out, h), (h, inter), (h, inter), (inter, h))
+    return sum(rows * cols for rows, cols in dims if rows % FP8_DIM_MULTIPLE == 0 and cols % FP8_DIM_MULTIPLE == 0)
+
+
+def gathered_layer_bytes(strategy: Strategy, shape: ModelShape) -> float:
+    """Bytes of one decoder layer's parameters as FSDP2 gathers them: in the compute dtype, except that with
+    --mixed_precision fp8 the float8 weights are cast before the all-gather and gathered in 1 byte each (torchao's
+    float8 all-gather; their per-tensor scales are a few bytes)."""
+    float8 = float8_weight_elements(shape) if strategy.float8 else 0
+    return float((shape.layer_params - float8) * strategy.compute_bytes + float8)
 
 
 def reduce_bytes(pure_bf16: bool) -> int:

@@ -8,7 +8,7 @@ import dataclasses
 from shardtune.config import TORCHAO_OPTIMIZERS
 from shardtune.flops import ModelShape
 from shardtune.plan.activations import activation_mode, eval_activation_bytes
-from shardtune.plan.buffers import buffers, persistent_buffer_bytes
+from shardtune.plan.buffers import buffers, gathered_layer_bytes, persistent_buffer_bytes
 from shardtune.plan.host import swap_buffer_bytes
 from shardtune.plan.optimizer_states import local_elements, parameter_matrices, torchao_step_bytes
 from shardtune.plan.states import (
@@ -80,9 +80,10 @@ def eval_gather_bytes(strategy: Strategy, shape: ModelShape) -> float:
     one computing and the next (measured on 3 ranks: two to four of them alive through the first eval forward,
     as the training trace's prefetches run ahead of the eval's modules)."""
     low = strategy.compute_bytes
-    layer, root = shape.layer_params, shape.params - shape.layers * shape.layer_params
-    if strategy.kind == "fsdp":
-        return float((root + 2 * layer) * low if strategy.shard >= 3 else shape.params * low)
+    root = shape.params - shape.layers * shape.layer_params
+    if strategy.kind == "fsdp":  # a layer's float8 weights gathered in 1 byte each (gathered_layer_bytes)
+        layers = 2 if strategy.shard >= 3 else shape.layers
+        return float(root * low + layers * gathered_layer_bytes(strategy, shape))
     if strategy.kind == "deepspeed" and strategy.shard >= 3:
         largest = largest_parameter(shape)
         return float(2 * (largest + min(deepspeed_sizes(strategy, shape)["prefetch_bucket"], shape.params)) * low)

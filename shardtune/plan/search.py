@@ -151,6 +151,8 @@ def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: st
     """Whether the trainer runs this optimizer under `strategy` (shardtune.checks.check_optimizer refuses the
     rest): DeepSpeed with torch's AdamW alone; the rounding over bf16 full fine-tuning, under FSDP2 sharded
     over every GPU or one process (replicas would round apart: DDP's, hybrid sharding's)."""
+    if strategy.float8 and (strategy.kind == "deepspeed" or search.peft is not None):
+        return False  # --mixed_precision fp8: full fine-tuning under FSDP2 or DDP (shardtune.float8.check_fp8)
     if strategy.kind == "deepspeed":
         return (optim, stochastic) == ("adamw_torch", False)
     if stochastic:
@@ -214,7 +216,8 @@ def launch_command(chosen: MemoryPlan, recipe: str) -> str:
             f"{chosen.micro_batch} --gradient_checkpointing {str(chosen.gradient_checkpointing).lower()}"
             + (f" --gradient_checkpointing_mode {chosen.gradient_checkpointing_mode}"
                if chosen.gradient_checkpointing else "")
-            + f" --optim {chosen.optim} --bf16_stochastic_round {str(chosen.bf16_stochastic_round).lower()}")
+            + f" --optim {chosen.optim} --bf16_stochastic_round {str(chosen.bf16_stochastic_round).lower()}"
+            + (" --mixed_precision fp8" if chosen.mixed_precision == "fp8" else ""))
 
 
 def fewest_nodes(shape: ModelShape, hardware: Hardware, search: Search,

@@ -23,7 +23,8 @@ DS_MAX_LIVE_PARAMETERS = int(1e9)  # elements of gathered ZeRO-3 parameters aliv
 DS_NVME_PARAM_BUFFERS = (5, int(1e8))  # offload_param buffer_count, buffer_size: pinned host staging for NVMe
 DS_NVME_OPTIMIZER_BUFFERS = 4  # offload_optimizer buffer_count: pinned buffers of one sub-group each
 DS_NVME_MAX_IN_CPU = int(1e9)  # offload_param max_in_cpu: elements of a rank's partitions kept in host RAM
-HALF_PRECISIONS = ("bf16", "fp16")
+# fp8 (shardtune.float8) computes everything but its float8 linears in bf16: a 16-bit module like bf16's.
+HALF_PRECISIONS = ("bf16", "fp16", "fp8")
 
 
 class PlanError(ValueError):
@@ -81,7 +82,7 @@ class Strategy:
 
     @property
     def half_precision(self) -> bool:
-        """bf16 or fp16: DeepSpeed converts the module, FSDP2 gathers 16-bit parameters, DDP autocasts."""
+        """bf16, fp16 or fp8: DeepSpeed converts the module, FSDP2 gathers 16-bit parameters, DDP autocasts."""
         return self.mixed_precision in HALF_PRECISIONS
 
     @property
@@ -89,6 +90,11 @@ class Strategy:
         """Bytes per element of the 16-bit module (DeepSpeed's weights and gradients, FSDP's gathered
         parameters, communication buffers): 2 in bf16 and fp16, 4 in fp32."""
         return 2 if self.half_precision else 4
+
+    @property
+    def float8(self) -> bool:
+        """--mixed_precision fp8: the decoder layers' linears train in float8 (shardtune.float8)."""
+        return self.mixed_precision == "fp8"
 
     @property
     def offloads(self) -> bool:
@@ -143,8 +149,8 @@ def hybrid_shard_size(path: str, parallelism: dict) -> int:
 
 
 def _precision(path: str, precision: str) -> str:
-    if precision not in ("bf16", "fp16", "no"):
-        raise PlanError(f"{path}: mixed_precision {precision!r} is not bf16, fp16 or no.")
+    if precision not in ("bf16", "fp16", "no", "fp8"):
+        raise PlanError(f"{path}: mixed_precision {precision!r} is not bf16, fp16, no or fp8.")
     return precision
 
 

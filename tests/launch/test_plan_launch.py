@@ -35,7 +35,7 @@ def test_dry_run_prints_the_plan_and_exits(tmp_path):
     assert "with ddp," in fits.stdout  # outside accelerate launch: the config of the recipe's launch line
     too_big = dry_run("llama405b.py", "8xh100-80gb")
     assert too_big.returncode == 2 and "DOES NOT FIT" in too_big.stdout
-    refused = dry_run("llama8b.py", "3x8xh100-80gb", "--mixed_precision", "fp8", "--lora_r", "0", "--use_peft",
+    refused = dry_run("llama8b.py", "3x8xh100-80gb", "--mixed_precision", "fp4", "--lora_r", "0", "--use_peft",
                       "true")
     errors = [line for line in refused.stderr.splitlines() if line.startswith("shardtune: error:")]
     assert refused.returncode == 2 and "Traceback" not in refused.stderr and len(errors) == 3, refused.stderr

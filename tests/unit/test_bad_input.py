@@ -50,6 +50,10 @@ CASES = {
     "bf16 and fp16": Case(("--bf16", "true", "--fp16", "true"), "--bf16 true --fp16 true ask for two precisions"),
     "bf16 against mixed_precision": Case(("--mixed_precision", "no", "--bf16"),
                                          "--bf16 true asks for bf16, --mixed_precision for no"),
+    "fp8 without float8 tensor cores": Case(("--mixed_precision", "fp8"),
+                                            "--mixed_precision fp8 runs float8 matmuls on CUDA GPUs of compute "
+                                            "capability 8.9 or more (H100, H200, L4, L40S): on this machine use "
+                                            "--mixed_precision bf16."),
     "warm-up in steps and as a ratio": Case(("--warmup_steps", "10", "--warmup_ratio", "0.1"),
                                             "--warmup_steps 10 and --warmup_ratio 0.1 both set the warm-up"),
     "negative warm-up steps": Case(("--warmup_steps", "-1"), "--warmup_steps must be >= 0, got -1"),
@@ -65,7 +69,7 @@ CASES = {
     "accumulation disagrees": Case(("--global_batch_size", "32", "--per_device_train_batch_size", "4",
                                     "--gradient_accumulation_steps", "4"), "disagrees with --global_batch_size"),
     "fp16 without a loss scaler": Case(("--mixed_precision", "fp16"), "needs a loss scaler"),
-    "unknown precision": Case(("--mixed_precision", "fp8"), "--mixed_precision must be one of"),
+    "unknown precision": Case(("--mixed_precision", "fp4"), "--mixed_precision must be one of"),
     "4-bit without LoRA": Case(("--load_in_4bit", "true"), "add --use_peft true"),
     "QLoRA without a GPU": Case(("--use_peft", "true", "--load_in_4bit", "true"), "--load_in_4bit needs a CUDA GPU"),
     "Liger without a GPU": Case(("--use_liger_kernel", "true"),

@@ -1,0 +1,65 @@
+"""Launched by tests/launch/test_float8.py under `accelerate launch` with the tiny recipe's flags: the trainer's own
+loop, with --mixed_precision fp8 when SHARDTUNE_PROBE_FLOAT8=1. The recipe is checked as given (bf16: fp8 is refused
+off sm89+, shardtune.float8.check_fp8), then trained as fp8 with torchao's emulated float8 matmuls (the casts to
+float8 and their scales as on a GPU, the products in high precision): everything else is the GPU path, the
+conversion before sharding, the float8 all-gather after rank-0 loading, the scales precomputed after each step.
+The main process prints one JSON line: per rank, the float8 linears, how many of their shards carry torchao's
+all-gather wrapper, and the sum of the precomputed scales."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import torch
+
+from shardtune import trainer
+from shardtune.cli import checked_launch
+from shardtune.config import Recipe
+from shardtune.distributed import make_accelerator, shut_down
+from shardtune.float8 import convert_linears
+from shardtune.preemption import StopRequest
+
+FLOAT8 = os.environ.get("SHARDTUNE_PROBE_FLOAT8") == "1"
+
+
+def float8_figures(model: torch.nn.Module) -> list[float]:
+    """(float8 linears, shards wrapped for float8 all-gather, sum of their precomputed scales) on this rank."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    linears = [module for module in model.modules() if isinstance(module, Float8Linear)]
+    shards = [module.weight._local_tensor for module in linears]
+    wrapped = [shard for shard in shards if isinstance(shard, WeightWithDynamicFloat8CastTensor)]
+    scales = [float(shard._precomputed_scale) for shard in wrapped if shard._precomputed_scale is not None]
+    return [float(len(linears)), float(len(wrapped)), float(sum(scales)), float(len(scales))]
+
+
+def main() -> None:
+    recipe, launch, batching = checked_launch(Recipe(name="tiny", max_seq_length=64), None)
+    if FLOAT8:
+        recipe = dataclasses.replace(recipe, mixed_precision="fp8")
+        trainer.convert_linears = functools.partial(convert_linears, emulate=True)
+    accelerator = make_accelerator(recipe, batching, launch, None)
+    built = {}
+    build = trainer.build
+
+    def keep(*args):
+        built["run"] = build(*args)
+        return built["run"]
+
+    trainer.build = keep
+    code = trainer.train_loop(accelerator, recipe, batching, launch, None, 0, StopRequest())
+    if FLOAT8:
+        local = torch.tensor(float8_figures(accelerator.unwrap_model(built["run"].model)), dtype=torch.float64)
+        per_rank = accelerator.gather(local.to(accelerator.device)).view(-1, len(local)).tolist()
+        if accelerator.is_main_process:
+            print("probe:", json.dumps({"per_rank": per_rank}), flush=True)
+    shut_down(accelerator)
+    assert code == 0
+
+
+if __name__ == "__main__":
+    main()

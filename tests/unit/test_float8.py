@@ -1,0 +1,212 @@
+"""--mixed_precision fp8 on CPU: which linears torchao's conversion swaps (shardtune.float8), the refusals where
+float8 cannot train, the --help text, and the planner's arithmetic for the float8 weights. The float8 training
+itself on 2 ranks: tests/launch/test_float8.py; the float8 matmuls: scripts/gpu_check.py on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shardtune.checks import validate
+from shardtune.config import ConfigError, Recipe
+from shardtune.flags import recipe_parser
+from shardtune.float8 import check_fp8, convert_linears
+from shardtune.flops import resolve_model
+from shardtune.hardware import parse_hardware
+from shardtune.launch import LaunchDescription
+from shardtune.plan.buffers import buffers, float8_weight_elements
+from shardtune.plan.planner import plan
+from shardtune.plan.search import Search, recommend
+from shardtune.plan.strategy import PlanError, Strategy
+from shardtune.tiny import tiny_llama_config
+
+FP8 = Recipe(mixed_precision="fp8")
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+
+
+def tiny_model(device: str = "cpu", **overrides) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(tiny_llama_config(128, **overrides))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: the ranks that do not read the weights under FSDP2
+def test_the_decoder_projections_convert_and_lm_head_does_not(device):
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    model = tiny_model(device)
+    names = convert_linears(model, all_gather=True)
+    expected = [f"model.layers.{index}.{name}" for index in range(model.config.num_hidden_layers)
+                for name in PROJECTIONS]
+    assert names == expected
+    converted = [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
+    assert converted == expected and not isinstance(model.lm_head, Float8Linear)
+    assert all(isinstance(model.get_submodule(name).weight, WeightWithDynamicFloat8CastTensor) for name in names)
+
+
+def test_a_projection_not_a_multiple_of_16_stays_high_precision():
+    model = tiny_model(intermediate_size=72)  # 72 = 4.5 x 16: gate, up and down cannot feed _scaled_mm
+    names = convert_linears(model, all_gather=False)
+    assert [name.split(".", 3)[-1] for name in names[:4]] == list(PROJECTIONS[:4])
+    assert not [name for name in names if ".mlp." in name]
+
+
+@pytest.mark.parametrize(("capability", "kind", "recipe", "message"), [
+    (None, "fsdp", FP8, "runs float8 matmuls on CUDA GPUs of compute capability 8.9 or more"),
+    ((8, 0), "fsdp", FP8, "this GPU's is 8.0: use --mixed_precision bf16"),
+    ((9, 0), "deepspeed", FP8, "launch with an FSDP or DDP config, or use --mixed_precision bf16"),
+    ((9, 0), "fsdp", dataclasses.replace(FP8, use_peft=True), "use --mixed_precision bf16 with --use_peft true"),
+], ids=["no GPU", "A100", "DeepSpeed", "LoRA"])
+def test_refused_where_float8_cannot_train(capability, kind, recipe, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        check_fp8(recipe, capability, kind)
+    assert len(error.value.messages) == 1
+
+
+@pytest.mark.parametrize(("capability", "kind"), [((9, 0), "fsdp"), ((8, 9), "ddp"), ((10, 0), "fsdp")])
+def test_runs_on_ada_hopper_and_later_under_fsdp_and_ddp(capability, kind):
+    check_fp8(FP8, capability, kind)
+    check_fp8(Recipe(), None, "deepspeed")  # bf16 needs none of it
+
+
+def test_the_machine_check_collects_the_float8_refusal_with_the_others(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(name, raising=False)
+    recipe = dataclasses.replace(FP8, model_name_or_path="m", dataset="d", use_cpu=True,
+                                 activation_offloading=True)
+    with pytest.raises(ConfigError) as error:
+        validate(recipe, LaunchDescription.from_env(), has_gpu=False)
+    assert any("--activation_offloading" in line for line in error.value.messages)
+    assert any(line.startswith("--mixed_precision fp8 runs float8 matmuls") for line in error.value.messages)
+
+
+def test_help_names_fp8_and_what_it_needs():
+    text = " ".join(recipe_parser(Recipe()).format_help().split())
+    assert "fp8: bf16 with the decoder layers' linears in float8" in text
+    assert "compute capability 8.9 or more" in text
+
+
+def test_the_planner_gathers_float8_weights_in_one_byte():
+    shape = resolve_model("llama-3.1-8b")
+    hardware = parse_hardware("8xh100-80gb")
+    # q, o: 4096 x 4096; k, v: 4096 x 1024; gate, up, down: 4096 x 14336: all multiples of 16.
+    assert float8_weight_elements(shape) == shape.layer_matmul_params == 218_103_808
+    fsdp = Strategy("fsdp_full_shard", "fsdp", 3)
+    fp8 = dataclasses.replace(fsdp, mixed_precision="fp8")
+    # One layer computing and one prefetched, each float8 weight 1 byte instead of 2.
+    assert buffers(fsdp, shape, shape.params, 8, "half") - buffers(fp8, shape, shape.params, 8, "half") \
+        == 2 * float8_weight_elements(shape)
+    grad_op = dataclasses.replace(fsdp, shard=2)  # every layer stays gathered from forward to backward
+    assert buffers(grad_op, shape, shape.params, 8, "half") \
+        - buffers(dataclasses.replace(grad_op, mixed_precision="fp8"), shape, shape.params, 8, "half") \
+        == shape.layers * float8_weight_elements(shape)
+    ddp = Strategy("ddp", "ddp", 0)
+    # Autocast's cached bf16 copies: lm_head's alone, as a float8 linear casts its own weight.
+    assert buffers(dataclasses.replace(ddp, mixed_precision="fp8"), shape, shape.params, 1, "autocast") \
+        == 2 * shape.embedding_params
+    bf16_plan, fp8_plan = plan(shape, hardware, fsdp), plan(shape, hardware, fp8)
+    assert fp8_plan.to_json()["mixed_precision"] == "fp8"
+    assert bf16_plan.per_gpu["buffers"] - fp8_plan.per_gpu["buffers"] == 2 * float8_weight_elements(shape)
+    assert fp8_plan.per_gpu["activations"] == bf16_plan.per_gpu["activations"]  # the bf16 inputs are saved
+    with pytest.raises(PlanError, match="FSDP2 or DDP"):
+        plan(shape, hardware, dataclasses.replace(fp8, kind="deepspeed"))
+
+
+def test_odd_dimensions_are_not_counted_as_float8():
+    shape = dataclasses.replace(resolve_model("llama-3.1-8b"), intermediate=14344)  # not a multiple of 16
+    assert float8_weight_elements(shape) == 2 * 4096 * 4096 + 2 * 4096 * 1024
+
+
+def test_recommend_keeps_the_precision_it_is_given():
+    shape, hardware = resolve_model("llama-3.1-8b"), parse_hardware("8xh100-80gb")
+    assert recommend(shape, hardware).plan.mixed_precision == "bf16"  # never traded for fp8
+    chosen = recommend(shape, hardware, Search(mixed_precision="fp8")).plan
+    assert chosen.mixed_precision == "fp8" and not chosen.config.startswith("ds_")
+
+
+def test_gpu_check_runs_fp8_on_float8_tensor_cores_and_against_its_bf16_run():
+    from shardtune.flags import parse_recipe
+    from tests.conftest import load_script
+
+    gpu_check = load_script("gpu_check")
+    config, accumulation, packing, levers = next(case for case in gpu_check.CASES if case[3] == gpu_check.FP8)
+    assert (config, accumulation, packing, {}) in gpu_check.CASES  # its bf16 reference
+    assert gpu_check.CASES[-1][3] == gpu_check.LEVERS
+    assert parse_recipe(Recipe(), ["--mixed_precision", levers["mixed_precision"]]).mixed_precision == "fp8"
+    assert [gpu_check.runs_here(levers, capability) for capability in ((8, 0), (8, 6), (8, 9), (9, 0))] \
+        == [False, False, True, True]
+    assert gpu_check.runs_here({}, (7, 0))
+    name = gpu_check.case_name(config, accumulation, packing, levers)
+    reference = gpu_check.case_name(config, accumulation, packing, {})
+    assert name == f"{reference} fp8"
+    close = [{"case": reference, "losses": [11.0, 10.0]}, {"case": name, "losses": [11.1, 10.05]}]
+    gpu_check.check_fp8_losses(close)
+    assert close[1]["loss_vs_bf16"] == pytest.approx(0.1 / 11.0) and "error" not in close[1]
+    far = [{"case": reference, "losses": [11.0, 10.0]}, {"case": name, "losses": [11.0, 10.5]}]
+    gpu_check.check_fp8_losses(far)
+    assert far[1]["error"] == "losses up to 5.0% from the bf16 run's (tolerance 2%)"
+
+
+def test_the_float8_lever_needs_cuda_float8_tensor_cores_and_no_deepspeed():
+    from shardtune.levers import LEVERS
+
+    (lever,) = [lever for lever in LEVERS if lever.flags == ("--mixed_precision", "fp8")]
+    assert not lever.always  # it trades precision
+    assert lever.runs("fsdp", 3, 8, "bf16", False, cuda=False) == "needs CUDA"
+    assert lever.runs("fsdp", 3, 8, "bf16", False, cuda=True, capability=(8, 0)) == "needs compute capability 8.9"
+    assert lever.runs("deepspeed", 3, 8, "bf16", False, cuda=True, capability=(9, 0)) == "not under DeepSpeed"
+    assert lever.runs("fsdp", 3, 8, "bf16", False, cuda=True, capability=(9, 0)) == ""
+    assert lever.runs("ddp", 0, 8, "no", False, cuda=True, capability=(8, 9)) == ""
+
+
+def test_planner_md_states_the_float8_figures_the_planner_computes():
+    from tests.conftest import REPO
+
+    text = " ".join((REPO / "docs" / "planner.md").read_text().split())
+    shape, hardware = resolve_model("llama-3.1-8b"), parse_hardware("8xh100-80gb")
+    fsdp = Strategy("fsdp_full_shard", "fsdp", 3)
+    saved = plan(shape, hardware, fsdp).per_gpu["buffers"] \
+        - plan(shape, hardware, dataclasses.replace(fsdp, mixed_precision="fp8")).per_gpu["buffers"]
+    ddp = Strategy("ddp", "ddp", 0)
+    cached = [buffers(dataclasses.replace(ddp, mixed_precision=precision), shape, shape.params, 1, "autocast")
+              for precision in ("fp8", "bf16")]
+    assert f"Llama-3.1-8B's {float8_weight_elements(shape):,} elements per layer make {saved / 1e9:.2f} GB less" in text
+    assert f"only lm_head's stays ({cached[0] / 1e9:.2f} GB instead of {cached[1] / 1e9:.1f} GB" in text
+
+
+def test_training_md_states_what_the_launched_float8_test_asserts():
+    from tests.conftest import REPO
+    from tests.launch.test_float8 import FLOAT8_LINEARS, LOSS_RTOL
+
+    text = " ".join((REPO / "docs" / "training.md").read_text().split())
+    assert f"every rank's {FLOAT8_LINEARS} linears gather in float8" in text
+    assert f"the losses stay within {LOSS_RTOL:.0%} of the bf16 run's" in text
+    assert len(PROJECTIONS) * tiny_llama_config(128).num_hidden_layers == FLOAT8_LINEARS
+
+
+def test_selective_checkpointing_meets_a_float8_matmul_as_mm():
+    """shardtune.model's policy saves by aten op: a float8 linear's product reaches it as aten.mm (torchao's float8
+    tensors turn it into _scaled_mm below the policy), so selective checkpointing keeps the same outputs."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from shardtune.model import SAVED_MATMUL
+
+    seen = []
+
+    def policy(ctx, func, *args, **kwargs):
+        if not ctx.is_recompute:
+            seen.append(func)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    layers = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    convert_linears(layers, all_gather=False, emulate=True)
+    inputs = torch.randn(4, 32, requires_grad=True)
+    checkpoint(layers, inputs, use_reentrant=False,
+               context_fn=lambda: create_selective_checkpoint_contexts(policy)).sum().backward()
+    assert seen.count(SAVED_MATMUL) == 2  # one per linear
+    assert not [func for func in seen if "_scaled_mm" in str(func)]
