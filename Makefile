@@ -44,7 +44,7 @@ gpu-check: $(VENV)/installed
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .
 
-# The unit tests alone (tests/unit: nothing launched), under a minute: for a change to the planner's arithmetic.
+# The unit tests alone (tests/unit: nothing launched), a few minutes: for a change to the planner's arithmetic.
 unit: $(VENV)/installed
 	$(PY) -m pytest -q tests/unit
 
