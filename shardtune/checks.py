@@ -182,9 +182,14 @@ def check_lora(recipe: Recipe) -> None:
     if recipe.use_peft and (recipe.lora_r < 1 or recipe.lora_alpha < 1 or not 0 <= recipe.lora_dropout < 1):
         raise ConfigError(f"LoRA needs --lora_r >= 1, --lora_alpha >= 1 and 0 <= --lora_dropout < 1; got "
                           f"{recipe.lora_r}, {recipe.lora_alpha} and {recipe.lora_dropout}.")
-    # The tiled loss multiplies by the head's weight itself (shardtune.tiled_loss): an adapter on it would not train.
+    # The tiled loss, and Liger's fused loss in its place, multiply by the head's weight itself
+    # (shardtune.tiled_loss): an adapter on it would not train.
     targets = [name.strip() for name in recipe.lora_target_modules.split(",")]
-    if recipe.use_peft and recipe.chunked_cross_entropy and "lm_head" in targets and not recipe.use_liger_kernel:
+    if recipe.use_peft and recipe.chunked_cross_entropy and "lm_head" in targets:
+        if recipe.use_liger_kernel:
+            raise ConfigError("--lora_target_modules lm_head puts an adapter on the LM head, which Liger's fused "
+                              "loss (--use_liger_kernel) multiplies by the head's weight alone: drop "
+                              "--use_liger_kernel and add --chunked_cross_entropy false.")
         raise ConfigError("--lora_target_modules lm_head puts an adapter on the LM head, which the tiled loss "
                           "(--chunked_cross_entropy, on by default) bypasses: add --chunked_cross_entropy false.")
 

@@ -41,11 +41,6 @@ def check_liger_kernel(recipe: Recipe) -> None:
         problems.append("--use_liger_kernel with --gradient_checkpointing_mode selective: Liger's RoPE rotates "
                         "q_proj's output in place, and the selective policy keeps that output, so the recomputation "
                         "would rotate it twice: use --gradient_checkpointing_mode full.")
-    targets = [name.strip() for name in recipe.lora_target_modules.split(",")]
-    if recipe.use_peft and "lm_head" in targets:
-        problems.append("--lora_target_modules lm_head puts an adapter on the LM head, which Liger's fused loss "
-                        "(--use_liger_kernel) multiplies by the head's weight alone: drop --use_liger_kernel and "
-                        "add --chunked_cross_entropy false.")
     if problems:
         raise ConfigError(problems)
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import yaml
 
+from shardtune.config import MIXED_PRECISIONS
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS_DIR = os.path.join(REPO, "accelerate_configs")
 
@@ -149,8 +151,8 @@ def hybrid_shard_size(path: str, parallelism: dict) -> int:
 
 
 def _precision(path: str, precision: str) -> str:
-    if precision not in ("bf16", "fp16", "no", "fp8"):
-        raise PlanError(f"{path}: mixed_precision {precision!r} is not bf16, fp16, no or fp8.")
+    if precision not in MIXED_PRECISIONS:
+        raise PlanError(f"{path}: mixed_precision {precision!r} is not one of {', '.join(MIXED_PRECISIONS)}.")
     return precision
 
 

@@ -57,7 +57,6 @@ def test_off_cuda_it_is_refused_in_one_line():
     (dict(chunked_cross_entropy=False), "--use_liger_kernel computes the loss with Liger's fused linear"),
     (dict(torch_compile=True), "--use_liger_kernel with --torch_compile"),
     (dict(gradient_checkpointing_mode="selective"), "--use_liger_kernel with --gradient_checkpointing_mode selective"),
-    (dict(use_peft=True, lora_target_modules="q_proj,lm_head"), "--lora_target_modules lm_head puts an adapter"),
 ])
 def test_each_combination_that_cannot_run_is_refused_in_one_line(fields, start):
     (message,) = refusal(check_liger_kernel, dataclasses.replace(LIGER, **fields))
@@ -71,9 +70,13 @@ def test_every_refused_combination_is_reported_together():
 
 
 def test_an_lm_head_adapter_is_refused_once_with_liger():
-    """check_lora's own lm_head refusal (the tiled loss's) gives way to Liger's, which names the way out."""
-    recipe = dataclasses.replace(LIGER, use_peft=True, lora_target_modules="lm_head")
-    check_lora(recipe)
+    """check_lora's lm_head refusal names Liger's fused loss and the way out where Liger is on; check_liger_kernel
+    leaves it to check_lora."""
+    recipe = dataclasses.replace(LIGER, use_peft=True, lora_target_modules="q_proj,lm_head")
+    check_liger_kernel(recipe)
+    (liger,) = refusal(check_lora, recipe)
+    assert liger.startswith("--lora_target_modules lm_head puts an adapter") and "\n" not in liger
+    assert liger.endswith("drop --use_liger_kernel and add --chunked_cross_entropy false.")
     (tiled,) = refusal(check_lora, dataclasses.replace(recipe, use_liger_kernel=False))
     assert tiled.endswith("add --chunked_cross_entropy false.")
 
