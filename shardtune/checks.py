@@ -13,14 +13,10 @@ from dataclasses import dataclass
 from shardtune.config import (
     ATTENTION_PACKAGES,
     BITSANDBYTES_OPTIMIZERS,
-    CHECKPOINTING_MODES,
     COMPILE_MODES,
-    DATASET_FORMATS,
-    LR_SCHEDULERS,
-    MIXED_PRECISIONS,
+    FIELD_CHOICES,
     OPTIMIZER_PACKAGES,
     OPTIMIZERS,
-    PACKING_STRATEGIES,
     SAVE_DTYPES,
     TORCHAO_OPTIMIZERS,
     TORCHAO_VERSION,
@@ -79,7 +75,7 @@ def check_packed_attention(recipe: Recipe) -> None:
 def check_packing_strategy(recipe: Recipe) -> None:
     """A known strategy, and bfd only with packing: unlike TRL, where a strategy without `packing` is ignored, a
     flag given here acts or is refused."""
-    check_choice("--packing_strategy", recipe.packing_strategy, PACKING_STRATEGIES)
+    check_choice("--packing_strategy", recipe.packing_strategy, FIELD_CHOICES["packing_strategy"])
     if recipe.packing_strategy == "bfd" and not recipe.packing:
         raise ConfigError("--packing_strategy bfd packs sequences into rows only with --packing true: add "
                           "--packing true, or drop --packing_strategy.")
@@ -103,15 +99,9 @@ def check_choice(flag: str, value: str, choices: Sequence[str]) -> None:
 
 def check_choices(recipe: Recipe) -> None:
     problems = Problems()
-    for flag, value, choices in (("--dataset_format", recipe.dataset_format, DATASET_FORMATS),
-                                 ("--truncation", recipe.truncation, ("truncate", "drop")),
-                                 ("--mixed_precision", recipe.mixed_precision, MIXED_PRECISIONS),
-                                 ("--lr_scheduler_type", recipe.lr_scheduler_type, LR_SCHEDULERS),
-                                 ("--optim", recipe.optim, OPTIMIZERS),
-                                 ("--report_to", recipe.report_to, ("wandb", "none")),
-                                 ("--gradient_checkpointing_mode", recipe.gradient_checkpointing_mode,
-                                  CHECKPOINTING_MODES)):
-        problems.check(check_choice, flag, value, choices)
+    for name in ("dataset_format", "truncation", "mixed_precision", "lr_scheduler_type", "optim", "report_to",
+                 "gradient_checkpointing_mode"):
+        problems.check(check_choice, f"--{name}", getattr(recipe, name), FIELD_CHOICES[name])
     problems.raise_any()
 
 

@@ -47,6 +47,11 @@ CHECKPOINTING_MODES = ("full", "selective")
 # torch.compile's modes that training can take: reduce-overhead and max-autotune capture CUDA graphs, which replay
 # fixed shapes and addresses (a varying sequence length re-records them; FSDP2's and ZeRO-3's gathers move weights).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# The Recipe fields that take one of a fixed set of values: the recipe's checks and the planner's flags read this.
+FIELD_CHOICES = {"dataset_format": DATASET_FORMATS, "truncation": ("truncate", "drop"),
+                 "mixed_precision": MIXED_PRECISIONS, "lr_scheduler_type": LR_SCHEDULERS, "optim": OPTIMIZERS,
+                 "report_to": ("wandb", "none"), "gradient_checkpointing_mode": CHECKPOINTING_MODES,
+                 "attn_implementation": tuple(ATTENTION_PACKAGES), "packing_strategy": PACKING_STRATEGIES}
 # How the memory planner models each of them (the same names, in the planner CLI's order): SDPA and eager take a
 # dense mask; the flash kernels (flash-attn's varlen kernels, flex attention's block mask) none.
 PLANNED_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash", "flash_attention_3": "flash",

@@ -11,22 +11,18 @@ All sizes are bytes. GB in output is 1e9 bytes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 import sys
+import typing
 
-from shardtune.config import (
-    CHECKPOINTING_MODES,
-    MIXED_PRECISIONS,
-    OPTIMIZERS,
-    PLANNED_ATTENTION,
-    ConfigError,
-    below_lowest,
-)
+from shardtune.config import FIELD_CHOICES, ConfigError, Recipe, below_lowest
 from shardtune.flops import ModelError, recipe_fields, resolve_config, shape_from_config
 from shardtune.hardware import HardwareError, parse_hardware
 from shardtune.plan.planned_run import (
+    MODEL_DEFAULTS,
     check_planned,
     is_recipe,
     plan_recipe,
@@ -38,17 +34,28 @@ from shardtune.plan.report import format_compare, format_plan, write_chart
 from shardtune.plan.search import config_paths, launch_command, recommend
 from shardtune.plan.strategy import PlanError, read_accelerate_config
 
-# The flags that set a field of the planned run (Recipe's names); each overrides the recipe's value.
-RUN_FLAGS = ("per_device_train_batch_size", "global_batch_size", "max_seq_length", "gradient_checkpointing",
-             "mixed_precision", "attn_implementation", "packing", "use_peft", "lora_r", "lora_target_modules",
-             "load_in_4bit", "gradient_checkpointing_mode", "activation_offloading", "chunked_cross_entropy",
-             "per_device_eval_batch_size", "optim", "bf16_stochastic_round", "torch_compile", "use_liger_kernel")
+# The flags that set a field of the planned run: the recipe's own, with its help and choices; each overrides the
+# recipe's value.
+RUN_FLAGS = ("per_device_train_batch_size", "global_batch_size", "gradient_accumulation_steps", "max_seq_length",
+             "gradient_checkpointing", "gradient_checkpointing_mode", "activation_offloading", "mixed_precision",
+             "attn_implementation", "packing", "chunked_cross_entropy", "torch_compile", "use_liger_kernel", "optim",
+             "bf16_stochastic_round", "use_peft", "lora_r", "lora_target_modules", "load_in_4bit",
+             "per_device_eval_batch_size", "async_save", "save_only_model")
 # The flags the recommendation searches over when they are not given (a recipe gives them all), and their words.
 SEARCHED_FLAGS = {"per_device_train_batch_size": "micro-batch", "gradient_checkpointing": "checkpointing",
                   "gradient_checkpointing_mode": "checkpointing mode", "optim": "optimizer",
                   "bf16_stochastic_round": "optimizer"}
-
-
+# What a run flag's plan adds to the recipe's help; and where a bare model's default is not a value of its own.
+PLAN_NOTES = {
+    "global_batch_size": "the recommendation keeps it, deriving accumulation; a plan of --config_file or --compare "
+                         "does not depend on it",
+    "attn_implementation": "planned as sdpa and eager holding a dense mask, the flash kernels and flex_attention none",
+    "torch_compile": "planned as eager: compilation keeps at most eager's activations",
+    "use_liger_kernel": "with it a recommendation searches full checkpointing only",
+    "per_device_eval_batch_size": "eval's activations are planned as a phase",
+}
+MODEL_DEFAULT_WORDS = {"mixed_precision": "the accelerate config's; a recommendation's: bf16, which it never trades "
+                                          "for fp8"}
 def _bool(text: str) -> bool:
     if text.lower() in ("true", "1", "yes"):
         return True
@@ -69,66 +76,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="Nodes of --hardware, as accelerate launch counts them: --hardware 8xh100-80gb "
                              "--num_machines 2 plans 2x8xh100-80gb (default: the nodes --hardware names, else 1)")
     parser.add_argument("--config_file", help="accelerate config YAML; without it, recommend one")
-    parser.add_argument("--per_device_train_batch_size", type=int,
-                        help="Micro-batch per GPU (default: the recipe's, else 1; a recommendation for a model "
-                             "searches it unless given)")
-    parser.add_argument("--per_device_eval_batch_size", type=int,
-                        help="Evaluation batch per GPU: eval's activations are planned as a phase (default: the "
-                             "recipe's, else 8)")
-    parser.add_argument("--global_batch_size", type=int,
-                        help="Sequences per optimizer step over all GPUs: the recommendation keeps it, deriving "
-                             "accumulation (default: the recipe's); a plan of --config_file or --compare does not "
-                             "depend on it")
-    parser.add_argument("--max_seq_length", type=int, help="Tokens per sequence (default: the recipe's, else 4096)")
-    parser.add_argument("--gradient_checkpointing", type=_bool,
-                        help="true or false (default: the recipe's, else true; a recommendation for a model "
-                             "searches it unless given)")
-    parser.add_argument("--gradient_checkpointing_mode", choices=CHECKPOINTING_MODES,
-                        help="What a checkpointed layer keeps: full (its input) or selective (also its attention "
-                             "output and every other matmul's; default: the recipe's; a recommendation for a model "
-                             "searches selective, then full, unless given)")
-    parser.add_argument("--activation_offloading", type=_bool,
-                        help="true: the layers' saved activations in pinned host RAM instead of on the GPU "
-                             "(default: the recipe's, else false)")
-    parser.add_argument("--mixed_precision", choices=MIXED_PRECISIONS,
-                        help="Training precision (default: the recipe's, else the accelerate config's; a "
-                             "recommendation's: bf16, which it never trades for fp8); fp8: the decoder layers' "
-                             "float8 weights gathered in 1 byte each under FSDP2, FSDP and DDP configs only")
-    parser.add_argument("--attn_implementation", choices=tuple(PLANNED_ATTENTION),
-                        help="Attention as the recipe's --attn_implementation: sdpa and eager hold a dense mask, "
-                             "the flash kernels and flex_attention none (default: the recipe's, else sdpa)")
-    parser.add_argument("--packing", type=_bool,
-                        help="true: padding-free packed micro-batches, one row of micro-batch x length tokens, "
-                             "which needs a flash kernel or flex_attention (default: the recipe's, else false)")
-    parser.add_argument("--chunked_cross_entropy", type=_bool,
-                        help="true: the training loss over tiles of positions, one tile of fp32 logits at a time; "
-                             "false: over the full logits (default: the recipe's, else true)")
-    parser.add_argument("--torch_compile", type=_bool,
-                        help="true: the decoder layers compiled (regional torch.compile), planned as eager: "
-                             "compilation keeps at most eager's activations (default: the recipe's, else false)")
-    parser.add_argument("--use_liger_kernel", type=_bool,
-                        help="true: Liger's RMSNorm and SwiGLU in the layers and its fused linear cross-entropy in "
-                             "place of the tiled loss (CUDA; not with selective checkpointing: a recommendation then "
-                             "searches full checkpointing only; default: the recipe's, else false)")
     parser.add_argument("--host_ram_gb", type=float,
                         help="Host RAM per node in GB (default: 250 GB per GPU, as DGX nodes carry)")
-    parser.add_argument("--use_peft", type=_bool, help="LoRA on a frozen base")
-    parser.add_argument("--lora_r", type=int, help="LoRA rank, with --use_peft true (default: the recipe's, else 16)")
-    parser.add_argument("--lora_target_modules", help="all-linear or comma-separated names")
-    parser.add_argument("--load_in_4bit", type=_bool, help="QLoRA: the frozen base in 4-bit NF4")
-    parser.add_argument("--optim", choices=OPTIMIZERS,
-                        help="The recipe's --optim, whose optimizer states are planned (default: the recipe's, else "
-                             "adamw_torch); other than adamw_torch, DDP and FSDP configs only")
-    parser.add_argument("--bf16_stochastic_round", type=_bool,
-                        help="true: trades the fp32 master copy: bf16 weights and gradients updated with "
-                             "stochastic rounding (torchao), with --mixed_precision bf16 (default: the recipe's, "
-                             "else false)")
     parser.add_argument("--compare", action="store_true",
                         help="All accelerate_configs/*.yaml side by side (the multi-node layouts, fsdp_hybrid_shard "
                              "and ds_zero3_hpz, on 2 or more nodes)")
     parser.add_argument("--chart", help="Write --compare's per-GPU peaks as a stacked-bar PNG here (implies "
                                         "--compare)")
     parser.add_argument("--json", action="store_true", help="Print the plan as one JSON object instead of a table")
+    add_run_flags(parser)
     args = parser.parse_args(argv)
     try:
         problems = check_args(args)
@@ -141,6 +97,25 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"shardtune.plan: error: {problem}", file=sys.stderr)
     return 2
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """Each RUN_FLAGS field as the recipe's flag, with its help, type and choices. A recipe's plan takes the
+    recipe's value (Recipe's default where the recipe leaves it out), a bare model's MODEL_DEFAULTS or Recipe's."""
+    group = parser.add_argument_group("the planned run", "A recipe's flags: each overrides the recipe's value.")
+    fields, types = {item.name: item for item in dataclasses.fields(Recipe)}, typing.get_type_hints(Recipe)
+    for name in RUN_FLAGS:
+        kind = typing.get_args(types[name])[0] if typing.get_args(types[name]) else types[name]  # int | None: int
+        default = MODEL_DEFAULTS.get(name, fields[name].default)
+        model_default = MODEL_DEFAULT_WORDS.get(name) or (str(default).lower() if isinstance(default, bool)
+                                                          else default)
+        notes = [f"default: the recipe's; for a model, {model_default}" if model_default not in (None, "")
+                 else "default: the recipe's",
+                 *(["a recommendation for a model searches it unless given"] if name in SEARCHED_FLAGS else []),
+                 *([PLAN_NOTES[name]] if name in PLAN_NOTES else [])]
+        group.add_argument(f"--{name}", type=_bool if kind is bool else kind, choices=FIELD_CHOICES.get(name),
+                           metavar="true|false" if kind is bool else None,
+                           help=f"{fields[name].metadata['help']} ({'; '.join(notes)})")
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
@@ -169,6 +144,12 @@ def check_args(args: argparse.Namespace) -> list[str]:
         problems.append(f"--global_batch_size sets the recommendation's accumulation; the plan of "
                         f"{'--config_file' if args.config_file else compare} does not depend on it: drop it, or "
                         "drop that flag for a recommendation.")
+    if args.gradient_accumulation_steps is not None and not (args.config_file or args.compare or args.chart) \
+            and args.global_batch_size is None and args.per_device_train_batch_size is None \
+            and not is_recipe(args.model):
+        problems.append("--gradient_accumulation_steps alone leaves the recommendation's global batch open (it "
+                        "searches the micro-batch): give --global_batch_size, which it keeps, or "
+                        "--per_device_train_batch_size with it.")
     return problems
 
 

@@ -3,16 +3,20 @@ the recipe's run, the recipe's refusals hold, and the compare table and chart sh
 
 from __future__ import annotations
 
+import argparse
+import ast
+import dataclasses
 import json
 import os
 
 import pytest
 
-from shardtune.config import LOSS_TILE_POSITIONS, ConfigError, Recipe
+from shardtune.config import FIELD_CHOICES, LOSS_TILE_POSITIONS, ConfigError, Recipe
 from shardtune.flops import resolve_config, resolve_model
 from shardtune.hardware import parse_hardware
 from shardtune.model_checks import check_context_length
-from shardtune.plan.__main__ import main
+from shardtune.plan import planned_run
+from shardtune.plan.__main__ import RUN_FLAGS, add_run_flags, main
 from shardtune.plan.planner import plan
 from shardtune.plan.report import PEAK_COMPONENTS, format_compare, peak_components, write_chart
 from shardtune.plan.search import config_paths
@@ -96,9 +100,38 @@ def test_a_recipe_recommendation_keeps_the_recipe_s_micro_batch_and_checkpointin
     (["--model", "llama-3.1-8b", "--packing", "true"], "--packing true with --attn_implementation sdpa"),
     (["--model", LORA_RECIPE, "--attn_implementation", "eager", "--config_file", DDP],
      "--packing true with --attn_implementation eager"),
+    (["--model", "llama-3.1-8b", "--gradient_accumulation_steps", "4"],
+     "--gradient_accumulation_steps alone leaves the recommendation's global batch open"),
 ])
 def test_a_flag_that_would_not_act_is_refused_in_one_line(capsys, argv, names):
     assert names in refusal(capsys, *argv)
+
+
+def test_every_recipe_field_the_plan_reads_is_a_planner_flag_with_the_recipe_s_help_and_choices():
+    """python -m shardtune.plan takes the recipes' flags: each field the planned run reads (shardtune.plan.planned_run)
+    is one, with the Recipe field's help and choices, so that the two command lines cannot drift apart."""
+    tree = ast.parse(open(planned_run.__file__).read())
+    read = {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "recipe"}
+    fields = {item.name: item for item in dataclasses.fields(Recipe)}
+    assert read and read <= set(fields)
+    assert sorted(read - set(RUN_FLAGS)) == []
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    actions = {action.dest: action for action in parser._actions}
+    for name in RUN_FLAGS:
+        assert actions[name].help.startswith(fields[name].metadata["help"]), name
+        assert tuple(actions[name].choices or ()) == tuple(FIELD_CHOICES.get(name, ())), name
+
+
+def test_the_save_flags_act_in_the_host_ram_plan(capsys):
+    """--async_save true stages each rank's checkpoint shard in host RAM; --save_only_model false over it keeps the
+    optimizer's states in that shard."""
+    base = ("--model", str(REPO / "recipes" / "llama8b.py"), "--config_file",
+            os.path.join(CONFIGS_DIR, "fsdp_full_shard.yaml"))
+    staged = [run_json(capsys, *base, *flags)[1]["host_ram"]["checkpoint_staging"]
+              for flags in ((), ("--async_save", "true", "--save_only_model", "true"), ("--async_save", "true"))]
+    assert staged[0] == 0 < staged[1] < staged[2]
 
 
 def test_a_flag_over_a_recipe_s_value_acts(capsys):
