@@ -216,17 +216,21 @@ def test_stochastic_rounding_tracks_the_fp32_master(tiny_assets, monkeypatch):
 
 def test_torchao_kernel_warnings_are_silenced_and_no_other(tmp_path):
     """Importing the package, then transformers' modeling (which imports torchao once installed): torchao's CUDA
-    kernels cannot load into a CPU torch, and their 'Failed to load' lines are dropped; any other torchao warning
-    still prints."""
-    code = ("import shardtune, logging, transformers.modeling_utils\n"
+    kernels cannot load into a CPU torch, and their 'Failed to load' lines are dropped, as are torch's deprecation
+    warnings for torchao's enums registered as pytree constants; any other torchao or pytree warning still prints."""
+    code = ("import shardtune, logging, enum, transformers.modeling_utils\n"
             "import sys; assert 'torchao' in sys.modules\n"
-            "logging.getLogger('torchao').warning('another torchao warning')\n")
+            "logging.getLogger('torchao').warning('another torchao warning')\n"
+            "class Own(enum.Enum):\n    A = 1\n"
+            "logging.getLogger('torch.utils._pytree').warning('%s is an Enum subclass', Own)\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     output = result.stdout + result.stderr
     assert "Failed to load" not in output and "torchao/_C" not in output
     assert "another torchao warning" in output
+    assert "KernelPreference" not in output and "ScaleCalculationMode" not in output
+    assert "<enum 'Own'> is an Enum subclass" in output  # a registration of anyone else's still warns
 
 
 def test_fsdp2_holds_the_bf16_weights_it_loaded(tiny_assets, monkeypatch):
