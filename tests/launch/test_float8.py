@@ -1,8 +1,8 @@
 """--mixed_precision fp8 on 2 real ranks under FSDP2 (fsdp_full_shard: rank 0 reads the weights, the other starts on
 the meta device), with torchao's emulated float8 matmuls (tests/launch/float8_probe.py): every rank's decoder
 linears train in float8 and gather their weights in float8, the scales precomputed after each step agree across
-ranks, and the losses track the bf16 run. The float8 matmuls themselves need a GPU of compute capability 8.9 or
-more (scripts/gpu_check.py)."""
+ranks, the losses track the bf16 run, and a run resumed from a mid-run checkpoint repeats the same steps. The float8
+matmuls themselves need a GPU of compute capability 8.9 or more (scripts/gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -24,14 +24,18 @@ FLOAT8_LINEARS = 14
 LOSS_RTOL = 0.03
 
 
+def probed(result) -> list[list[float]]:
+    """The probe's figures per rank: float8 linears, shards wrapped, sum and count of the precomputed scales."""
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("probe: ")]
+    return json.loads(line.removeprefix("probe: "))["per_rank"]
+
+
 def test_float8_linears_gather_in_float8_on_every_rank_and_track_bf16(tiny_assets, tmp_path):
     bf16 = tmp_path / "bf16"
     run_recipe(bf16, tiny_assets, *ARGS, config="fsdp_full_shard", processes=2, recipe=PROBE)
     fp8 = tmp_path / "fp8"
-    result = run_recipe(fp8, tiny_assets, *ARGS, config="fsdp_full_shard", processes=2, recipe=PROBE,
-                        env={"SHARDTUNE_PROBE_FLOAT8": "1"})
-    (line,) = [line for line in result.stdout.splitlines() if line.startswith("probe: ")]
-    per_rank = json.loads(line.removeprefix("probe: "))["per_rank"]
+    float8 = {"env": {"SHARDTUNE_PROBE_FLOAT8": "1"}, "config": "fsdp_full_shard", "processes": 2, "recipe": PROBE}
+    per_rank = probed(run_recipe(fp8, tiny_assets, *ARGS, "--save_steps", "3", "--save_total_limit", "0", **float8))
     print("bf16", train_losses(bf16), "fp8", train_losses(fp8), "per rank", per_rank)
     for linears, wrapped, _, scales in per_rank:
         assert linears == wrapped == scales == FLOAT8_LINEARS  # rank 1's loaded shards wrapped again too
@@ -44,3 +48,11 @@ def test_float8_linears_gather_in_float8_on_every_rank_and_track_bf16(tiny_asset
     assert {key: (tensor.dtype, tensor.shape) for key, tensor in exported["fp8"].items()} == \
         {key: (tensor.dtype, tensor.shape) for key, tensor in exported["bf16"].items()}
     assert all(type(tensor) is torch.Tensor for tensor in exported["fp8"].values())
+
+    # Resumed from step 3 (the sharded float8-wrapped weights and AdamW's states read back in place): steps 4 to 6
+    # repeat exactly, and the scales precomputed after the last step are the first run's.
+    losses = train_losses(fp8)
+    resumed = probed(run_recipe(fp8, tiny_assets, *ARGS, "--save_steps", "3", "--save_total_limit", "0",
+                                "--resume_from_checkpoint", str(fp8 / "checkpoint-3"), **float8))
+    assert train_losses(fp8) == losses
+    assert resumed == per_rank
