@@ -1,6 +1,7 @@
 """--mixed_precision fp8 on CPU: which linears torchao's conversion swaps (shardtune.float8), the refusals where
 float8 cannot train, the --help text, and the planner's arithmetic for the float8 weights. The float8 training
-itself on 2 ranks: tests/launch/test_float8.py; the float8 matmuls: scripts/gpu_check.py on a GPU."""
+itself on 2 ranks: tests/launch/test_float8.py; the float8 matmuls: scripts/gpu_check.py on a GPU. Compiled float8
+layers trace whole and train as eager ones."""
 
 from __future__ import annotations
 
@@ -211,3 +212,52 @@ def test_selective_checkpointing_meets_a_float8_matmul_as_mm():
                context_fn=lambda: create_selective_checkpoint_contexts(policy)).sum().backward()
     assert seen.count(SAVED_MATMUL) == 2  # one per linear
     assert not [func for func in seen if "_scaled_mm" in str(func)]
+
+
+def float8_training(compiled: bool) -> list[tuple[float, float]]:
+    """Three AdamW steps of a 2-layer fp32 tiny Llama whose decoder linears train in emulated float8 (the casts and
+    scales of a GPU, the products in fp32), its layers compiled by --torch_compile's regional compilation or not:
+    (loss, gradient norm) of each step."""
+    from shardtune.compilation import compile_decoder_layers
+    from shardtune.tiled_loss import chunked_token_loss
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    model.config.use_cache = False
+    convert_linears(model, all_gather=False, emulate=True)
+    if compiled:
+        compile_decoder_layers(model, Recipe(torch_compile=True, torch_compile_backend="aot_eager"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.Generator().manual_seed(1)
+    figures = []
+    for length in (32, 48, 40):  # a second length makes the graph dynamic; the third reuses it
+        ids = torch.randint(3, model.config.vocab_size, (2, length), generator=data)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        loss = chunked_token_loss(model, model, batch, torch.tensor(2 * (length - 1)))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        figures.append((loss.item(), norm.item()))
+    return figures
+
+
+def test_compiled_float8_layers_train_as_eager_float8_without_graph_breaks():
+    """--mixed_precision fp8 with --torch_compile (torchtitan's and torchao's pairing: inductor fuses the amax and
+    the casts to float8): dynamo and AOTAutograd trace each layer whole, torchao's float8 tensors inside the graph,
+    and it trains as the eager float8 layers do. The aot_eager backend runs the traced graph without generating
+    kernels: inductor's CPU kernels would take a minute here and are not the Triton ones a GPU runs
+    (scripts/gpu_check.py runs those)."""
+    from torch._dynamo.utils import counters
+
+    from shardtune.compilation import local_compile_figures
+
+    torch.set_num_threads(1)
+    eager = float8_training(compiled=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = float8_training(compiled=True)
+    # The traced graph runs the same ops in the same order (inductor, measured: equal too on this model).
+    assert compiled == eager
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert local_compile_figures()["compiled_frames"] == 2  # static at 32, dynamic at 48, reused at 40
