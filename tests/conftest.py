@@ -540,7 +540,7 @@ def start_recipe(output_dir: Path, assets: tuple[str, str], *args: str, log_name
 def start_machines(output_dir: Path, assets: tuple[str, str], *args: str, configs: list[str],
                    machine_args: list[tuple[str, ...]] | None = None,
                    machine_env: list[dict[str, str]] | None = None, processes_per_machine: int = 1,
-                   launch_args: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+                   launch_args: tuple[str, ...] = (), recipe: Path = TINY_RECIPE) -> list[subprocess.Popen]:
     """One `accelerate launch` per machine, all on loopback, `processes_per_machine` processes each: machine i
     runs configs[i] with `args`, machine_args[i] and the variables machine_env[i]; `launch_args` go to every
     launcher. Logs go to <output_dir>-machine<i>.log."""
@@ -554,7 +554,7 @@ def start_machines(output_dir: Path, assets: tuple[str, str], *args: str, config
                                       processes=machines * processes_per_machine,
                                       launch_args=machine_launch, port=port,
                                       log_name=f"{output_dir.name}-machine{rank}",
-                                      env=machine_env[rank] if machine_env else None))
+                                      env=machine_env[rank] if machine_env else None, recipe=recipe))
     return processes
 
 

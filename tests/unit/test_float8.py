@@ -188,6 +188,8 @@ def test_training_md_states_what_the_launched_float8_test_asserts():
     text = " ".join((REPO / "docs" / "training.md").read_text().split())
     assert f"every rank's {FLOAT8_LINEARS} linears gather in float8" in text
     assert f"the losses stay within {LOSS_RTOL:.0%} of the bf16 run's" in text
+    assert f"the losses stay within {LOSS_RTOL:.0%} of the FULL_SHARD fp8 run's" in text
+    assert "the fp8 run repeats steps 4 to 6 exactly" in text
     assert len(PROJECTIONS) * tiny_llama_config(128).num_hidden_layers == FLOAT8_LINEARS
 
 
