@@ -41,7 +41,7 @@ SIZES = {"reduce_bucket_size": 1_000_000, "stage3_prefetch_bucket_size": 2_000_0
 PARAM_SWAP = {"buffer_size": 600_000, "max_in_cpu": 0}
 STEPS = 4
 FAULT_STEP = 3  # the newest checkpoint before it is checkpoint-2
-ARGS = ("--max_steps", str(STEPS), "--save_steps", "1", "--save_total_limit", "0", "--mixed_precision", "no",
+ARGS = ("--max_steps", str(STEPS), "--save_steps", "2", "--save_total_limit", "0", "--mixed_precision", "no",
         "--per_device_train_batch_size", "4", "--global_batch_size", "8", "--weight_decay", "0.1",
         "--warmup_ratio", "0", "--gradient_checkpointing", "true")
 
