@@ -457,7 +457,7 @@ def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: Lau
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
     problems.check(check_optimizer, recipe, on_gpu, launch.kind, launch.world_size, True, launch.hybrid_shard)
     problems.check(check_compile_under, recipe, launch)
-    problems.check(check_fp8, recipe, gpu_capability(recipe, on_gpu), launch.kind)
+    problems.check(check_fp8, recipe, gpu_capability(recipe, on_gpu), launch.kind, launch.fsdp_offload_params)
     if offloads_to_nvme(launch):
         problems.check(check_async_io, AsyncIOReadiness.of_this_machine(has_gpu))
 

@@ -63,9 +63,11 @@ def precompute_scales_after_step(optimizer: torch.optim.Optimizer, model: torch.
     optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
 
 
-def check_fp8(recipe: Recipe, capability: tuple[int, int] | None, launch_kind: str) -> None:
+def check_fp8(recipe: Recipe, capability: tuple[int, int] | None, launch_kind: str,
+              offloads_params: bool = False) -> None:
     """What --mixed_precision fp8 needs, in the order a user meets it. `capability`: the GPU's compute capability,
-    None without a GPU (or in CPU mode); `launch_kind`: "ddp", "fsdp" or "deepspeed" (LaunchDescription.kind)."""
+    None without a GPU (or in CPU mode); `launch_kind`: "ddp", "fsdp" or "deepspeed" (LaunchDescription.kind);
+    `offloads_params`: FSDP's CPU offload (fsdp_full_shard_cpu_offload.yaml)."""
     if recipe.mixed_precision != "fp8":
         return
     if capability is None:
@@ -79,6 +81,11 @@ def check_fp8(recipe: Recipe, capability: tuple[int, int] | None, launch_kind: s
         raise ConfigError("--mixed_precision fp8 trains under FSDP2 (float8 all-gather) and DDP only: DeepSpeed "
                           "gathers its own flat bf16 partitions, and float8 is untested under its engine: launch with "
                           "an FSDP or DDP config, or use --mixed_precision bf16.")
+    if offloads_params:
+        raise ConfigError("--mixed_precision fp8 casts each weight shard to float8 and all-reduces its amax where the "
+                          "shard lives, and FSDP's CPU offload keeps the shards in host RAM, where the GPUs' "
+                          "collectives cannot reach them (untested): launch with fsdp_full_shard.yaml, or use "
+                          "--mixed_precision bf16 with the offload.")
     if recipe.use_peft:
         raise ConfigError("--mixed_precision fp8 speeds up the matmuls of full fine-tuning; LoRA's frozen base would "
                           "still compute each weight gradient in float8 and discard it: use --mixed_precision bf16 "

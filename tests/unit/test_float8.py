@@ -62,10 +62,11 @@ def test_a_projection_not_a_multiple_of_16_stays_high_precision():
     ((8, 0), "fsdp", FP8, "this GPU's is 8.0: use --mixed_precision bf16"),
     ((9, 0), "deepspeed", FP8, "launch with an FSDP or DDP config, or use --mixed_precision bf16"),
     ((9, 0), "fsdp", dataclasses.replace(FP8, use_peft=True), "use --mixed_precision bf16 with --use_peft true"),
-], ids=["no GPU", "A100", "DeepSpeed", "LoRA"])
+    ((9, 0), "fsdp-offload", FP8, "launch with fsdp_full_shard.yaml, or use --mixed_precision bf16 with the offload"),
+], ids=["no GPU", "A100", "DeepSpeed", "LoRA", "FSDP CPU offload"])
 def test_refused_where_float8_cannot_train(capability, kind, recipe, message):
     with pytest.raises(ConfigError, match=message) as error:
-        check_fp8(recipe, capability, kind)
+        check_fp8(recipe, capability, kind.removesuffix("-offload"), kind.endswith("-offload"))
     assert len(error.value.messages) == 1
 
 
@@ -263,3 +264,15 @@ def test_compiled_float8_layers_train_as_eager_float8_without_graph_breaks():
     assert compiled == eager
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert local_compile_figures()["compiled_frames"] == 2  # static at 32, dynamic at 48, reused at 40
+
+
+def test_the_machine_check_passes_fsdp_s_cpu_offload_to_the_float8_check(monkeypatch):
+    from shardtune import checks
+
+    monkeypatch.setattr(checks, "gpu_capability", lambda recipe, on_gpu: (9, 0))  # an H100, as far as fp8 asks
+    recipe = dataclasses.replace(FP8, model_name_or_path="m", dataset="d")
+    offloaded = LaunchDescription(world_size=2, local_world_size=2, uses_fsdp=True, fsdp_offload_params=True)
+    with pytest.raises(ConfigError) as error:
+        validate(recipe, offloaded, has_gpu=True)
+    assert any(line.startswith("--mixed_precision fp8 casts each weight shard") for line in error.value.messages)
+    validate(recipe, dataclasses.replace(offloaded, fsdp_offload_params=False), has_gpu=True)  # fsdp_full_shard
