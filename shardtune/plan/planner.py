@@ -132,8 +132,9 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     if strategy.kind == "deepspeed" and (optim != "adamw_torch" or bf16_stochastic_round):
         raise PlanError(f"{strategy.name}: DeepSpeed steps its own fp32 master partitions with adamw_torch; "
                         f"--optim {optim} and --bf16_stochastic_round run under DDP or FSDP only.")
-    if strategy.float8 and (strategy.kind == "deepspeed" or peft):
-        raise PlanError("--mixed_precision fp8 trains full fine-tuning under FSDP2 or DDP: use an FSDP or DDP config.")
+    if strategy.float8 and (not strategy.takes_float8 or peft):
+        raise PlanError("--mixed_precision fp8 trains full fine-tuning under FSDP2 without offload or DDP: use "
+                        "fsdp_full_shard, fsdp_shard_grad_op, fsdp_hybrid_shard or ddp.")
     if bf16_stochastic_round and (strategy.mixed_precision != "bf16" or peft):
         raise PlanError("--bf16_stochastic_round trains bf16 weights: full fine-tuning with --mixed_precision bf16.")
     # Every term below is per GPU over the GPUs the states are sharded over: all of them, or under hybrid

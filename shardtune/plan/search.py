@@ -151,8 +151,8 @@ def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: st
     """Whether the trainer runs this optimizer under `strategy` (shardtune.checks.check_optimizer refuses the
     rest): DeepSpeed with torch's AdamW alone; the rounding over bf16 full fine-tuning, under FSDP2 sharded
     over every GPU or one process (replicas would round apart: DDP's, hybrid sharding's)."""
-    if strategy.float8 and (strategy.kind == "deepspeed" or search.peft is not None):
-        return False  # --mixed_precision fp8: full fine-tuning under FSDP2 or DDP (shardtune.float8.check_fp8)
+    if strategy.float8 and (not strategy.takes_float8 or search.peft is not None):
+        return False  # --mixed_precision fp8: full fine-tuning under FSDP2 without offload or DDP (check_fp8)
     if strategy.kind == "deepspeed":
         return (optim, stochastic) == ("adamw_torch", False)
     if stochastic:

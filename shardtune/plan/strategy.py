@@ -99,6 +99,11 @@ class Strategy:
         return self.mixed_precision == "fp8"
 
     @property
+    def takes_float8(self) -> bool:
+        """Whether fp8 trains under this config (shardtune.float8.check_fp8): FSDP2 without offload, or DDP."""
+        return self.kind == "ddp" or (self.kind == "fsdp" and not self.offloads)
+
+    @property
     def offloads(self) -> bool:
         return self.offload_optimizer != "none" or self.offload_params != "none"
 

@@ -6,6 +6,7 @@ layers trace whole and train as eager ones."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from shardtune.launch import LaunchDescription
 from shardtune.plan.buffers import buffers, float8_weight_elements
 from shardtune.plan.planner import plan
 from shardtune.plan.search import Search, recommend
-from shardtune.plan.strategy import PlanError, Strategy
+from shardtune.plan.strategy import CONFIGS_DIR, PlanError, Strategy, read_accelerate_config
 from shardtune.tiny import tiny_llama_config
 
 FP8 = Recipe(mixed_precision="fp8")
@@ -115,8 +116,21 @@ def test_the_planner_gathers_float8_weights_in_one_byte():
     assert fp8_plan.to_json()["mixed_precision"] == "fp8"
     assert bf16_plan.per_gpu["buffers"] - fp8_plan.per_gpu["buffers"] == 2 * float8_weight_elements(shape)
     assert fp8_plan.per_gpu["activations"] == bf16_plan.per_gpu["activations"]  # the bf16 inputs are saved
-    with pytest.raises(PlanError, match="FSDP2 or DDP"):
-        plan(shape, hardware, dataclasses.replace(fp8, kind="deepspeed"))
+    for refused in (dataclasses.replace(fp8, kind="deepspeed"), dataclasses.replace(fp8, offload_params="cpu")):
+        with pytest.raises(PlanError, match="fp8 trains full fine-tuning under FSDP2 without offload or DDP"):
+            plan(shape, hardware, refused)
+
+
+def test_the_compare_table_under_fp8_leaves_out_and_names_the_configs_fp8_refuses(capsys):
+    from shardtune.plan.__main__ import main as plan_main
+
+    assert plan_main(["--model", "llama-3.1-8b", "--mixed_precision", "fp8", "--compare"]) == 0
+    output = capsys.readouterr().out
+    rows = [line.split()[0] for line in output.splitlines() if line.startswith(("ddp", "fsdp", "ds_"))]
+    assert rows == ["ddp", "fsdp_shard_grad_op", "fsdp_full_shard"]
+    assert ("Not planned: ds_zero1, ds_zero2, ds_zero3, ds_zero3_offload_optimizer, ds_zero3_cpu_offload, "
+            "fsdp_full_shard_cpu_offload, ds_zero3_nvme_offload (--mixed_precision fp8 trains under FSDP2 without "
+            "offload or DDP).") in output
 
 
 def test_odd_dimensions_are_not_counted_as_float8():
@@ -129,6 +143,11 @@ def test_recommend_keeps_the_precision_it_is_given():
     assert recommend(shape, hardware).plan.mixed_precision == "bf16"  # never traded for fp8
     chosen = recommend(shape, hardware, Search(mixed_precision="fp8")).plan
     assert chosen.mixed_precision == "fp8" and not chosen.config.startswith("ds_")
+    # 70B fits one node only with FSDP's CPU offload in fp8 (no stochastic rounding: it needs bf16), which fp8 refuses.
+    seventy = resolve_model("llama-3.1-70b")
+    offloaded = read_accelerate_config(os.path.join(CONFIGS_DIR, "fsdp_full_shard_cpu_offload.yaml"), "bf16")
+    assert plan(seventy, hardware, offloaded, 1, 4096, True).gpu_fits
+    assert recommend(seventy, hardware, Search(mixed_precision="fp8")).plan is None
 
 
 def test_gpu_check_runs_fp8_on_float8_tensor_cores_and_against_its_bf16_run():
