@@ -18,6 +18,7 @@ import re
 import sys
 import typing
 
+from shardtune.checks import batch_sizes
 from shardtune.config import FIELD_CHOICES, ConfigError, Recipe, below_lowest
 from shardtune.flops import ModelError, recipe_fields, resolve_config, shape_from_config
 from shardtune.hardware import HardwareError, parse_hardware
@@ -145,11 +146,10 @@ def check_args(args: argparse.Namespace) -> list[str]:
                         f"{'--config_file' if args.config_file else compare} does not depend on it: drop it, or "
                         "drop that flag for a recommendation.")
     if args.gradient_accumulation_steps is not None and not (args.config_file or args.compare or args.chart) \
-            and args.global_batch_size is None and args.per_device_train_batch_size is None \
-            and not is_recipe(args.model):
-        problems.append("--gradient_accumulation_steps alone leaves the recommendation's global batch open (it "
-                        "searches the micro-batch): give --global_batch_size, which it keeps, or "
-                        "--per_device_train_batch_size with it.")
+            and args.per_device_train_batch_size is None and not is_recipe(args.model):
+        problems.append("--gradient_accumulation_steps: a model's recommendation searches the micro-batch and derives "
+                        "accumulation from the global batch: give --per_device_train_batch_size with it, or "
+                        "--global_batch_size alone.")
     return problems
 
 
@@ -177,6 +177,8 @@ def _run(args: argparse.Namespace) -> int:
     shape = shape_from_config(model_config, name)
     recipe = planned_recipe(args.model, {flag: getattr(args, flag) for flag in RUN_FLAGS})
     check_planned(recipe, model_config)
+    if args.gradient_accumulation_steps is not None:  # it must agree with the global batch on this hardware
+        batch_sizes(recipe, hardware.world_size)
     peft = recipe_peft(recipe)
     if peft:  # unknown target names: one line now
         peft.trainable_params(shape)

@@ -101,7 +101,13 @@ def test_a_recipe_recommendation_keeps_the_recipe_s_micro_batch_and_checkpointin
     (["--model", LORA_RECIPE, "--attn_implementation", "eager", "--config_file", DDP],
      "--packing true with --attn_implementation eager"),
     (["--model", "llama-3.1-8b", "--gradient_accumulation_steps", "4"],
-     "--gradient_accumulation_steps alone leaves the recommendation's global batch open"),
+     "--gradient_accumulation_steps: a model's recommendation searches the micro-batch"),
+    (["--model", "llama-3.1-8b", "--global_batch_size", "64", "--gradient_accumulation_steps", "4"],
+     "--gradient_accumulation_steps: a model's recommendation searches the micro-batch"),
+    (["--model", str(REPO / "recipes" / "llama8b.py"), "--gradient_accumulation_steps", "3"],
+     "--gradient_accumulation_steps 3 disagrees with --global_batch_size"),
+    (["--model", str(REPO / "recipes" / "llama8b.py"), "--config_file", DDP, "--gradient_accumulation_steps", "3"],
+     "--gradient_accumulation_steps 3 disagrees with --global_batch_size"),
 ])
 def test_a_flag_that_would_not_act_is_refused_in_one_line(capsys, argv, names):
     assert names in refusal(capsys, *argv)
