@@ -57,6 +57,8 @@ PLAN_NOTES = {
 }
 MODEL_DEFAULT_WORDS = {"mixed_precision": "the accelerate config's; a recommendation's: bf16, which it never trades "
                                           "for fp8"}
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("true", "1", "yes"):
         return True
@@ -189,15 +191,14 @@ def _run(args: argparse.Namespace) -> int:
         # The multi-node layouts on one node are fsdp_full_shard, and ds_zero3 with a second copy of the weights.
         planned = [strategy for strategy in strategies if hardware.nodes > 1 or not strategy.multi_node_layout]
         # fp8 trains under FSDP2 without offload and DDP only (shardtune.float8): the others are left out, and said.
-        untaken = [strategy.name for strategy in planned if strategy.float8 and not strategy.takes_float8]
-        plans = [plan_recipe(shape, hardware, strategy, recipe) for strategy in planned
-                 if strategy.name not in untaken]
+        untaken = [strategy for strategy in planned if strategy.float8 and not strategy.takes_float8]
+        plans = [plan_recipe(shape, hardware, strategy, recipe) for strategy in planned if strategy not in untaken]
         if args.chart:
             write_chart(plans, args.chart)
         print(json.dumps([p.to_json() for p in plans]) if args.json else format_compare(plans))
         if untaken and not args.json:
-            print(f"Not planned: {', '.join(untaken)} (--mixed_precision fp8 trains under FSDP2 without offload or "
-                  "DDP).")
+            names = ", ".join(strategy.name for strategy in untaken)
+            print(f"Not planned: {names} (--mixed_precision fp8 trains under FSDP2 without offload or DDP).")
         return 0
     if args.config_file:
         result = plan_recipe(shape, hardware, read_accelerate_config(args.config_file, precision), recipe)
