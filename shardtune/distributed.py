@@ -179,6 +179,23 @@ def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParalle
         parallelism._validate_accelerator(accelerator)
 
 
+def optimizer_parameter_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[list[str]]:
+    """The name in `model` of each parameter of each of the optimizer's groups."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [[names[id(param)] for param in group["params"]] for group in optimizer.param_groups]
+
+
+def repoint_optimizer_parameters(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                                 names: list[list[str]]) -> None:
+    """After `prepare` under FSDP2: each group's parameters by name (optimizer_parameter_names) in the prepared
+    model. accelerate's FSDP2 preparation re-maps them by the data_ptr of each local shard, and torchao's float8
+    wrapper (--mixed_precision fp8) reports 0 for every one: all of them would map to the last float8 weight, the
+    others never stepped. By name, every parameter the preparation replaced is found too."""
+    parameters = dict(model.named_parameters())
+    for group, group_names in zip(optimizer.param_groups, names, strict=True):
+        group["params"] = [parameters[name] for name in group_names]
+
+
 def shut_down(accelerator: Accelerator) -> None:
     """End a run's distributed state in an order that cannot deadlock at exit: trackers closed, the wrapped
     model, optimizer and loaders released, then the process groups destroyed.

@@ -27,7 +27,14 @@ from shardtune.checkpoint.saver import Checkpointer
 from shardtune.compilation import compile_decoder_layers, compile_figures, eager_calls
 from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.data import load_splits
-from shardtune.distributed import exit_process, make_accelerator, reduction_dtypes, shut_down
+from shardtune.distributed import (
+    exit_process,
+    make_accelerator,
+    optimizer_parameter_names,
+    reduction_dtypes,
+    repoint_optimizer_parameters,
+    shut_down,
+)
 from shardtune.evaluation import evaluate
 from shardtune.export import add_model_files, export_dtype, save_hf_model
 from shardtune.float8 import convert_linears, precompute_scales_after_step, rewrap_loaded_shards
@@ -132,9 +139,12 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes) -> Run
                               collate_fn=make_collator(tokenizer, recipe.packing, recipe.attn_implementation))
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_eval_batch_size,
                              collate_fn=make_collator(tokenizer))
+    stepped = optimizer_parameter_names(optimizer, model)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
+    if fsdp:
+        repoint_optimizer_parameters(optimizer, model, stepped)
     loaded["peak_rss_bytes"] = peak_rss_bytes()  # loading and sharding: FSDP reads rank 0's copy only now
     if recipe.activation_offloading:  # on the prepared model: TRL's manager skips its (sharded) parameters
         enable_activation_offloading(model)

@@ -4,7 +4,8 @@ off sm89+, shardtune.float8.check_fp8), then trained as fp8 with torchao's emula
 float8 and their scales as on a GPU, the products in high precision): everything else is the GPU path, the
 conversion before sharding, the float8 all-gather after rank-0 loading, the scales precomputed after each step.
 The main process prints one JSON line: per rank, the float8 linears, how many of their shards carry torchao's
-all-gather wrapper, and the sum of the precomputed scales."""
+all-gather wrapper, the sum and count of the precomputed scales, and the model's trainable sharded parameters the
+optimizer does not step."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from shardtune.preemption import StopRequest
 FLOAT8 = os.environ.get("SHARDTUNE_PROBE_FLOAT8") == "1"
 
 
-def float8_figures(model: torch.nn.Module) -> list[float]:
-    """(float8 linears, shards wrapped for float8 all-gather, sum of their precomputed scales) on this rank."""
+def float8_figures(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+    """(float8 linears, shards wrapped for float8 all-gather, sum and count of their precomputed scales, trainable
+    sharded parameters of the model that the optimizer does not step) on this rank."""
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
@@ -34,7 +36,13 @@ def float8_figures(model: torch.nn.Module) -> list[float]:
     shards = [module.weight._local_tensor for module in linears]
     wrapped = [shard for shard in shards if isinstance(shard, WeightWithDynamicFloat8CastTensor)]
     scales = [float(shard._precomputed_scale) for shard in wrapped if shard._precomputed_scale is not None]
-    return [float(len(linears)), float(len(wrapped)), float(sum(scales)), float(len(scales))]
+    from torch.distributed.tensor import DTensor
+
+    # Sharded ones: after the final eval's forward FSDP2 leaves the root's own unit (norm, lm_head) unsharded.
+    stepped = {id(param) for group in optimizer.param_groups for param in group["params"]}
+    unstepped = [param for param in model.parameters()
+                 if param.requires_grad and isinstance(param, DTensor) and id(param) not in stepped]
+    return [float(len(linears)), float(len(wrapped)), float(sum(scales)), float(len(scales)), float(len(unstepped))]
 
 
 def main() -> None:
@@ -53,7 +61,8 @@ def main() -> None:
     trainer.build = keep
     code = trainer.train_loop(accelerator, recipe, batching, launch, None, 0, StopRequest())
     if FLOAT8:
-        local = torch.tensor(float8_figures(accelerator.unwrap_model(built["run"].model)), dtype=torch.float64)
+        local = torch.tensor(float8_figures(accelerator.unwrap_model(built["run"].model),
+                                               built["run"].optimizer), dtype=torch.float64)
         per_rank = accelerator.gather(local.to(accelerator.device)).view(-1, len(local)).tolist()
         if accelerator.is_main_process:
             print("probe:", json.dumps({"per_rank": per_rank}), flush=True)
