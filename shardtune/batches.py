@@ -22,22 +22,25 @@ COUNT_KEYS = ("targets", "tokens", "processed", "sequences")  # what CountingCol
 FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
-def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False, attn_implementation: str = "sdpa"
-                  ) -> CountingCollator:
+def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False, attn_implementation: str = "sdpa",
+                  multiple: int = 1) -> CountingCollator:
     """Padded: each micro-batch padded to its longest row (padded labels IGNORE_INDEX). Packed (padding-free):
     the micro-batch's sequences concatenated into one row with position ids restarting at every sequence and
     the first label of each sequence masked. Flash attention gets the sequence boundaries from the collator
     (`cu_seq_lens`, computed on the host: no device sync in every layer); flex attention, SDPA and eager derive
     per-sequence attention from the position ids (SDPA and eager through a dense mask, see checks.check_attention).
     Rows packed before (--packing_strategy bfd, shardtune.packing) are split into their sequences first, so a
-    micro-batch of them is packed the same way."""
+    micro-batch of them is packed the same way.
+    `multiple` (shardtune.config.token_multiple): the padded length, or the packed row's, a multiple of it; a
+    packed row is padded with one more sequence of pad tokens that carries no loss (its own positions, so it
+    attends to nothing else)."""
     if packing:
         inner = DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX,
                                            return_flash_attn_kwargs=attn_implementation in FLASH_ATTENTION)
     else:
         inner = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX,
-                                       return_tensors="pt")
-    return CountingCollator(inner)
+                                       return_tensors="pt", pad_to_multiple_of=multiple if multiple > 1 else None)
+    return CountingCollator(inner, tokenizer.pad_token_id if packing else None, multiple)
 
 
 class CountingCollator:
@@ -47,13 +50,14 @@ class CountingCollator:
     tokens: sequence tokens (not padding); processed: tokens the model runs on; sequences: sequences before
     packing (several per row packed by shardtune.packing, whose rows are split into them here)."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner, row_pad_id: int | None = None, multiple: int = 1) -> None:
         self.inner = inner
+        self.row_pad_id, self.multiple = row_pad_id, multiple  # row_pad_id: packing's, None when inner pads
 
     def __call__(self, features: list[dict]) -> dict:
         if SEQUENCE_LENGTHS in features[0]:
             features = split_rows(features)
-        batch = self.inner(features)
+        batch = self.inner(features + self.padding_sequence(features))
         lengths = [len(feature["input_ids"]) for feature in features]
         batch[COUNTS] = {
             "targets": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()),
@@ -62,6 +66,13 @@ class CountingCollator:
             "sequences": len(features),
         }
         return batch
+
+    def padding_sequence(self, features: list[dict]) -> list[dict]:
+        """The packed row's padding up to `multiple`, as one more sequence with no targets; [] when none."""
+        missing = -sum(len(feature["input_ids"]) for feature in features) % self.multiple
+        if self.row_pad_id is None or not missing:
+            return []
+        return [{"input_ids": [self.row_pad_id] * missing, "labels": [IGNORE_INDEX] * missing}]
 
 
 def take_counts(micro_batches: list[dict]) -> dict[str, int]:

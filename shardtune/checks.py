@@ -15,6 +15,7 @@ from shardtune.config import (
     BITSANDBYTES_OPTIMIZERS,
     COMPILE_MODES,
     FIELD_CHOICES,
+    FP8_DIM_MULTIPLE,
     OPTIMIZER_PACKAGES,
     OPTIMIZERS,
     SAVE_DTYPES,
@@ -79,6 +80,20 @@ def check_packing_strategy(recipe: Recipe) -> None:
     if recipe.packing_strategy == "bfd" and not recipe.packing:
         raise ConfigError("--packing_strategy bfd packs sequences into rows only with --packing true: add "
                           "--packing true, or drop --packing_strategy.")
+
+
+def check_pad_to_multiple_of(recipe: Recipe) -> None:
+    """A positive multiple, and under fp8 one of FP8_DIM_MULTIPLE: each float8 weight-gradient matmul takes the
+    micro-batch's tokens as its inner dimension, which torch._scaled_mm needs in multiples of 16 on the GPU."""
+    multiple = recipe.pad_to_multiple_of
+    if multiple is None:
+        return
+    if too_small := below_lowest([("--pad_to_multiple_of", multiple)]):
+        raise ConfigError(too_small)
+    if recipe.mixed_precision == "fp8" and multiple % FP8_DIM_MULTIPLE:
+        raise ConfigError(f"--pad_to_multiple_of {multiple} under --mixed_precision fp8 would hand float8 matmuls "
+                          f"token counts that are not multiples of {FP8_DIM_MULTIPLE}, which torch._scaled_mm refuses: "
+                          f"use a multiple of {FP8_DIM_MULTIPLE}, or drop it (fp8 pads to {FP8_DIM_MULTIPLE}).")
 
 
 def check_inputs_named(recipe: Recipe) -> None:
@@ -355,6 +370,7 @@ RECIPE_CHECKS: tuple[Callable[[Recipe], None], ...] = (
     check_chat_template,
     check_choices,
     check_packing_strategy,
+    check_pad_to_multiple_of,
     check_lora,
     check_checkpointing_mode,
     check_torch_compile,

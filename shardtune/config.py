@@ -74,6 +74,7 @@ LOWEST_VALUES = {
     "--eval_steps": 0,  # 0: only at the end
     "--save_steps": 0,  # 0: never
     "--save_total_limit": 0,  # 0: keep all
+    "--pad_to_multiple_of": 1,
 }
 
 
@@ -81,6 +82,18 @@ def compute_precision(mixed_precision: str) -> str:
     """The precision accelerate, FSDP2's policy and the loaded weights take for --mixed_precision: fp8's is bf16
     (its float8 linears cast their own operands)."""
     return FP8_COMPUTE_PRECISION if mixed_precision == "fp8" else mixed_precision
+
+
+def token_multiple(recipe: Recipe) -> int:
+    """What each micro-batch's length (its packed row's, with --packing) is padded to a multiple of:
+    --pad_to_multiple_of, else FP8_DIM_MULTIPLE under fp8 (the tokens are the inner dimension of each float8
+    weight-gradient matmul, which torch._scaled_mm takes in multiples of 16 on the GPU), else 1 (no padding)."""
+    return recipe.pad_to_multiple_of or (FP8_DIM_MULTIPLE if recipe.mixed_precision == "fp8" else 1)
+
+
+def padded_length(recipe: Recipe) -> int:
+    """The longest micro-batch row: --max_seq_length rounded up to token_multiple (what the planner plans)."""
+    return -(-recipe.max_seq_length // token_multiple(recipe)) * token_multiple(recipe)
 
 
 def below_lowest(values: Iterable[tuple[str, float | None]]) -> list[str]:
@@ -157,6 +170,10 @@ class Recipe:
         "help": "With --packing: padding_free (each micro-batch's sequences as they come) or bfd (the sequences "
                 "first bin-packed, best-fit decreasing, into rows of --max_seq_length tokens, so that a micro-batch "
                 "of 1 holds a full row; batch sizes then count rows)."})
+    pad_to_multiple_of: int | None = field(default=None, metadata={
+        "help": "Pad each micro-batch's length (its packed row's, with --packing) up to a multiple of this; the "
+                "padding carries no loss. Fewer distinct shapes for --torch_compile. Unset: no padding, or 16 under "
+                "--mixed_precision fp8 (float8 matmuls take the tokens in multiples of 16)."})
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters; the base stays frozen."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank: the inner dimension of each adapter."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling: the adapters' update is scaled by "

@@ -25,7 +25,7 @@ from shardtune.batches import counted_steps, global_batches, make_collator
 from shardtune.checkpoint.nvme_resume import load_state
 from shardtune.checkpoint.saver import Checkpointer
 from shardtune.compilation import compile_decoder_layers, compile_figures, eager_calls
-from shardtune.config import BatchSizes, ConfigError, Recipe
+from shardtune.config import BatchSizes, ConfigError, Recipe, token_multiple
 from shardtune.data import load_splits
 from shardtune.distributed import (
     exit_process,
@@ -136,9 +136,10 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes) -> Run
     if recipe.torch_compile:  # in place: the wrappers `prepare` adds find the layers' hooks where they were
         compile_decoder_layers(model, recipe)
     train_loader = DataLoader(train_set, batch_size=batching.micro_batch, shuffle=True, drop_last=True,
-                              collate_fn=make_collator(tokenizer, recipe.packing, recipe.attn_implementation))
+                              collate_fn=make_collator(tokenizer, recipe.packing, recipe.attn_implementation,
+                                                       token_multiple(recipe)))
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_eval_batch_size,
-                             collate_fn=make_collator(tokenizer))
+                             collate_fn=make_collator(tokenizer, multiple=token_multiple(recipe)))
     stepped = optimizer_parameter_names(optimizer, model)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler

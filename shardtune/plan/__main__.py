@@ -38,6 +38,7 @@ from shardtune.plan.strategy import PlanError, read_accelerate_config
 # The flags that set a field of the planned run: the recipe's own, with its help and choices; each overrides the
 # recipe's value.
 RUN_FLAGS = ("per_device_train_batch_size", "global_batch_size", "gradient_accumulation_steps", "max_seq_length",
+             "pad_to_multiple_of",
              "gradient_checkpointing", "gradient_checkpointing_mode", "activation_offloading", "mixed_precision",
              "attn_implementation", "packing", "chunked_cross_entropy", "torch_compile", "use_liger_kernel", "optim",
              "bf16_stochastic_round", "use_peft", "lora_r", "lora_target_modules", "load_in_4bit",
@@ -54,6 +55,7 @@ PLAN_NOTES = {
     "torch_compile": "planned as eager: compilation keeps at most eager's activations",
     "use_liger_kernel": "with it a recommendation searches full checkpointing only",
     "per_device_eval_batch_size": "eval's activations are planned as a phase",
+    "pad_to_multiple_of": "planned at --max_seq_length rounded up to it",
 }
 MODEL_DEFAULT_WORDS = {"mixed_precision": "the accelerate config's; a recommendation's: bf16, which it never trades "
                                           "for fp8"}
@@ -125,7 +127,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     """Every impossible value and every flag that would not act, one line each, before anything is planned."""
     problems = below_lowest((f"--{name}", getattr(args, name)) for name in
                             ("per_device_train_batch_size", "per_device_eval_batch_size", "global_batch_size",
-                             "max_seq_length", "lora_r"))
+                             "max_seq_length", "pad_to_multiple_of", "lora_r"))
     if args.num_machines is not None and args.num_machines < 1:
         problems.append(f"--num_machines must be >= 1, got {args.num_machines}.")
     if args.host_ram_gb is not None and not args.host_ram_gb > 0:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
-from shardtune.checks import batch_sizes, check_packed_attention
-from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe
+from shardtune.checks import batch_sizes, check_packed_attention, check_pad_to_multiple_of
+from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe, padded_length
 from shardtune.flops import ModelShape, recipe_fields
 from shardtune.hardware import Hardware
 from shardtune.liger import check_liger_kernel
@@ -38,12 +38,13 @@ def planned_recipe(model: str, flags: dict[str, object]) -> Recipe:
 
 def check_planned(recipe: Recipe, model_config: object) -> None:
     """The recipe's own refusals that concern the plan, by the recipe's rules (a plan is for GPUs): the model has
-    room for --max_seq_length, a packed row gets a kernel without a dense mask, and Liger's kernels run with the
-    rest. Raises one ConfigError with every failure."""
+    room for --max_seq_length, a packed row gets a kernel without a dense mask, Liger's kernels run with the
+    rest, and the padding multiple suits the precision. Raises one ConfigError with every failure."""
     problems = Problems()
     problems.check(check_context_length, recipe, model_config)
     problems.check(check_packed_attention, recipe)
     problems.check(check_liger_kernel, recipe)
+    problems.check(check_pad_to_multiple_of, recipe)
     problems.raise_any()
 
 
@@ -62,7 +63,7 @@ def recipe_accumulation(recipe: Recipe, world: int) -> int | None:
 
 def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recipe: Recipe) -> MemoryPlan:
     """The plan of `recipe` under `strategy`: every field of the recipe that memory depends on."""
-    return plan(shape, hardware, strategy, recipe.per_device_train_batch_size, recipe.max_seq_length,
+    return plan(shape, hardware, strategy, recipe.per_device_train_batch_size, padded_length(recipe),
                 recipe.gradient_checkpointing, PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe),
                 recipe.packing, async_save=recipe.async_save, save_only_model=recipe.save_only_model,
                 eval_batch=recipe.per_device_eval_batch_size, checkpointing_mode=recipe.gradient_checkpointing_mode,
@@ -82,7 +83,7 @@ def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held
     fix_micro_batch = "per_device_train_batch_size" in held
     if fix_micro_batch and (global_batch is not None or recipe.gradient_accumulation_steps is not None):
         global_batch = batch_sizes(recipe, hardware.world_size).global_batch
-    return Search(global_batch, recipe.max_seq_length, mixed_precision, configs_dir,
+    return Search(global_batch, padded_length(recipe), mixed_precision, configs_dir,
                   PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe), recipe.packing,
                   recipe.per_device_train_batch_size if fix_micro_batch else None,
                   recipe.gradient_checkpointing if "gradient_checkpointing" in held else None,

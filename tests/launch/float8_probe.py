@@ -4,8 +4,9 @@ off sm89+, shardtune.float8.check_fp8), then trained as fp8 with torchao's emula
 float8 and their scales as on a GPU, the products in high precision): everything else is the GPU path, the
 conversion before sharding, the float8 all-gather after rank-0 loading, the scales precomputed after each step.
 The main process prints one JSON line: per rank, the float8 linears, how many of their shards carry torchao's
-all-gather wrapper, the sum and count of the precomputed scales, and the model's trainable sharded parameters the
-optimizer does not step."""
+all-gather wrapper, the sum and count of the precomputed scales, the model's trainable sharded parameters the
+optimizer does not step, and the float8 linear calls whose token count is not a multiple of 16 (the inner dimension
+of their weight-gradient matmul, which torch._scaled_mm refuses on a GPU and the emulation does not check)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from shardtune import trainer
 from shardtune.cli import checked_launch
-from shardtune.config import Recipe
+from shardtune.config import FP8_DIM_MULTIPLE, Recipe
 from shardtune.distributed import make_accelerator, shut_down
 from shardtune.float8 import convert_linears
 from shardtune.preemption import StopRequest
@@ -26,9 +27,25 @@ from shardtune.preemption import StopRequest
 FLOAT8 = os.environ.get("SHARDTUNE_PROBE_FLOAT8") == "1"
 
 
-def float8_figures(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+def count_odd_token_calls(model: torch.nn.Module) -> list[int]:
+    """A one-item counter of the float8 linear calls whose tokens are not a multiple of FP8_DIM_MULTIPLE."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    odd = [0]
+
+    def check(module: torch.nn.Module, args: tuple) -> None:
+        odd[0] += args[0].numel() // module.in_features % FP8_DIM_MULTIPLE != 0
+
+    for module in model.modules():
+        if isinstance(module, Float8Linear):
+            module.register_forward_pre_hook(check)
+    return odd
+
+
+def float8_figures(model: torch.nn.Module, optimizer: torch.optim.Optimizer, odd_calls: int) -> list[float]:
     """(float8 linears, shards wrapped for float8 all-gather, sum and count of their precomputed scales, trainable
-    sharded parameters of the model that the optimizer does not step) on this rank."""
+    sharded parameters of the model that the optimizer does not step, float8 calls of an odd token count) on this
+    rank."""
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
@@ -42,7 +59,8 @@ def float8_figures(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     stepped = {id(param) for group in optimizer.param_groups for param in group["params"]}
     unstepped = [param for param in model.parameters()
                  if param.requires_grad and isinstance(param, DTensor) and id(param) not in stepped]
-    return [float(len(linears)), float(len(wrapped)), float(sum(scales)), float(len(scales)), float(len(unstepped))]
+    return [float(len(linears)), float(len(wrapped)), float(sum(scales)), float(len(scales)), float(len(unstepped)),
+            float(odd_calls)]
 
 
 def main() -> None:
@@ -56,13 +74,14 @@ def main() -> None:
 
     def keep(*args):
         built["run"] = build(*args)
+        built["odd"] = count_odd_token_calls(built["run"].model) if FLOAT8 else [0]
         return built["run"]
 
     trainer.build = keep
     code = trainer.train_loop(accelerator, recipe, batching, launch, None, 0, StopRequest())
     if FLOAT8:
         local = torch.tensor(float8_figures(accelerator.unwrap_model(built["run"].model),
-                                               built["run"].optimizer), dtype=torch.float64)
+                                               built["run"].optimizer, built["odd"][0]), dtype=torch.float64)
         per_rank = accelerator.gather(local.to(accelerator.device)).view(-1, len(local)).tolist()
         if accelerator.is_main_process:
             print("probe:", json.dumps({"per_rank": per_rank}), flush=True)

@@ -27,7 +27,7 @@ LOSS_RTOL = 0.03
 
 def probed(result) -> list[list[float]]:
     """The probe's figures per rank: float8 linears, shards wrapped, sum and count of the precomputed scales,
-    trainable parameters the optimizer does not step."""
+    trainable parameters the optimizer does not step, float8 calls whose token count is not a multiple of 16."""
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("probe: ")]
     return json.loads(line.removeprefix("probe: "))["per_rank"]
 
@@ -50,9 +50,10 @@ def float8_run(tiny_assets, tmp_path_factory) -> dict:
 def test_float8_linears_gather_in_float8_on_every_rank_and_track_bf16(float8_run):
     bf16, fp8, per_rank = float8_run["bf16"], float8_run["fp8"], float8_run["per_rank"]
     print("bf16", train_losses(bf16), "fp8", float8_run["losses"], "per rank", per_rank)
-    for linears, wrapped, _, scales, unstepped in per_rank:
+    for linears, wrapped, _, scales, unstepped, odd_token_calls in per_rank:
         assert linears == wrapped == scales == FLOAT8_LINEARS  # rank 1's loaded shards wrapped again too
         assert unstepped == 0  # the optimizer steps every sharded weight, the float8-wrapped ones too
+        assert odd_token_calls == 0  # fp8 pads each micro-batch to a multiple of 16 tokens (config.token_multiple)
     assert per_rank[0][2] == per_rank[1][2] > 0  # one all-reduce of the amaxes: the same scales on every rank
     assert float8_run["losses"] != train_losses(bf16)  # the float8 casts acted
     assert float8_run["losses"] == pytest.approx(train_losses(bf16), rel=LOSS_RTOL)
@@ -90,7 +91,7 @@ def test_float8_under_hybrid_sharding_on_two_machines_trains_as_under_full_shard
     assert "FSDP2 FULL_SHARD over 2 ranks, replicated x2" in log
     (line,) = [line for line in log.splitlines() if line.startswith("probe: ")]
     per_rank = json.loads(line.removeprefix("probe: "))["per_rank"]
-    assert [rank[:2] + rank[3:] for rank in per_rank] == [[FLOAT8_LINEARS] * 3 + [0]] * 4
+    assert [rank[:2] + rank[3:] for rank in per_rank] == [[FLOAT8_LINEARS] * 3 + [0, 0]] * 4
     assert len({rank[2] for rank in per_rank}) == 1
     print("hybrid", train_losses(output_dir), "full shard", float8_run["losses"])
     assert train_losses(output_dir) == pytest.approx(float8_run["losses"], rel=LOSS_RTOL)

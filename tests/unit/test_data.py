@@ -194,6 +194,30 @@ def test_packed_row_gives_each_sequence_its_own_losses(attn, sources, tokenizer,
         torch.testing.assert_close(packed_grad, padded_grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_padding_to_a_multiple_changes_no_loss_or_gradient(packing, sources, tokenizer, tiny_assets):
+    """--pad_to_multiple_of 16: every target token's loss, the mean loss and the gradients as without padding
+    (a packed row's padding is a sequence of its own, which no other attends to)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets[0], dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    train, _ = load_splits(recipe(sources["jsonl"]), tokenizer)
+    rows = [train[i] for i in range(5)]
+    batches = [make_collator(tokenizer, packing=packing, multiple=multiple)(rows) for multiple in (1, 16)]
+    assert batches[0]["input_ids"].shape[1] % 16 and batches[1]["input_ids"].shape[1] % 16 == 0
+    torch.testing.assert_close(per_token_losses(model, batches[1]), per_token_losses(model, batches[0]),
+                               rtol=1e-5, atol=1e-6)
+    grads = []
+    for batch in batches:
+        model.zero_grad()
+        loss = model(**{key: value for key, value in batch.items() if key != COUNTS}).loss
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=0)
+    for plain, padded in zip(grads[0][1], grads[1][1], strict=True):
+        torch.testing.assert_close(padded, plain, rtol=1e-4, atol=1e-6)
+
+
 def token_utilization(dataset, tokenizer, packing: bool, micro_batch: int = 16) -> float:
     """The sequences' own tokens over the positions the model is really given: every row of the dataset counted
     from the dataset, every position counted from the batches the collator builds (not from its own counts)."""

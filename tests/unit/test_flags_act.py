@@ -67,7 +67,7 @@ def one_rank_recipe(tiny_assets, data_file: str, output_dir: str, **overrides) -
         learning_rate=2e-3, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.97, adam_epsilon=1e-6,
         lr_scheduler_type="linear", warmup_ratio=0.0, gradient_checkpointing=True, gradient_checkpointing_interval=2,
         seed=7, report_to="wandb", wandb_project="flags-project", run_name="flags-run", generation_samples=0,
-        collective_timeout_minutes=3, startup_timeout_minutes=11,
+        collective_timeout_minutes=3, startup_timeout_minutes=11, pad_to_multiple_of=24,
     )
     return Recipe(**{**values, **overrides})
 
@@ -154,6 +154,12 @@ def test_epochs_set_the_run_length_and_the_schedule(one_rank):
 def test_eval_micro_batches_hold_the_eval_batch_size(one_rank):
     sizes = [len(batch["input_ids"]) for batch in one_rank.run.eval_loader]
     assert sizes[0] == 3 and sum(sizes) == round(0.25 * len(ROWS))
+
+
+def test_training_and_eval_batches_are_padded_to_the_multiple(one_rank):
+    lengths = {batch["input_ids"].shape[1] for loader in (one_rank.run.train_loader, one_rank.run.eval_loader)
+               for batch in loader}
+    assert lengths and all(length % 24 == 0 for length in lengths)
 
 
 def test_every_interval_th_layer_recomputes(one_rank):

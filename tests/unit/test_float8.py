@@ -81,10 +81,11 @@ def test_the_machine_check_collects_the_float8_refusal_with_the_others(monkeypat
     for name in ("WORLD_SIZE", "RANK", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
         monkeypatch.delenv(name, raising=False)
     recipe = dataclasses.replace(FP8, model_name_or_path="m", dataset="d", use_cpu=True,
-                                 activation_offloading=True)
+                                 activation_offloading=True, pad_to_multiple_of=8)
     with pytest.raises(ConfigError) as error:
         validate(recipe, LaunchDescription.from_env(), has_gpu=False)
     assert any("--activation_offloading" in line for line in error.value.messages)
+    assert any(line.startswith("--pad_to_multiple_of 8 under --mixed_precision fp8") for line in error.value.messages)
     assert any(line.startswith("--mixed_precision fp8 runs float8 matmuls") for line in error.value.messages)
 
 

@@ -108,6 +108,9 @@ def test_a_recipe_recommendation_keeps_the_recipe_s_micro_batch_and_checkpointin
      "--gradient_accumulation_steps 3 disagrees with --global_batch_size"),
     (["--model", str(REPO / "recipes" / "llama8b.py"), "--config_file", DDP, "--gradient_accumulation_steps", "3"],
      "--gradient_accumulation_steps 3 disagrees with --global_batch_size"),
+    (["--model", "llama-3.1-8b", "--config_file", DDP, "--mixed_precision", "fp8", "--pad_to_multiple_of", "8"],
+     "--pad_to_multiple_of 8 under --mixed_precision fp8"),
+    (["--model", "llama-3.1-8b", "--pad_to_multiple_of", "0"], "--pad_to_multiple_of must be >= 1, got 0."),
 ])
 def test_a_flag_that_would_not_act_is_refused_in_one_line(capsys, argv, names):
     assert names in refusal(capsys, *argv)
@@ -149,6 +152,18 @@ def test_a_flag_over_a_recipe_s_value_acts(capsys):
     expected = plan(shape, H100, read_accelerate_config(DDP, "bf16"), 2, 4096, False, "sdpa", Peft(16),
                     chunked_cross_entropy=True)
     assert planned["per_gpu"] == pytest.approx(expected.per_gpu)
+
+
+def test_the_padding_multiple_acts_in_the_plan(capsys):
+    """--max_seq_length 4000 padded to a multiple of 128 is planned as 4096 tokens; fp8 pads to 16 by itself."""
+    _, padded = run_json(capsys, "--model", LORA_RECIPE, "--config_file", DDP, "--max_seq_length", "4000",
+                         "--pad_to_multiple_of", "128")
+    _, full = run_json(capsys, "--model", LORA_RECIPE, "--config_file", DDP, "--max_seq_length", "4096")
+    _, plain = run_json(capsys, "--model", LORA_RECIPE, "--config_file", DDP, "--max_seq_length", "4000")
+    assert padded["max_seq_length"] == 4096 and padded["per_gpu"] == full["per_gpu"] != plain["per_gpu"]
+    _, fp8 = run_json(capsys, "--model", "llama-3.1-8b", "--config_file", DDP, "--max_seq_length", "4001",
+                      "--mixed_precision", "fp8")
+    assert fp8["max_seq_length"] == 4016
 
 
 def test_chunked_cross_entropy_flag_acts_in_the_plan(capsys):

@@ -62,6 +62,26 @@ def test_collator_counts_on_the_host_what_the_batch_holds(tokenizer, packing):
         assert counts["tokens"] == int(batch["attention_mask"].sum()) < counts["processed"]
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_collator_pads_to_the_multiple_and_counts_what_it_did_before(tokenizer, packing):
+    """--pad_to_multiple_of 16 (fp8's): the row length a multiple of 16, the padding without targets, every count
+    but the processed tokens as without it; a packed row's padding is one more sequence (flash's boundaries)."""
+    rows = features(tokenizer)
+    plain = make_collator(tokenizer, packing=packing)(rows)
+    padded = make_collator(tokenizer, packing=packing, attn_implementation="flash_attention_2", multiple=16)(rows)
+    length = plain["input_ids"].shape[1]
+    assert length % 16 and padded["input_ids"].shape[1] == -(-length // 16) * 16
+    assert {key: value for key, value in padded[COUNTS].items() if key != "processed"} == \
+        {key: value for key, value in plain[COUNTS].items() if key != "processed"}
+    assert padded[COUNTS]["processed"] == padded["input_ids"].numel()
+    assert (padded["labels"][:, length:] == IGNORE_INDEX).all()
+    if packing:
+        lengths = [len(row["input_ids"]) for row in rows]
+        boundaries = [0, *torch.tensor(lengths).cumsum(0).tolist(), padded["input_ids"].shape[1]]
+        assert padded["cu_seq_lens_q"].tolist() == boundaries
+        assert padded["position_ids"][0, length:].tolist() == list(range(padded["input_ids"].shape[1] - length))
+
+
 def test_flash_attention_gets_sequence_boundaries_from_the_collator(tokenizer):
     """flash_attention_2 with packing: cu_seq_lens computed on the host, so no layer reads them back."""
     rows = features(tokenizer)
