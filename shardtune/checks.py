@@ -16,6 +16,7 @@ from shardtune.config import (
     COMPILE_MODES,
     FIELD_CHOICES,
     FP8_DIM_MULTIPLE,
+    OFFLOADING_NEEDS_RECOMPUTATION,
     OPTIMIZER_PACKAGES,
     OPTIMIZERS,
     SAVE_DTYPES,
@@ -141,10 +142,18 @@ def check_checkpointing_mode(recipe: Recipe) -> None:
 
 def check_activation_offloading(recipe: Recipe, on_gpu: bool) -> None:
     """TRL's OffloadActivations copies to the host from a CUDA device (it reads the current accelerator, None on a
-    CPU-only machine); on CPU the activations are in host memory already."""
-    if recipe.activation_offloading and not on_gpu:
-        raise ConfigError("--activation_offloading moves activations from a CUDA GPU to host memory: on CPU they are "
-                          "in host memory already; drop it on this machine.")
+    CPU-only machine); on CPU the activations are in host memory already. And every decoder layer recomputed: a
+    checkpointed layer's own hooks keep all but its input from TRL's (tests/unit/test_checkpointing_modes.py)."""
+    if not recipe.activation_offloading:
+        return
+    problems = []
+    if not on_gpu:
+        problems.append("--activation_offloading moves activations from a CUDA GPU to host memory: on CPU they are "
+                        "in host memory already; drop it on this machine.")
+    if not recipe.gradient_checkpointing or recipe.gradient_checkpointing_interval != 1:
+        problems.append(OFFLOADING_NEEDS_RECOMPUTATION)
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_torch_compile(recipe: Recipe) -> None:

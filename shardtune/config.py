@@ -56,6 +56,12 @@ FIELD_CHOICES = {"dataset_format": DATASET_FORMATS, "truncation": ("truncate", "
 # dense mask; the flash kernels (flash-attn's varlen kernels, flex attention's block mask) none.
 PLANNED_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash", "flash_attention_3": "flash",
                      "flex_attention": "flash"}
+# Why --activation_offloading needs every decoder layer recomputed (the recipe's check and the planner say it).
+OFFLOADING_NEEDS_RECOMPUTATION = (
+    "--activation_offloading copies what the forward saves for backward to host memory, and a layer that is not "
+    "recomputed saves its weights for backward too (gathered under FSDP and ZeRO-3, cast under autocast), which "
+    "would be copied every step: add --gradient_checkpointing true with --gradient_checkpointing_interval 1 "
+    "(full or selective), or drop --activation_offloading.")
 # Positions of the eval's logits upcast to fp32 at once (shardtune.evaluation), as the planner counts them.
 EVAL_CHUNK_POSITIONS = 1024
 # Positions per tile of the training loss with --chunked_cross_entropy (shardtune.tiled_loss), as the planner

@@ -205,30 +205,22 @@ def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, c
     return shape.layers * per_layer + shared_activation_bytes(shape, batch, seq, mode, attn, masked) + head
 
 
-def offloaded_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
-                               attn: str = "sdpa", masked: bool = True, frozen: bool = False, liger: bool = False
-                               ) -> int:
+def offloaded_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str) -> int:
     """Bytes per rank that --activation_offloading moves from the GPU to host memory: what the decoder layers save
-    through autograd's saved-tensor hooks (TRL's OffloadActivations packs those). With recomputation that is each
-    layer's input (a selective policy's kept outputs stay on the GPU: torch's checkpoint caches them itself);
-    without, every layer's saved tensors. The head's (lm_head's input, which TRL keeps, and the loss, computed
-    outside the offloaded forward) stays on the GPU."""
+    through autograd's saved-tensor hooks (TRL's OffloadActivations packs those). Every layer is recomputed
+    (shardtune.checks.check_activation_offloading), so that is each layer's input: the rest a layer saves goes
+    through its checkpoint's own hooks, and a selective policy's kept outputs stay on the GPU (torch's checkpoint
+    caches them itself). The head's (lm_head's input, which TRL keeps, and the loss, computed outside the
+    offloaded forward) stays on the GPU."""
     _, residual = dtype_bytes(mode)
-    if checkpointing:
-        return shape.layers * residual * batch * seq * shape.hidden
-    return shape.layers * layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen, liger)
+    return shape.layers * residual * batch * seq * shape.hidden
 
 
-def offloaded_host_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
-                         attn: str = "sdpa", masked: bool = True, frozen: bool = False, liger: bool = False
-                         ) -> float:
-    """Pinned host RAM per rank that holds the offloaded activations: with recomputation one block per layer, as
-    torch's caching host allocator sizes it (host.pinned_block_bytes: the next power of two); without, their
-    bytes (many tensors of many sizes: the allocator's rounding is not counted)."""
+def offloaded_host_bytes(shape: ModelShape, batch: int, seq: int, mode: str) -> float:
+    """Pinned host RAM per rank that holds the offloaded activations: one block per layer, as torch's caching host
+    allocator sizes it (host.pinned_block_bytes: the next power of two)."""
     _, residual = dtype_bytes(mode)
-    if checkpointing:
-        return float(shape.layers * pinned_block_bytes(residual * batch * seq * shape.hidden))
-    return float(offloaded_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen, liger))
+    return float(shape.layers * pinned_block_bytes(residual * batch * seq * shape.hidden))
 
 
 def recompute_held_bytes(shape: ModelShape, batch: int, seq: int, mode: str, attn: str = "sdpa",
@@ -283,8 +275,7 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpo
     if checkpointing:
         saved += recompute_held_bytes(shape, batch, seq, mode, attn, masked)
     saved += batch_tensor_bytes(batch, seq, frozen)
-    offloaded = offloaded_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen, liger) \
-        if offloading else 0
+    offloaded = offloaded_activation_bytes(shape, batch, seq, mode) if offloading else 0
     n = batch * seq
     loss = liger_loss_transient_bytes(shape, n, mode, frozen) if liger else \
         loss_transient_bytes(shape, n, mode, loss_tile)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
-from shardtune.checks import batch_sizes, check_packed_attention, check_pad_to_multiple_of
+from shardtune.checks import batch_sizes, check_activation_offloading, check_packed_attention, check_pad_to_multiple_of
 from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe, padded_length
 from shardtune.flops import ModelShape, recipe_fields
 from shardtune.hardware import Hardware
@@ -39,12 +39,14 @@ def planned_recipe(model: str, flags: dict[str, object]) -> Recipe:
 def check_planned(recipe: Recipe, model_config: object) -> None:
     """The recipe's own refusals that concern the plan, by the recipe's rules (a plan is for GPUs): the model has
     room for --max_seq_length, a packed row gets a kernel without a dense mask, Liger's kernels run with the
-    rest, and the padding multiple suits the precision. Raises one ConfigError with every failure."""
+    rest, the padding multiple suits the precision, and offloaded activations come from recomputed layers.
+    Raises one ConfigError with every failure."""
     problems = Problems()
     problems.check(check_context_length, recipe, model_config)
     problems.check(check_packed_attention, recipe)
     problems.check(check_liger_kernel, recipe)
     problems.check(check_pad_to_multiple_of, recipe)
+    problems.check(check_activation_offloading, recipe, True)
     problems.raise_any()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from shardtune.config import LOSS_TILE_POSITIONS
+from shardtune.config import LOSS_TILE_POSITIONS, OFFLOADING_NEEDS_RECOMPUTATION
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware
 from shardtune.plan.activations import activation_bytes, activation_mode, dtype_bytes, offloaded_host_bytes
@@ -113,7 +113,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     copies are not counted). `attn`: "sdpa", "eager" or "flash" (config.PLANNED_ATTENTION). With `packing` a
     training micro-batch is one row of micro_batch x seq tokens (DataCollatorWithFlattening); eval batches are
     padded. `checkpointing_mode` "selective" keeps what shardtune.model.selective_policy saves per layer;
-    `activation_offloading` moves the layers' saved tensors to pinned host RAM (activations.offloaded_host_bytes).
+    `activation_offloading` moves the layers' inputs to pinned host RAM (activations.offloaded_host_bytes); it
+    needs `checkpointing`.
     `chunked_cross_entropy`: the training loss over tiles of LOSS_TILE_POSITIONS positions (the recipe's
     default, which plan_recipe passes), not over the micro-batch's full logits; the recommendation's search plans
     the full logits only where the recipe turns the tiled loss off. `optim`: the recipe's --optim, whose
@@ -137,6 +138,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
                         "fsdp_full_shard, fsdp_shard_grad_op, fsdp_hybrid_shard or ddp.")
     if bf16_stochastic_round and (strategy.mixed_precision != "bf16" or peft):
         raise PlanError("--bf16_stochastic_round trains bf16 weights: full fine-tuning with --mixed_precision bf16.")
+    if activation_offloading and not checkpointing:
+        raise PlanError(OFFLOADING_NEEDS_RECOMPUTATION)
     # Every term below is per GPU over the GPUs the states are sharded over: all of them, or under hybrid
     # sharding one replica's (its own copy of everything, as if the job were that replica alone).
     world = strategy.sharded_over(hardware.world_size)
@@ -177,8 +180,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     host = host_ram_terms(strategy, shape, world, hardware.gpus_per_node, states.host, peft, async_save,
                           save_only_model, export_bytes, bf16_stochastic_round)
     if activation_offloading:
-        host["offloaded_activations"] = hardware.gpus_per_node * offloaded_host_bytes(
-            shape, rows, length, mode, checkpointing, attn, masked, peft is not None, use_liger_kernel)
+        host["offloaded_activations"] = hardware.gpus_per_node * offloaded_host_bytes(shape, rows, length, mode)
     capacity = usable_capacity(hardware)
     notes = []
     if strategy.kind == "ddp" and mode == "autocast":

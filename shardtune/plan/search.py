@@ -91,11 +91,12 @@ class Search:
 
     def recomputations(self) -> list[tuple[bool, str]]:
         """(checkpointing, mode) pairs in speed order: none; selective, which recomputes only the cheap ops between
-        the saved matmul and attention outputs; full, which recomputes the whole layer. The fixed ones alone."""
+        the saved matmul and attention outputs; full, which recomputes the whole layer. The fixed ones alone; with
+        activation offloading, which needs it, recomputation only."""
         modes = ("selective", "full") if self.checkpointing_mode is None else (self.checkpointing_mode,)
         if self.use_liger_kernel and self.checkpointing_mode is None:
             modes = ("full",)
-        pairs = [(False, "full")] + [(True, mode) for mode in modes]
+        pairs = [(False, "full")] * (not self.activation_offloading) + [(True, mode) for mode in modes]
         return [pair for pair in pairs if self.checkpointing is None or pair[0] == self.checkpointing]
 
 

@@ -18,7 +18,7 @@ from shardtune.plan.__main__ import main
 from shardtune.plan.activations import activation_bytes, offloaded_activation_bytes, selective_layer_bytes
 from shardtune.plan.host import pinned_block_bytes
 from shardtune.plan.planner import plan
-from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
+from shardtune.plan.strategy import CONFIGS_DIR, PlanError, read_accelerate_config
 from shardtune.tiny import tiny_llama_config
 
 
@@ -86,6 +86,61 @@ def test_full_mode_keeps_nothing_beyond_layer_inputs(monkeypatch):
     assert kept == {}
 
 
+OFFLOAD_MIN_BYTES = 1024  # TRL's OffloadActivations keeps smaller tensors on the GPU (its min_offload_size)
+
+
+def saved_by_the_layers(mode: str | None, interval: int = 1, seq: int = 8) -> tuple[list[torch.Tensor], list, dict]:
+    """What the decoder layers hand to saved-tensor hooks entered around them (TRL's OffloadActivations packs what
+    these see) in one forward under bf16 autocast, as DDP runs: the tensors of OFFLOAD_MIN_BYTES or more, the
+    layers' inputs, and the config. `mode`: None for no recomputation, else every `interval`-th layer's mode."""
+    torch.manual_seed(0)
+    cfg = tiny_llama_config(96, num_hidden_layers=2)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    if mode:
+        shardtune.model.enable_gradient_checkpointing(model, interval, mode)
+    model.train()
+    saved, inputs = [], []
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    layers = model.model.layers
+    layers[0].register_forward_pre_hook(lambda *_: hooks.__enter__())
+    layers[-1].register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda _, args: inputs.append(args[0]))
+    with torch.autocast("cpu", torch.bfloat16):
+        model(input_ids=torch.randint(3, 96, (1, seq)))
+    return [t for t in saved if t.untyped_storage().nbytes() >= OFFLOAD_MIN_BYTES], inputs, cfg
+
+
+def weight_shaped(tensors: list[torch.Tensor], cfg) -> list[torch.Tensor]:
+    linears = {(cfg.hidden_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size),
+               (cfg.hidden_size, cfg.num_key_value_heads * cfg.hidden_size // cfg.num_attention_heads)}
+    return [t for t in tensors if t.dim() == 2 and tuple(sorted(t.shape)) in {tuple(sorted(s)) for s in linears}]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputed_layers_offload_their_inputs_alone(mode):
+    """With every layer recomputed the offloading hooks see each layer's input and nothing else of OFFLOAD_MIN_BYTES
+    (the checkpoint's own hooks take the rest; a selective policy's kept outputs stay in its cache): what
+    offloaded_activation_bytes plans."""
+    saved, inputs, cfg = saved_by_the_layers(mode)
+    assert {t.untyped_storage().data_ptr() for t in saved} == {t.untyped_storage().data_ptr() for t in inputs}
+    assert sum(t.untyped_storage().nbytes() for t in {id(t): t for t in inputs}.values()) == \
+        offloaded_activation_bytes(shape_from_config(cfg), 1, 8, "autocast")
+
+
+@pytest.mark.parametrize(("mode", "interval"), [(None, 1), ("full", 2)], ids=["no recomputation", "every 2nd layer"])
+def test_a_layer_not_recomputed_saves_its_autocast_weight_copies(mode, interval):
+    """Why --activation_offloading needs every layer recomputed: a layer that is not saves its weights (here
+    autocast's bf16 copies; under FSDP and ZeRO-3 the gathered ones) for backward, which TRL's hooks would copy to
+    the host at every step."""
+    saved, _, cfg = saved_by_the_layers(mode, interval)
+    copies = weight_shaped(saved, cfg)
+    assert copies and all(t.dtype == torch.bfloat16 for t in copies)
+    assert not weight_shaped(saved_by_the_layers("full")[0], cfg)
+
+
 def test_checkpointing_mode_refusals():
     with pytest.raises(ConfigError, match="--gradient_checkpointing_mode must be one of full, selective"):
         check_choices(Recipe(gradient_checkpointing_mode="op"))
@@ -95,25 +150,33 @@ def test_checkpointing_mode_refusals():
     with pytest.raises(ConfigError, match="on CPU they are in host memory already"):
         check_activation_offloading(Recipe(activation_offloading=True, use_cpu=True), on_gpu=False)
     check_activation_offloading(Recipe(activation_offloading=True), on_gpu=True)
+    for recipe in (Recipe(activation_offloading=True, gradient_checkpointing=False),
+                   Recipe(activation_offloading=True, gradient_checkpointing_interval=2)):
+        with pytest.raises(ConfigError, match="a layer that is not recomputed saves its weights") as error:
+            check_activation_offloading(recipe, on_gpu=True)
+        assert len(error.value.messages) == 1
+    with pytest.raises(ConfigError) as error:  # both problems at once
+        check_activation_offloading(Recipe(activation_offloading=True, gradient_checkpointing=False), on_gpu=False)
+    assert len(error.value.messages) == 2
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
-def test_offloading_moves_the_layers_saved_bytes_to_host_ram(checkpointing):
+def test_offloading_moves_the_layers_inputs_to_host_ram():
     """Per GPU the forward/backward activations shrink by offloaded_activation_bytes; per node host RAM grows by
-    the ranks per node x their pinned blocks (with recomputation one layer input each, rounded by the caching host
-    allocator to a power of two)."""
+    the ranks per node x their pinned blocks (one layer input each, rounded by the caching host allocator to a
+    power of two). Without recomputation the plan is refused, as the recipe is."""
     shape, hardware = resolve_model("llama-3.1-8b"), parse_hardware("8xh100-80gb")
     strategy = read_accelerate_config(f"{CONFIGS_DIR}/fsdp_full_shard.yaml", "bf16")
-    base = plan(shape, hardware, strategy, 1, 4096, checkpointing)
-    moved = plan(shape, hardware, strategy, 1, 4096, checkpointing, activation_offloading=True)
-    offloaded = offloaded_activation_bytes(shape, 1, 4096, "half", checkpointing)
-    assert offloaded > 0
-    assert base.per_gpu["activations"] - moved.per_gpu["activations"] == offloaded
+    base = plan(shape, hardware, strategy, 1, 4096, True)
+    moved = plan(shape, hardware, strategy, 1, 4096, True, activation_offloading=True)
+    offloaded = offloaded_activation_bytes(shape, 1, 4096, "half")
     layer_input = 2 * 4096 * shape.hidden
-    per_rank = shape.layers * pinned_block_bytes(layer_input) if checkpointing else offloaded
-    assert moved.host_ram["offloaded_activations"] == 8 * per_rank
+    assert offloaded == shape.layers * layer_input
+    assert base.per_gpu["activations"] - moved.per_gpu["activations"] == offloaded
+    assert moved.host_ram["offloaded_activations"] == 8 * shape.layers * pinned_block_bytes(layer_input)
     assert moved.host_ram_per_node >= base.host_ram_per_node
     assert moved.to_json()["activation_offloading"] is True
+    with pytest.raises(PlanError, match="a layer that is not recomputed"):
+        plan(shape, hardware, strategy, 1, 4096, False, activation_offloading=True)
 
 
 def test_selective_plans_more_saved_and_less_recompute_than_full():
@@ -135,3 +198,8 @@ def test_planner_cli_takes_both_flags(capsys):
     both = json.loads(capsys.readouterr().out)
     assert (both["gradient_checkpointing_mode"], both["activation_offloading"]) == ("selective", True)
     assert both["host_ram"]["offloaded_activations"] > 0 and "offloaded_activations" not in full["host_ram"]
+    # A recommendation with offloading searches recomputed layers only: 8B fits without recomputation otherwise.
+    main(["--model", "llama-3.1-8b", "--json"])
+    assert json.loads(capsys.readouterr().out)["gradient_checkpointing"] is False
+    main(["--model", "llama-3.1-8b", "--activation_offloading", "true", "--json"])
+    assert json.loads(capsys.readouterr().out)["gradient_checkpointing"] is True

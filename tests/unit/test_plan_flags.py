@@ -111,6 +111,7 @@ def test_a_recipe_recommendation_keeps_the_recipe_s_micro_batch_and_checkpointin
     (["--model", "llama-3.1-8b", "--config_file", DDP, "--mixed_precision", "fp8", "--pad_to_multiple_of", "8"],
      "--pad_to_multiple_of 8 under --mixed_precision fp8"),
     (["--model", "llama-3.1-8b", "--pad_to_multiple_of", "0"], "--pad_to_multiple_of must be >= 1, got 0."),
+    (["--model", LORA_RECIPE, "--activation_offloading", "true"], "a layer that is not recomputed saves its weights"),
 ])
 def test_a_flag_that_would_not_act_is_refused_in_one_line(capsys, argv, names):
     assert names in refusal(capsys, *argv)
