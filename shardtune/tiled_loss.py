@@ -7,9 +7,10 @@ head's weight gathered where the tiles read it, in the forward and in the backwa
 - ZeRO-3 partitions every weight outside its module's forward: DeepSpeed's hooks on the head module gather it for
   this forward and again before its backward (the hook on the module's output). Reading `lm_head.weight` outside
   a forward of the module reads an empty partition.
-- FSDP2 gathers the root unit (embedding, final norm, head) for the root's forward and, through the pre-backward
-  hook it puts on the root's outputs, for the backward. Differentiating a head applied outside the root's forward
-  runs the head's backward before that hook (measured on CPU: a segmentation fault in the backward).
+- FSDP2: accelerate's preparation puts the final norm and the head in one unit of their own, gathered at its
+  forward and kept gathered until its backward (reshard_after_forward False), its pre-backward hook on the unit's
+  outputs. Differentiating a head applied outside a forward of its unit runs the head's backward outside FSDP's
+  hooks (measured on CPU when the head was in the root unit: a segmentation fault in the backward).
 - DDP and ZeRO-1/2 hold the whole weight.
 Each tile runs under torch.utils.checkpoint: its forward frees the tile's logits, its backward recomputes them.
 The result is the plain loss of transformers' ForCausalLMLoss (logits upcast to fp32, summed over the target
@@ -56,7 +57,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     """Liger's fused linear cross-entropy (CUDA only: Triton kernels) of `hidden` through `weight`, summed over
     the target tokens and divided by `targets`, as tiled_cross_entropy's. Its per-token losses are fp32; the
     weight's gradient is accumulated in fp32 over Liger's chunks (accum_dtype), then cast to the weight's dtype.
-    Liger counts the targets on the host (`.item()`): one device sync per micro-batch, which the tiles do not make."""
+    Liger counts the targets on the host (`.item()`) in its forward and compares the incoming gradient with 1.0
+    (`torch.equal`) in its backward: two device syncs per micro-batch, which the tiles do not make."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     loss = liger_fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
