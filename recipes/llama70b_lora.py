@@ -5,7 +5,7 @@ Launch (one node, 8xH100-80GB):
         recipes/llama70b_lora.py --dataset data/chat.jsonl
 Plan on 8xh100-80gb, from python -m shardtune.plan --model recipes/llama70b_lora.py --hardware 8xh100-80gb
     (scripts/plan_table.py --write keeps this current): fsdp_full_shard, micro-batch 4 x accumulation 2, gradient
-    checkpointing on: 55.8 GB of 69.9 GB usable per GPU, 141 GB of 1,800 GB usable host RAM per node.
+    checkpointing on: 53.7 GB of 69.9 GB usable per GPU, 141 GB of 1,800 GB usable host RAM per node.
 Tested: the LoRA path on DDP, FSDP and ZeRO-3 on CPU with the tiny model (make test); not yet run on this hardware.
 Override any field from the command line, e.g. --lora_r 64 --learning_rate 1e-4. Merge: scripts/merge_lora.py.
 """

@@ -20,12 +20,12 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
     - DeepSpeed ZeRO-1/2: one reduce bucket of DS_REDUCE_BUCKET gradient elements (overlap_comm is off below
       stage 3). ZeRO-3: the module being computed plus the one prefetched (2 x the largest module, which for
       Llama 3 is the embedding or lm_head), the prefetch bucket and the reduce bucket.
-    - FSDP FULL_SHARD: the root unit (embedding, final norm, lm_head) stays gathered from forward to backward;
-      one layer computing and one prefetched (with --mixed_precision fp8 its float8 weights gathered in 1 byte
-      each, gathered_layer_bytes); the unsharded gradients of one layer and of the root before
-      reduce-scatter, in fp32 (the trainer's reduce_dtype; with LoRA one layer's adapters), or with `pure_bf16`
-      (--bf16_stochastic_round, reduced in bf16) only the bf16 gradients themselves. SHARD_GRAD_OP keeps every
-      unsharded 16-bit weight from forward to backward instead of re-gathering."""
+    - FSDP FULL_SHARD: the final norm and lm_head stay gathered from forward to backward, an untied embedding
+      does not (resharded_after_forward); one layer computing and one prefetched (with --mixed_precision fp8 its
+      float8 weights gathered in 1 byte each, gathered_layer_bytes); the unsharded gradients of one layer and of
+      norm and head before reduce-scatter, in fp32 (the trainer's reduce_dtype; with LoRA one layer's adapters),
+      or with `pure_bf16` (--bf16_stochastic_round, reduced in bf16) only the bf16 gradients themselves.
+      SHARD_GRAD_OP keeps every unsharded 16-bit weight from forward to backward instead of re-gathering."""
     low = strategy.compute_bytes
     layer = shape.layer_params
     root = shape.params - shape.layers * layer
@@ -37,11 +37,21 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
     if strategy.kind == "deepspeed":
         return deepspeed_buffers(strategy, shape, params, peft)
     reduced = reduce_bytes(pure_bf16)
+    if strategy.shard >= 3:
+        root -= resharded_after_forward(shape)
     reducing = reduced * layer_gradient_elements(shape, peft) + (0 if peft else reduced * root)
     gathered = gathered_layer_bytes(strategy, shape)
     if strategy.shard >= 3:
         return root * low + 2 * gathered + reducing
     return root * low + shape.layers * gathered + reducing
+
+
+def resharded_after_forward(shape: ModelShape) -> int:
+    """Parameters outside the decoder layers that FULL_SHARD gathers only for their own forward and backward:
+    accelerate's fsdp2_prepare_model gives an untied embedding a unit of its own (resharded after its forward,
+    gathered again at the very end of the backward); the final norm and the head share a unit that stays
+    gathered from its forward to its backward (reshard_after_forward False), as does a tied embedding with them."""
+    return 0 if shape.tied else shape.embedding_params
 
 
 def float8_weight_elements(shape: ModelShape) -> int:

@@ -11,9 +11,10 @@ from types import MappingProxyType
 
 import pytest
 
-from shardtune.checks import AsyncIOReadiness, check_async_io, check_machine
+from shardtune.checks import check_machine
 from shardtune.config import ConfigError, Problems, Recipe
 from shardtune.launch import LaunchDescription
+from shardtune.nvme_checks import AsyncIOReadiness, check_async_io
 
 LIBAIO_FIX = "install libaio-dev (apt-get install libaio-dev"
 

@@ -104,12 +104,13 @@ def saved_by_the_layers(mode: str | None, interval: int = 1, seq: int = 8) -> tu
     saved, inputs = [], []
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
     layers = model.model.layers
-    layers[0].register_forward_pre_hook(lambda *_: hooks.__enter__())
-    layers[-1].register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
-    for layer in layers:
-        layer.register_forward_pre_hook(lambda _, args: inputs.append(args[0]))
+    handles = [layers[0].register_forward_pre_hook(lambda *_: hooks.__enter__()),
+               layers[-1].register_forward_hook(lambda *_: hooks.__exit__(None, None, None)),
+               *(layer.register_forward_pre_hook(lambda _, args: inputs.append(args[0])) for layer in layers)]
     with torch.autocast("cpu", torch.bfloat16):
         model(input_ids=torch.randint(3, 96, (1, seq)))
+    for handle in handles:
+        handle.remove()
     return [t for t in saved if t.untyped_storage().nbytes() >= OFFLOAD_MIN_BYTES], inputs, cfg
 
 
@@ -133,7 +134,7 @@ def test_recomputed_layers_offload_their_inputs_alone(mode):
 @pytest.mark.parametrize(("mode", "interval"), [(None, 1), ("full", 2)], ids=["no recomputation", "every 2nd layer"])
 def test_a_layer_not_recomputed_saves_its_autocast_weight_copies(mode, interval):
     """Why --activation_offloading needs every layer recomputed: a layer that is not saves its weights (here
-    autocast's bf16 copies; under FSDP and ZeRO-3 the gathered ones) for backward, which TRL's hooks would copy to
+    autocast's bf16 copies; under FSDP2 and ZeRO-3 the gathered ones) for backward, which TRL's hooks would copy to
     the host at every step."""
     saved, _, cfg = saved_by_the_layers(mode, interval)
     copies = weight_shaped(saved, cfg)

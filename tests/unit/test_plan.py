@@ -109,22 +109,23 @@ def test_fp32_deepspeed_keeps_an_fp32_master_clone():
 
 def test_70b_recommendation_trades_precision_before_it_offloads():
     """No GPU-only plan with torch's AdamW fits 70B on one node; the search steps down the optimizer ladder before
-    it offloads, and 4-bit states without an fp32 master fit (8-bit ones do not). Held to torch's AdamW, the
-    optimizer states go to host RAM."""
+    it offloads, and 8-bit states without an fp32 master fit (with the master they do not). Held to torch's
+    AdamW, the optimizer states go to host RAM."""
     found = recommend(resolve_model("llama-3.1-70b"), H100, Search(64, 4096))
     assert found.gpu_only and (found.plan.config, found.plan.optim, found.plan.bf16_stochastic_round) == (
-        "fsdp_full_shard", "adamw_torch_4bit", True)
-    assert "optimizer adamw_torch_4bit with bf16 stochastic rounding (no fp32 master)" in found.message
+        "fsdp_full_shard", "adamw_torch_8bit", True)
+    assert "optimizer adamw_torch_8bit with bf16 stochastic rounding (no fp32 master)" in found.message
     # The exact alternative is named: torch's AdamW with its states in host RAM.
     assert "the fastest that fits with it: ds_zero3_offload_optimizer" in found.message
     command = launch_command(found.plan, "recipes/llama70b_no_offload.py")
-    assert command.endswith("--gradient_checkpointing_mode full --optim adamw_torch_4bit --bf16_stochastic_round "
+    assert command.endswith("--gradient_checkpointing_mode full --optim adamw_torch_8bit --bf16_stochastic_round "
                             "true")
     recipe = parse_recipe(Recipe(), command.split("recipes/llama70b_no_offload.py ")[1].split())
     assert (recipe.optim, recipe.bf16_stochastic_round, recipe.per_device_train_batch_size) == (
-        "adamw_torch_4bit", True, 1)
-    eight_bit = recommend(resolve_model("llama-3.1-70b"), H100, Search(64, 4096, optim="adamw_torch_8bit"))
-    assert not eight_bit.gpu_only
+        "adamw_torch_8bit", True, 1)
+    master = recommend(resolve_model("llama-3.1-70b"), H100,
+                       Search(64, 4096, optim="adamw_torch_8bit", bf16_stochastic_round=False))
+    assert not master.gpu_only
     found = recommend(resolve_model("llama-3.1-70b"), H100, Search(64, 4096, optim="adamw_torch"))
     assert found.plan is not None and not found.gpu_only
     assert "offload" in found.plan.config and "nvme" not in found.plan.config

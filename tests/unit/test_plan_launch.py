@@ -20,7 +20,7 @@ def test_plan_table_doc_is_current():
     plan_table = load_script("plan_table")
     doc = plan_table.TABLE_DOC.read_text()
     assert plan_table.doc_with_table(doc) == doc, "run: python scripts/plan_table.py --write"
-    assert ("| llama-3.1-70b | 8xh100-80gb | fsdp_full_shard | on | adamw_torch_4bit with bf16 stochastic rounding "
+    assert ("| llama-3.1-70b | 8xh100-80gb | fsdp_full_shard | on | adamw_torch_8bit with bf16 stochastic rounding "
             "(no fp32 master) |") in doc
 
 
