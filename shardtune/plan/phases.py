@@ -72,11 +72,12 @@ def host_step_bytes(strategy: Strategy, shape: ModelShape, world: int, peft: Pef
 
 
 def eval_gather_bytes(strategy: Strategy, shape: ModelShape) -> float:
-    """Parameters gathered for the eval forward: FSDP's embedding, final norm and lm_head are counted gathered
-    throughout (under FULL_SHARD accelerate reshards an untied embedding after its forward, but without it the
-    plan falls 9% under the eval's measured peak where the embedding outweighs the layers:
-    tests/launch/test_memory_phases.py), one layer computes and one is prefetched, in the compute dtype (as in the
-    training forward, see buffers);
+    """Parameters gathered for the eval forward: FSDP's embedding, final norm and lm_head (the whole root) are
+    counted. Under FULL_SHARD accelerate reshards an untied embedding after its forward, but while lm_head computes
+    its unit holds its flat all-gather buffer beside the copied-out weights (measured with the profiler on CPU: twice
+    the head's bytes live at the eval's peak, tests/launch/test_memory_phases.py), which the embedding's size
+    stands for where the two have the vocabulary's size. One layer computes and one is prefetched, in the compute
+    dtype (as in the training forward, see buffers);
     SHARD_GRAD_OP (reshard_after_forward False) keeps every layer it gathered until a backward that an eval never
     runs: the whole model. ZeRO-3 gathers a module's parameters and the prefetch bucket after them with one
     all-gather into one flat buffer, which lives until every parameter in it is released: two such buffers, the
