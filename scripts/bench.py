@@ -120,7 +120,8 @@ def bare_steps(accelerator, recipe, batching, steps: int, warmup: int, world_siz
     model = load_model(recipe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
     loader = torch.utils.data.DataLoader(train_set, batch_size=batching.micro_batch, shuffle=True, drop_last=True,
-                                         collate_fn=make_collator(tokenizer, multiple=token_multiple(recipe)))
+                                         collate_fn=make_collator(tokenizer, recipe.packing, recipe.attn_implementation,
+                                                                  token_multiple(recipe)))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     set_collective_timeout(recipe.collective_timeout_minutes)  # start-up is over: a long wait now is a hang
     batches = global_batches(loader, batching, len(train_set) // batching.global_batch)

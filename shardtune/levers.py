@@ -62,8 +62,9 @@ LEVERS = (
                                       "selective")),
     Lever("packing to full rows", ("--packing_strategy", "bfd"), always=True, needs_packing=True),
     # Every layer recomputed: a layer that is not would offload its weights too (shardtune.checks).
-    Lever("activation offloading", ("--gradient_checkpointing", "true", "--gradient_checkpointing_interval", "1",
-                                    "--activation_offloading", "true"), cuda_only=True),
+    Lever("activation offloading, layers recomputed",
+          ("--gradient_checkpointing", "true", "--gradient_checkpointing_interval", "1", "--activation_offloading",
+           "true"), cuda_only=True),
     # Liger's fused loss replaces the tiles and runs in their place (shardtune.liger.check_liger_kernel); not in
     # the recommended combination: it is refused with compile, which is.
     Lever("Liger kernels", ("--chunked_cross_entropy", "true", "--use_liger_kernel", "true"), cuda_only=True),

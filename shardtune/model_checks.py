@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardtune.config import ConfigError, Problems, Recipe
+from shardtune.config import ConfigError, Problems, Recipe, padded_length, token_multiple
 from shardtune.liger import check_liger_model
 
 if TYPE_CHECKING:
@@ -38,6 +38,11 @@ def check_context_length(recipe: Recipe, config: PretrainedConfig) -> None:
     if limit and recipe.max_seq_length > limit:
         raise ConfigError(f"--max_seq_length {recipe.max_seq_length} is above the model's max_position_embeddings "
                           f"{limit}: give --max_seq_length {limit} or less.")
+    if limit and padded_length(recipe) > limit:  # a padded row's positions run to its padded length
+        raise ConfigError(f"--max_seq_length {recipe.max_seq_length} padded to a multiple of "
+                          f"{token_multiple(recipe)} is {padded_length(recipe)}, above the model's "
+                          f"max_position_embeddings {limit}: give a --max_seq_length whose padded length is {limit} "
+                          "or less.")
 
 
 def check_lora_targets(recipe: Recipe, config: PretrainedConfig) -> None:

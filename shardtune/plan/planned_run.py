@@ -63,9 +63,16 @@ def recipe_accumulation(recipe: Recipe, world: int) -> int | None:
         return None
 
 
+def planned_length(recipe: Recipe, mixed_precision: str) -> int:
+    """The longest row the run pads to, in the precision it is planned in (a bare model takes the accelerate
+    config's, which may be fp8: config.token_multiple)."""
+    return padded_length(dataclasses.replace(recipe, mixed_precision=mixed_precision))
+
+
 def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recipe: Recipe) -> MemoryPlan:
     """The plan of `recipe` under `strategy`: every field of the recipe that memory depends on."""
-    return plan(shape, hardware, strategy, recipe.per_device_train_batch_size, padded_length(recipe),
+    return plan(shape, hardware, strategy, recipe.per_device_train_batch_size,
+                planned_length(recipe, "fp8" if strategy.float8 else recipe.mixed_precision),
                 recipe.gradient_checkpointing, PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe),
                 recipe.packing, async_save=recipe.async_save, save_only_model=recipe.save_only_model,
                 eval_batch=recipe.per_device_eval_batch_size, checkpointing_mode=recipe.gradient_checkpointing_mode,
@@ -85,7 +92,7 @@ def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held
     fix_micro_batch = "per_device_train_batch_size" in held
     if fix_micro_batch and (global_batch is not None or recipe.gradient_accumulation_steps is not None):
         global_batch = batch_sizes(recipe, hardware.world_size).global_batch
-    return Search(global_batch, padded_length(recipe), mixed_precision, configs_dir,
+    return Search(global_batch, planned_length(recipe, mixed_precision), mixed_precision, configs_dir,
                   PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe), recipe.packing,
                   recipe.per_device_train_batch_size if fix_micro_batch else None,
                   recipe.gradient_checkpointing if "gradient_checkpointing" in held else None,

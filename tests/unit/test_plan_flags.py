@@ -194,6 +194,21 @@ def test_the_planner_refuses_a_length_past_the_model_s_context_by_the_recipe_s_r
         assert refusal(capsys, *argv) == f"shardtune.plan: error: {refused.value.messages[0]}"
     assert "max_position_embeddings 131072" in refused.value.messages[0]
     assert main(["--model", "llama-3.1-8b", "--max_seq_length", "131072", "--config_file", DDP]) in (0, 1)
+    capsys.readouterr()
+    # A padded row's positions run to its padded length: 131,070 padded to a multiple of 48 is 131,088.
+    with pytest.raises(ConfigError, match="padded to a multiple of 48 is 131088, above the model's "):
+        check_context_length(Recipe(max_seq_length=131070, pad_to_multiple_of=48), config)
+    check_context_length(Recipe(max_seq_length=131072, pad_to_multiple_of=16), config)
+
+
+def test_a_bare_model_under_an_fp8_config_is_planned_at_fp8_s_padded_length(tmp_path, capsys):
+    """The accelerate config's precision is a bare model's: fp8 there pads rows to a multiple of 16."""
+    fp8_config = tmp_path / "fsdp_fp8.yaml"
+    fp8_config.write_text(open(os.path.join(CONFIGS_DIR, "fsdp_full_shard.yaml")).read().replace(
+        "mixed_precision: bf16", "mixed_precision: fp8"))
+    _, planned = run_json(capsys, "--model", "llama-3.1-8b", "--config_file", str(fp8_config), "--max_seq_length",
+                          "4001")
+    assert planned["max_seq_length"] == 4016
 
 
 def test_a_recipe_is_planned_with_its_own_fields(capsys):

@@ -100,7 +100,7 @@ def test_bench_levers_rows_run_each_lever_where_it_runs():
     rows = {name: (flags, why) for name, flags, why in bench.lever_rows("deepspeed", 3, 2, "no", False, cuda=False)}
     assert rows["plain"] == (PLAIN_FLAGS, "")
     assert rows["8-bit AdamW states"][1] == "not under DeepSpeed"
-    assert rows["activation offloading"][1] == rows["Liger kernels"][1] == "needs CUDA"
+    assert rows["activation offloading, layers recomputed"][1] == rows["Liger kernels"][1] == "needs CUDA"
     assert rows["packing to full rows"][1] == "needs --packing true"
     assert rows["4-bit states, no fp32 master"][1] == "not under DeepSpeed"
     (combined,) = [name for name in rows if name.startswith("recommended")]
