@@ -167,14 +167,16 @@ def kill_tree(process: subprocess.Popen, ranks: list[psutil.Process] = ()) -> No
 
 
 def wait_for_ranks(launcher: subprocess.Popen, count: int, timeout: float = 120) -> list[psutil.Process]:
-    """The launcher's `count` rank processes (those running a recipe), once they have all started."""
+    """The launcher's `count` rank processes (those running a recipe), once they have all started. A process a rank
+    forks (a helper between fork and exec still shows the rank's command line) is not a rank."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ranks = []
+        running = {}  # recipe process -> its parent's pid
         for process in descendants(launcher.pid):
             with contextlib.suppress(psutil.Error):
                 if any("/recipes/" in part and part.endswith(".py") for part in process.cmdline()):
-                    ranks.append(process)
+                    running[process] = process.ppid()
+        ranks = [process for process, parent in running.items() if parent not in {p.pid for p in running}]
         if len(ranks) >= count:
             return ranks
         assert launcher.poll() is None, f"launcher exited ({launcher.returncode}) before {count} ranks started"
