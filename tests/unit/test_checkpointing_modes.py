@@ -89,10 +89,12 @@ def test_full_mode_keeps_nothing_beyond_layer_inputs(monkeypatch):
 OFFLOAD_MIN_BYTES = 1024  # TRL's OffloadActivations keeps smaller tensors on the GPU (its min_offload_size)
 
 
-def saved_by_the_layers(mode: str | None, interval: int = 1, seq: int = 8) -> tuple[list[torch.Tensor], list, dict]:
+def saved_by_the_layers(mode: str | None, interval: int = 1, seq: int = 8) -> tuple[list[torch.Tensor], list, object]:
     """What the decoder layers hand to saved-tensor hooks entered around them (TRL's OffloadActivations packs what
     these see) in one forward under bf16 autocast, as DDP runs: the tensors of OFFLOAD_MIN_BYTES or more, the
-    layers' inputs, and the config. `mode`: None for no recomputation, else every `interval`-th layer's mode."""
+    layers' inputs, and the config. `mode`: None for no recomputation, else every `interval`-th layer's mode.
+    The hooks hand the graph a key, as TRL's do, and the list they key is emptied after the forward: a graph that
+    holds, through its hooks, a tensor whose grad_fn is in that graph is a cycle through C++ that gc never collects."""
     torch.manual_seed(0)
     cfg = tiny_llama_config(96, num_hidden_layers=2)
     cfg._attn_implementation = "sdpa"
@@ -102,7 +104,7 @@ def saved_by_the_layers(mode: str | None, interval: int = 1, seq: int = 8) -> tu
         shardtune.model.enable_gradient_checkpointing(model, interval, mode)
     model.train()
     saved, inputs = [], []
-    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or len(saved) - 1, saved.__getitem__)
     layers = model.model.layers
     handles = [layers[0].register_forward_pre_hook(lambda *_: hooks.__enter__()),
                layers[-1].register_forward_hook(lambda *_: hooks.__exit__(None, None, None)),
@@ -111,7 +113,9 @@ def saved_by_the_layers(mode: str | None, interval: int = 1, seq: int = 8) -> tu
         model(input_ids=torch.randint(3, 96, (1, seq)))
     for handle in handles:
         handle.remove()
-    return [t for t in saved if t.untyped_storage().nbytes() >= OFFLOAD_MIN_BYTES], inputs, cfg
+    large = [t for t in saved if t.untyped_storage().nbytes() >= OFFLOAD_MIN_BYTES]
+    saved.clear()  # the graph's unpack hook holds this list: emptied, it holds no tensor whose graph holds it
+    return large, inputs, cfg
 
 
 def weight_shaped(tensors: list[torch.Tensor], cfg) -> list[torch.Tensor]:
