@@ -35,14 +35,12 @@ def read_model_config(name: str) -> PretrainedConfig:
 
 def check_context_length(recipe: Recipe, config: PretrainedConfig) -> None:
     limit = getattr(config, "max_position_embeddings", None)
-    if limit and recipe.max_seq_length > limit:
-        raise ConfigError(f"--max_seq_length {recipe.max_seq_length} is above the model's max_position_embeddings "
-                          f"{limit}: give --max_seq_length {limit} or less.")
-    if limit and padded_length(recipe) > limit:  # a padded row's positions run to its padded length
-        raise ConfigError(f"--max_seq_length {recipe.max_seq_length} padded to a multiple of "
-                          f"{token_multiple(recipe)} is {padded_length(recipe)}, above the model's "
-                          f"max_position_embeddings {limit}: give a --max_seq_length whose padded length is {limit} "
-                          "or less.")
+    padded, multiple = padded_length(recipe), token_multiple(recipe)  # a padded row's positions run to its end
+    if limit and padded > limit:
+        length = f"--max_seq_length {recipe.max_seq_length}" + (
+            f" padded to a multiple of {multiple} ({padded})" if padded != recipe.max_seq_length else "")
+        raise ConfigError(f"{length} is above the model's max_position_embeddings {limit}: give --max_seq_length "
+                          f"{limit // multiple * multiple} or less.")
 
 
 def check_lora_targets(recipe: Recipe, config: PretrainedConfig) -> None:

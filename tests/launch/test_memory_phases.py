@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from shardtune.flops import resolve_model
 from shardtune.hardware import parse_hardware
@@ -121,16 +122,10 @@ def test_lora_phases_match_the_plan(config, lora_run, tiny_assets):
             packing)
 
 
-
-
-
-
 def test_full_shard_plans_an_embedding_that_outweighs_the_layers(tmp_path):
     """A model whose embedding and head hold 92% of its parameters (vocabulary 16,384, hidden 128), fp32 on 2 ranks
     under fsdp_full_shard: accelerate gives the embedding a unit of its own, resharded after its forward, so it is
     not gathered at the backward's peak (planned as gathered, the forward/backward phase was 21% over)."""
-    from transformers import LlamaForCausalLM
-
     root = tmp_path / "assets"
     write_tiny_assets(str(root), num_examples=512)
     torch.manual_seed(0)

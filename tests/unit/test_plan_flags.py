@@ -196,7 +196,8 @@ def test_the_planner_refuses_a_length_past_the_model_s_context_by_the_recipe_s_r
     assert main(["--model", "llama-3.1-8b", "--max_seq_length", "131072", "--config_file", DDP]) in (0, 1)
     capsys.readouterr()
     # A padded row's positions run to its padded length: 131,070 padded to a multiple of 48 is 131,088.
-    with pytest.raises(ConfigError, match="padded to a multiple of 48 is 131088, above the model's "):
+    with pytest.raises(ConfigError, match=r"padded to a multiple of 48 \(131088\) is above the model's "
+                                          r"max_position_embeddings 131072: give --max_seq_length 131040 or less"):
         check_context_length(Recipe(max_seq_length=131070, pad_to_multiple_of=48), config)
     check_context_length(Recipe(max_seq_length=131072, pad_to_multiple_of=16), config)
 
