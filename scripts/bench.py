@@ -113,6 +113,7 @@ def bare_steps(accelerator, recipe, batching, steps: int, warmup: int, world_siz
     from shardtune.data import load_splits
     from shardtune.model import load_model, load_tokenizer
     from shardtune.ranks import set_collective_timeout
+    from shardtune.step import clipping_limit
 
     tokenizer = load_tokenizer(recipe)
     with accelerator.main_process_first():
@@ -133,7 +134,7 @@ def bare_steps(accelerator, recipe, batching, steps: int, warmup: int, world_siz
         for batch in micro_batches:
             with accelerator.accumulate(model):
                 accelerator.backward(model(**batch).loss)
-        accelerator.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
+        accelerator.clip_grad_norm_(model.parameters(), clipping_limit(recipe.max_grad_norm))
         optimizer.step()
         optimizer.zero_grad()
         if step > warmup:

@@ -16,6 +16,7 @@ from shardtune.config import (
     FIELD_CHOICES,
     FP8_DIM_MULTIPLE,
     OFFLOADING_NEEDS_RECOMPUTATION,
+    OFFLOADING_UNDER_DEEPSPEED_OFFLOAD,
     OPTIMIZER_PACKAGES,
     OPTIMIZERS,
     SAVE_DTYPES,
@@ -140,10 +141,12 @@ def check_checkpointing_mode(recipe: Recipe) -> None:
                           "checkpointed layers keep: add --gradient_checkpointing true, or drop it.")
 
 
-def check_activation_offloading(recipe: Recipe, on_gpu: bool) -> None:
+def check_activation_offloading(recipe: Recipe, on_gpu: bool, deepspeed_offloads: bool = False) -> None:
     """TRL's OffloadActivations copies to the host from a CUDA device (it reads the current accelerator, None on a
     CPU-only machine); on CPU the activations are in host memory already. And every decoder layer recomputed: a
-    checkpointed layer's own hooks keep all but its input from TRL's (tests/unit/test_checkpointing_modes.py)."""
+    checkpointed layer's own hooks keep all but its input from TRL's (tests/unit/test_checkpointing_modes.py).
+    Not beside DeepSpeed's offload, whose pinned-cache limit (distributed.exact_pinned_host_memory) would make
+    TRL pin a new host block for every activation of every micro-batch."""
     if not recipe.activation_offloading:
         return
     problems = []
@@ -152,6 +155,8 @@ def check_activation_offloading(recipe: Recipe, on_gpu: bool) -> None:
                         "in host memory already; drop it on this machine.")
     if not recipe.gradient_checkpointing or recipe.gradient_checkpointing_interval != 1:
         problems.append(OFFLOADING_NEEDS_RECOMPUTATION)
+    if deepspeed_offloads:
+        problems.append(OFFLOADING_UNDER_DEEPSPEED_OFFLOAD)
     if problems:
         raise ConfigError(problems)
 
@@ -286,11 +291,24 @@ def check_numbers(recipe: Recipe) -> None:
     problems.messages.extend(below_lowest((flag, getattr(recipe, flag[2:])) for flag in (
         "--max_seq_length", "--per_device_eval_batch_size", "--gradient_checkpointing_interval", "--logging_steps",
         "--eval_steps", "--save_steps", "--save_total_limit")))
+    problems.messages.extend(optimizer_number_problems(recipe))
     for name in ("collective_timeout_minutes", "startup_timeout_minutes", "rank_timeout_s"):
         if not getattr(recipe, name) > 0:
             problems.messages.append(f"--{name} must be > 0, got {getattr(recipe, name)}.")
     problems.check(check_warmup, recipe)
     problems.raise_any()
+
+
+def optimizer_number_problems(recipe: Recipe) -> list[str]:
+    """AdamW's and clipping's numbers within the ranges torch takes (torch.optim.AdamW raises on the rest only
+    once the model is loaded; a negative clipping norm would turn every gradient around)."""
+    problems = [f"--{name} must be in [0, 1), got {value}: e.g. --adam_beta1 0.9 --adam_beta2 0.95."
+                for name, value in (("adam_beta1", recipe.adam_beta1), ("adam_beta2", recipe.adam_beta2))
+                if not 0.0 <= value < 1.0]
+    problems += [f"--{name} must be >= 0, got {value}{hint}." for name, value, hint in (
+        ("adam_epsilon", recipe.adam_epsilon, ": e.g. 1e-8"), ("weight_decay", recipe.weight_decay, ": 0 for none"),
+        ("max_grad_norm", recipe.max_grad_norm, ": 0 clips nothing")) if not value >= 0]
+    return problems
 
 
 def check_warmup(recipe: Recipe) -> None:
@@ -412,7 +430,7 @@ def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: Lau
     on_gpu = has_gpu and not recipe.use_cpu
     problems.check(check_attention, recipe, on_gpu)
     problems.check(check_quantization, recipe, on_gpu)
-    problems.check(check_activation_offloading, recipe, on_gpu)
+    problems.check(check_activation_offloading, recipe, on_gpu, launch.deepspeed_offloads)
     problems.check(check_liger_device, recipe, on_gpu)
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
     problems.check(check_optimizer, recipe, on_gpu, launch.kind, launch.world_size, True, launch.hybrid_shard)

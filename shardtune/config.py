@@ -62,6 +62,10 @@ OFFLOADING_NEEDS_RECOMPUTATION = (
     "recomputed saves its weights for backward too (gathered under FSDP and ZeRO-3, cast under autocast), which "
     "would be copied every step: add --gradient_checkpointing true with --gradient_checkpointing_interval 1 "
     "(full or selective), or drop --activation_offloading.")
+OFFLOADING_UNDER_DEEPSPEED_OFFLOAD = (
+    "--activation_offloading with DeepSpeed's offload_optimizer or offload_param: those runs cap torch's pinned-memory "
+    "cache at 1 MB so that DeepSpeed's pinned buffers are not rounded up to powers of two, and every offloaded "
+    "activation would then be pinned and unpinned anew each micro-batch: drop one of the two.")
 # Positions of the eval's logits upcast to fp32 at once (shardtune.evaluation), as the planner counts them.
 EVAL_CHUNK_POSITIONS = 1024
 # Positions per tile of the training loss with --chunked_cross_entropy (shardtune.tiled_loss), as the planner
@@ -221,7 +225,8 @@ class Recipe:
         "help": "The exponential decay rate for the second moment estimates (variance) in AdamW."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "Epsilon value for numerical stability in AdamW."})
     max_grad_norm: float = field(default=1.0, metadata={
-        "help": "Maximum gradient norm: gradients are clipped to it before each optimizer step."})
+        "help": "Maximum gradient norm: gradients are clipped to it before each optimizer step; 0 clips nothing (the "
+                "norm is still logged)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": f"One of {', '.join(LR_SCHEDULERS)}."})
     warmup_ratio: float = field(default=0.03, metadata={"help": "Share of the optimizer steps spent warming up."})
     warmup_steps: int = field(default=0, metadata={

@@ -39,6 +39,7 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
     hybrid_on_cpu = on_cpu and uses_fsdp and launch.hybrid_shard
     if uses_deepspeed:
         deepspeed_launch_env(recipe, launch)
+    if launch.deepspeed_offloads:
         exact_pinned_host_memory()
     accelerator = Accelerator(
         # On CPU, accelerate would start N unconnected single processes for DDP/FSDP configs: ask for
@@ -124,11 +125,15 @@ def exact_pinned_host_memory() -> None:
     (ATen/core/CachingHostAllocator.h `allocate`, `maybe_cache_block`): a 35.3 GB gradient partition would take
     68.7 GB. A block above pinned_max_cached_size_mb is allocated at its size and freed back to the system; the
     planner counts that (shardtune.plan.host.pinned_rounding_bytes). Set before anything is pinned; read on
-    every allocation. DeepSpeed runs only: FSDP's CPU offload pins a new gradient copy per parameter every step,
-    which the cache serves. An environment that names the option keeps its own value."""
-    configured = ",".join(os.environ.get(name, "") for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
+    every allocation. DeepSpeed runs that offload only (nothing else pins large buffers): FSDP's CPU offload pins a
+    new gradient copy per parameter every step, and TRL's activation offloading one copy per saved activation
+    (refused with DeepSpeed's offload: checks.check_activation_offloading), which the cache serves. An environment
+    that names the option keeps its own value; its other options are kept, since torch resets every option the new
+    settings leave out."""
+    configured = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
     if "pinned_max_cached_size_mb" not in configured:
-        torch._C._accelerator_setAllocatorSettings(f"pinned_max_cached_size_mb:{PINNED_MAX_CACHED_MB}")
+        limit = f"pinned_max_cached_size_mb:{PINNED_MAX_CACHED_MB}"
+        torch._C._accelerator_setAllocatorSettings(f"{configured},{limit}" if configured else limit)
 
 
 def configure_deepspeed(config: dict, recipe: Recipe) -> None:

@@ -95,6 +95,12 @@ class LaunchDescription:
         return "DDP" if self.world_size > 1 else "one process"
 
     @property
+    def deepspeed_offloads(self) -> bool:
+        """DeepSpeed offloads the optimizer or the parameters: it pins large host buffers."""
+        return self.uses_deepspeed and any(self.deepspeed_settings.get(f"offload_{kind}", "none") != "none"
+                                           for kind in ("optimizer", "param"))
+
+    @property
     def kind(self) -> str:
         """"deepspeed", "fsdp" or "ddp" (also one process)."""
         return "deepspeed" if self.uses_deepspeed else "fsdp" if self.uses_fsdp else "ddp"

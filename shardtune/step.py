@@ -85,10 +85,17 @@ def global_grad_norm(accelerator: Accelerator, model: torch.nn.Module, max_grad_
     accelerator.clip_grad_norm_, which calls `.item()` on it: a host sync that waits for the whole optimizer step."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return model.get_global_grad_norm()
+    max_grad_norm = clipping_limit(max_grad_norm)
     parameters = [param for param in model.parameters() if param.grad is not None]
     if parameters and parameters[0].grad.dtype == torch.bfloat16:
         return clip_bf16_gradients(parameters, max_grad_norm)
     return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+
+
+def clipping_limit(max_grad_norm: float) -> float:
+    """The norm torch clips to: --max_grad_norm 0 clips nothing, as in transformers' Trainer (and DeepSpeed's
+    gradient_clipping 0); torch would scale every gradient to zero."""
+    return max_grad_norm if max_grad_norm > 0 else float("inf")
 
 
 def clip_bf16_gradients(parameters: list[torch.nn.Parameter], max_grad_norm: float) -> torch.Tensor:

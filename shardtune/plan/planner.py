@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from shardtune.config import LOSS_TILE_POSITIONS, OFFLOADING_NEEDS_RECOMPUTATION
+from shardtune.config import LOSS_TILE_POSITIONS, OFFLOADING_NEEDS_RECOMPUTATION, OFFLOADING_UNDER_DEEPSPEED_OFFLOAD
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware
 from shardtune.plan.activations import activation_bytes, activation_mode, dtype_bytes, offloaded_host_bytes
@@ -140,6 +140,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         raise PlanError("--bf16_stochastic_round trains bf16 weights: full fine-tuning with --mixed_precision bf16.")
     if activation_offloading and not checkpointing:
         raise PlanError(OFFLOADING_NEEDS_RECOMPUTATION)
+    if activation_offloading and strategy.kind == "deepspeed" and strategy.offloads:
+        raise PlanError(OFFLOADING_UNDER_DEEPSPEED_OFFLOAD)
     # Every term below is per GPU over the GPUs the states are sharded over: all of them, or under hybrid
     # sharding one replica's (its own copy of everything, as if the job were that replica alone).
     world = strategy.sharded_over(hardware.world_size)

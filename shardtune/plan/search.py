@@ -151,9 +151,12 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
 def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: str, stochastic: bool) -> bool:
     """Whether the trainer runs this optimizer under `strategy` (shardtune.checks.check_optimizer refuses the
     rest): DeepSpeed with torch's AdamW alone; the rounding over bf16 full fine-tuning, under FSDP2 sharded
-    over every GPU or one process (replicas would round apart: DDP's, hybrid sharding's)."""
+    over every GPU or one process (replicas would round apart: DDP's, hybrid sharding's); and activation offloading
+    not beside DeepSpeed's offload (checks.check_activation_offloading)."""
     if strategy.float8 and (not strategy.takes_float8 or search.peft is not None):
         return False  # --mixed_precision fp8: full fine-tuning under FSDP2 without offload or DDP (check_fp8)
+    if search.activation_offloading and strategy.kind == "deepspeed" and strategy.offloads:
+        return False  # check_activation_offloading
     if strategy.kind == "deepspeed":
         return (optim, stochastic) == ("adamw_torch", False)
     if stochastic:
@@ -185,6 +188,11 @@ def describe_plan(p: MemoryPlan, accumulation: int) -> str:
                f", optimizer {optimizer_words(p.optim, p.bf16_stochastic_round)}"))
 
 
+def least_per_gpu(p: MemoryPlan) -> tuple[float, int]:
+    """Order plans by their bytes per GPU, and on a tie (a phase that does not depend on the batch) by micro-batch."""
+    return p.per_gpu["total"], p.micro_batch
+
+
 def _smallest(p: MemoryPlan) -> str:
     """The plan that needs least per GPU, as a phrase."""
     return (f"{p.config} with micro-batch {p.micro_batch} and checkpointing "
@@ -198,8 +206,7 @@ def _fit_message(chosen: MemoryPlan, accumulation: int, offload: bool, shape: Mo
             f"of {gb(chosen.capacity)} usable per GPU, {gb(chosen.host_ram_per_node)} of "
             f"{gb(chosen.host_ram_capacity)} usable host RAM per node.")
     if offload:
-        smallest = min((p for p, _, off in candidates(shape, hardware, search) if not off),
-                       key=lambda p: p.per_gpu["total"])
+        smallest = min((p for p, _, off in candidates(shape, hardware, search) if not off), key=least_per_gpu)
         text += f" No GPU-only config fits: the smallest, {_smallest(smallest)} against {gb(smallest.capacity)} usable."
     if (chosen.optim, chosen.bf16_stochastic_round) != OPTIMIZER_LADDER[0]:
         exact = dataclasses.replace(search, optim=OPTIMIZER_LADDER[0][0], bf16_stochastic_round=False)
@@ -247,7 +254,7 @@ def nothing_fits(shape: ModelShape, hardware: Hardware, search: Search) -> str:
                    f"least ({least.config}), {gb(least.host_ram_capacity)} is usable (give the node's RAM with "
                    "--host_ram_gb)")
     else:
-        least = min(plans, key=lambda p: p.per_gpu["total"])
+        least = min(plans, key=least_per_gpu)
         binding = f"GPU memory: the smallest plan, {_smallest(least)}, {gb(least.capacity)} is usable"
     text = f"Nothing fits {shape.name} on {hardware.name}; the binding limit is {binding}."
     found = fewest_nodes(shape, hardware.with_nodes(hardware.nodes + 1), search)

@@ -163,6 +163,8 @@ def test_checkpointing_mode_refusals():
     with pytest.raises(ConfigError) as error:  # both problems at once
         check_activation_offloading(Recipe(activation_offloading=True, gradient_checkpointing=False), on_gpu=False)
     assert len(error.value.messages) == 2
+    with pytest.raises(ConfigError, match="pinned and unpinned anew each micro-batch"):
+        check_activation_offloading(Recipe(activation_offloading=True), on_gpu=True, deepspeed_offloads=True)
 
 
 def test_offloading_moves_the_layers_inputs_to_host_ram():
@@ -182,6 +184,9 @@ def test_offloading_moves_the_layers_inputs_to_host_ram():
     assert moved.to_json()["activation_offloading"] is True
     with pytest.raises(PlanError, match="a layer that is not recomputed"):
         plan(shape, hardware, strategy, 1, 4096, False, activation_offloading=True)
+    deepspeed_offload = read_accelerate_config(f"{CONFIGS_DIR}/ds_zero3_offload_optimizer.yaml", "bf16")
+    with pytest.raises(PlanError, match="pinned and unpinned anew"):
+        plan(shape, hardware, deepspeed_offload, 1, 4096, True, activation_offloading=True)
 
 
 def test_selective_plans_more_saved_and_less_recompute_than_full():
@@ -208,3 +213,7 @@ def test_planner_cli_takes_both_flags(capsys):
     assert json.loads(capsys.readouterr().out)["gradient_checkpointing"] is False
     main(["--model", "llama-3.1-8b", "--activation_offloading", "true", "--json"])
     assert json.loads(capsys.readouterr().out)["gradient_checkpointing"] is True
+    # Nor beside DeepSpeed's offload: 70B's recommendation with offloading is a plan without it.
+    main(["--model", "llama-3.1-70b", "--activation_offloading", "true", "--optim", "adamw_torch", "--json"])
+    recommended = json.loads(capsys.readouterr().out)
+    assert not (recommended["config"].startswith("ds_") and "offload" in recommended["config"]), recommended

@@ -229,10 +229,11 @@ def test_lora_flags_shape_the_adapters(tiny_assets):
     assert layer.lora_dropout["default"].p == 0.2
 
 
-@pytest.mark.parametrize("max_grad_norm", [0.5, 0.01])
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.01, 0.0])
 def test_gradients_are_clipped_to_max_grad_norm(one_rank, max_grad_norm):
-    """train_step clips to the norm it is given (SGD at rate 1: the update is the clipped gradient); DeepSpeed,
-    which clips inside its own step, gets --max_grad_norm in its config."""
+    """train_step clips to the norm it is given (SGD at rate 1: the update is the clipped gradient), and 0 clips
+    nothing, as in transformers (torch's clipping would zero every gradient); DeepSpeed, which clips inside its
+    own step (0: not at all), gets --max_grad_norm in its config."""
     run, accelerator = one_rank.run, one_rank.accelerator
     parameters = [param for param in run.model.parameters() if param.requires_grad]
     before = [param.detach().clone() for param in parameters]
@@ -245,7 +246,10 @@ def test_gradients_are_clipped_to_max_grad_norm(one_rank, max_grad_norm):
                      max_grad_norm, chunked_cross_entropy=one_rank.recipe.chunked_cross_entropy)
     update = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(param.detach() - old)
                                                    for param, old in zip(parameters, before, strict=True)]))
-    assert out.grad_norm > max_grad_norm and update.item() == pytest.approx(max_grad_norm, rel=1e-3)
+    if max_grad_norm > 0:
+        assert out.grad_norm > max_grad_norm and update.item() == pytest.approx(max_grad_norm, rel=1e-3)
+    else:
+        assert update.item() > 0 and update.item() == pytest.approx(float(out.grad_norm), rel=1e-4)
     with torch.no_grad():
         for param, old in zip(parameters, before, strict=True):
             param.copy_(old)

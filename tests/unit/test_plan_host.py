@@ -86,8 +86,14 @@ def test_deepspeed_pins_through_torch_s_caching_host_allocator():
     assert "tensor.pin_memory()" in inspect.getsource(DeepSpeedAccelerator._torch_pin_memory)
 
 
-@pytest.mark.parametrize("environment", [None, "pinned_max_cached_size_mb:64"])
-def test_a_deepspeed_launch_sets_the_pinned_cache_limit_unless_the_environment_does(environment):
+@pytest.mark.parametrize("environment, expected", [
+    (None, f"pinned_max_cached_size_mb:{PINNED_MAX_CACHED_MB}"),
+    ("pinned_max_cached_size_mb:64", "pinned_max_cached_size_mb:64"),
+    # torch resets every option the new settings leave out: the user's are kept beside the limit
+    ("max_split_size_mb:256,garbage_collection_threshold:0.8",
+     f"max_split_size_mb:256,garbage_collection_threshold:0.8,pinned_max_cached_size_mb:{PINNED_MAX_CACHED_MB}"),
+])
+def test_a_deepspeed_launch_sets_the_pinned_cache_limit_unless_the_environment_does(environment, expected):
     env = {key: value for key, value in os.environ.items()
            if key not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     env["PYTHONPATH"] = str(REPO)
@@ -97,7 +103,6 @@ def test_a_deepspeed_launch_sets_the_pinned_cache_limit_unless_the_environment_d
             "exact_pinned_host_memory(); print(torch._C._accelerator_getAllocatorSettings())")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                             check=True)
-    expected = environment or f"pinned_max_cached_size_mb:{PINNED_MAX_CACHED_MB}"
     assert result.stdout.strip().splitlines()[-1] == expected
 
 
