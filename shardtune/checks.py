@@ -135,10 +135,17 @@ def check_quantization(recipe: Recipe, on_gpu: bool, loads: bool = True) -> None
 
 
 def check_checkpointing_mode(recipe: Recipe) -> None:
-    """--gradient_checkpointing_mode chooses what a checkpointed layer keeps: without checkpointing it would not act."""
-    if recipe.gradient_checkpointing_mode != "full" and not recipe.gradient_checkpointing:
-        raise ConfigError(f"--gradient_checkpointing_mode {recipe.gradient_checkpointing_mode} chooses what "
-                          "checkpointed layers keep: add --gradient_checkpointing true, or drop it.")
+    """--gradient_checkpointing_mode chooses what a checkpointed layer keeps, --gradient_checkpointing_interval
+    which layers are checkpointed: without checkpointing neither would act."""
+    if recipe.gradient_checkpointing:
+        return
+    given = [f"--{name} {value} chooses {what}" for name, value, default, what in (
+        ("gradient_checkpointing_mode", recipe.gradient_checkpointing_mode, "full", "what checkpointed layers keep"),
+        ("gradient_checkpointing_interval", recipe.gradient_checkpointing_interval, 1, "which layers are checkpointed"))
+        if value != default]
+    if given:
+        raise ConfigError(f"{' and '.join(given)}: add --gradient_checkpointing true, or drop "
+                          f"{'it' if len(given) == 1 else 'them'}.")
 
 
 def check_activation_offloading(recipe: Recipe, on_gpu: bool, deepspeed_offloads: bool = False) -> None:

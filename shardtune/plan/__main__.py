@@ -39,7 +39,8 @@ from shardtune.plan.strategy import PlanError, read_accelerate_config
 # recipe's value.
 RUN_FLAGS = ("per_device_train_batch_size", "global_batch_size", "gradient_accumulation_steps", "max_seq_length",
              "pad_to_multiple_of",
-             "gradient_checkpointing", "gradient_checkpointing_mode", "activation_offloading", "mixed_precision",
+             "gradient_checkpointing", "gradient_checkpointing_interval", "gradient_checkpointing_mode",
+             "activation_offloading", "mixed_precision",
              "attn_implementation", "packing", "chunked_cross_entropy", "torch_compile", "use_liger_kernel", "optim",
              "bf16_stochastic_round", "use_peft", "lora_r", "lora_target_modules", "load_in_4bit",
              "per_device_eval_batch_size", "async_save", "save_only_model")

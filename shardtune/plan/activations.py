@@ -188,20 +188,30 @@ def selective_layer_bytes(shape: ModelShape, batch: int, seq: int, mode: str, at
     return n * kept + attention
 
 
+def recomputed_layers(layers: int, interval: int) -> int:
+    """Decoder layers recomputed under --gradient_checkpointing_interval: transformers' every_n_layers checkpoints
+    the layers whose index is a multiple of it (modeling_utils `layer_index % every_n_layers == 0`)."""
+    return -(-layers // interval)
+
+
 def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
                            attn: str = "sdpa", masked: bool = True, frozen: bool = False, selective: bool = False,
                            lora_rank: int = 0, lora_targets: tuple[str, ...] = (), loss_tile: int | None = None,
-                           liger: bool = False) -> int:
+                           liger: bool = False, recomputed: int | None = None) -> int:
     """Everything saved for backward at the end of the forward (what saved_tensors_hooks see, and with `selective`
     checkpointing what its policy keeps, selective_layer_bytes). With full recomputation (non-reentrant) a layer
     saves only its input (r·n·h); masks and RoPE tables are then held by the recompute closure, not the graph, and
-    are counted by recompute_held_bytes instead. With a `loss_tile` the head saves no full log-probabilities."""
+    are counted by recompute_held_bytes instead. With a `loss_tile` the head saves no full log-probabilities.
+    With checkpointing only `recomputed` layers of them (default: all; recomputed_layers), the others save as
+    without (their RoPE tables are the closures' too)."""
     _, residual = dtype_bytes(mode)
     head = head_activation_bytes(shape, batch, seq, mode, frozen, loss_tile, liger)
-    if checkpointing:
-        kept = selective_layer_bytes(shape, batch, seq, mode, attn, lora_rank, lora_targets) if selective else 0
-        return shape.layers * (residual * batch * seq * shape.hidden + kept) + head
     per_layer = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen, liger)
+    if checkpointing:
+        recomputed = shape.layers if recomputed is None else recomputed
+        kept = selective_layer_bytes(shape, batch, seq, mode, attn, lora_rank, lora_targets) if selective else 0
+        return recomputed * (residual * batch * seq * shape.hidden + kept) + \
+            (shape.layers - recomputed) * per_layer + head
     return shape.layers * per_layer + shared_activation_bytes(shape, batch, seq, mode, attn, masked) + head
 
 
@@ -261,7 +271,8 @@ def layer_backward_bytes(shape: ModelShape, batch: int, seq: int, mode: str, che
 def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
                      attn: str = "sdpa", masked: bool = True, frozen: bool = False, selective: bool = False,
                      lora_rank: int = 0, lora_targets: tuple[str, ...] = (), offloading: bool = False,
-                     loss_tile: int | None = None, liger: bool = False) -> dict[str, int]:
+                     loss_tile: int | None = None, liger: bool = False, recomputed: int | None = None
+                     ) -> dict[str, int]:
     """Peak activation memory = saved (what the graph saves, with recomputation what the recompute closures
     hold, recompute_held_bytes, and the micro-batch itself, batch_tensor_bytes) + the largest transient on top
     of it. The loss's (loss_transient_bytes: the full
@@ -269,9 +280,10 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpo
     transient is the larger of the two, never their sum ("loss" and "layer" name each).
     With `offloading`, offloaded_activation_bytes leave the saved part for host memory ("offloaded"). With `liger`
     Liger's layers and fused loss (liger_loss_transient_bytes in place of the tiles'); "head_gradient": the weight
-    gradient Liger's loss saved, handed to lm_head before any layer's backward."""
+    gradient Liger's loss saved, handed to lm_head before any layer's backward. `recomputed`: the layers recomputed
+    with checkpointing (default all); a layer's backward transient is planned as a recomputed one's."""
     saved = saved_activation_bytes(shape, batch, seq, mode, checkpointing, attn, masked, frozen, selective,
-                                   lora_rank, lora_targets, loss_tile, liger)
+                                   lora_rank, lora_targets, loss_tile, liger, recomputed)
     if checkpointing:
         saved += recompute_held_bytes(shape, batch, seq, mode, attn, masked)
     saved += batch_tensor_bytes(batch, seq, frozen)

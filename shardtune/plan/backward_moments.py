@@ -30,8 +30,8 @@ def gradients_fresh_each_micro_batch(kind: str, world: int, accumulation: int | 
 def forward_backward_parts(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
                            acts: dict[str, int], gradients: float, cache: float, other_buffers: float,
                            fresh: bool, attn: str = "sdpa", masked: bool = True, peft: Peft | None = None,
-                           selective: bool = False, loss_tile: int | None = None, liger: bool = False
-                           ) -> dict[str, float]:
+                           selective: bool = False, loss_tile: int | None = None, liger: bool = False,
+                           recomputed: int | None = None) -> dict[str, float]:
     """The parts ("gradients", "activations", "buffers") of the forward/backward's largest moment, from
     activation_bytes' `acts`, the step's `gradients` bytes, autocast's 16-bit weight copies (`cache`, DDP's
     buffers) and the strategy's `other_buffers`, alive throughout. The moments:
@@ -46,7 +46,8 @@ def forward_backward_parts(shape: ModelShape, batch: int, seq: int, mode: str, c
     - the end: every gradient, the embedding's incoming gradient and the ids.
     Where gradients are not `fresh`, all of them are alive at every moment. With `liger` the loss is Liger's
     (liger_loss_transient_bytes), and the weight gradient it saved has been handed to lm_head before the layers'
-    backward ("head_gradient": counted as a gradient from then on)."""
+    backward ("head_gradient": counted as a gradient from then on). With checkpointing of only `recomputed` layers
+    (default all), the others' graphs keep their weight copies to their backward, as without recomputation."""
     compute, residual = dtype_bytes(mode)
     n, h = batch * seq, shape.hidden
     frozen = peft is not None
@@ -56,6 +57,8 @@ def forward_backward_parts(shape: ModelShape, batch: int, seq: int, mode: str, c
     embedding_grads = 0.0 if peft else per_element * shape.vocab * h
     head_copy = 2.0 * shape.vocab * h if cache and not peft else 0.0
     layer_copy = (cache - head_copy) / shape.layers
+    kept_whole = shape.layers - (shape.layers if recomputed is None else recomputed) if checkpointing else 0
+    saved_copies = head_copy + kept_whole * layer_copy if checkpointing else cache
     stream = residual * n * h + 8 * n  # the residual stream's incoming gradient, and the ids the embedding saved
     if checkpointing:
         one_layer_saved = residual * n * h + (selective_layer_bytes(shape, batch, seq, mode, attn) if selective
@@ -75,9 +78,9 @@ def forward_backward_parts(shape: ModelShape, batch: int, seq: int, mode: str, c
 
     moments = [
         moment(0.0, saved + loss("forward"), cache),
-        moment(0.0, saved + loss("backward"), head_copy if checkpointing else cache),
+        moment(0.0, saved + loss("backward"), saved_copies),
         moment(head_grads + layer_grads, saved - acts.get("head_gradient", 0) + acts["layer"],
-               layer_copy if checkpointing else cache - head_copy),
+               min((1 + kept_whole) * layer_copy, cache - head_copy) if checkpointing else cache - head_copy),
         moment(gradients - embedding_grads, one_layer_saved + acts["layer"] + stream, layer_copy),
         moment(gradients, stream, 0.0),
     ]

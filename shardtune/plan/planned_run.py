@@ -7,7 +7,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
-from shardtune.checks import batch_sizes, check_activation_offloading, check_packed_attention, check_pad_to_multiple_of
+from shardtune.checks import (
+    batch_sizes,
+    check_activation_offloading,
+    check_checkpointing_mode,
+    check_packed_attention,
+    check_pad_to_multiple_of,
+)
 from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe, padded_length
 from shardtune.flops import ModelShape, recipe_fields
 from shardtune.hardware import Hardware
@@ -39,7 +45,8 @@ def planned_recipe(model: str, flags: dict[str, object]) -> Recipe:
 def check_planned(recipe: Recipe, model_config: object) -> None:
     """The recipe's own refusals that concern the plan, by the recipe's rules (a plan is for GPUs): the model has
     room for --max_seq_length, a packed row gets a kernel without a dense mask, Liger's kernels run with the
-    rest, the padding multiple suits the precision, and offloaded activations come from recomputed layers.
+    rest, the padding multiple suits the precision, offloaded activations come from recomputed layers, and the
+    checkpointing mode and interval have checkpointing to act on.
     Raises one ConfigError with every failure."""
     problems = Problems()
     problems.check(check_context_length, recipe, model_config)
@@ -47,6 +54,7 @@ def check_planned(recipe: Recipe, model_config: object) -> None:
     problems.check(check_liger_kernel, recipe)
     problems.check(check_pad_to_multiple_of, recipe)
     problems.check(check_activation_offloading, recipe, True)
+    problems.check(check_checkpointing_mode, recipe)
     problems.raise_any()
 
 
@@ -79,7 +87,8 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
                 activation_offloading=recipe.activation_offloading, chunked_cross_entropy=recipe.chunked_cross_entropy,
                 optim=recipe.optim, bf16_stochastic_round=recipe.bf16_stochastic_round,
                 gradient_accumulation_steps=recipe_accumulation(recipe, hardware.world_size),
-                torch_compile=recipe.torch_compile, use_liger_kernel=recipe.use_liger_kernel)
+                torch_compile=recipe.torch_compile, use_liger_kernel=recipe.use_liger_kernel,
+                checkpointing_interval=recipe.gradient_checkpointing_interval)
 
 
 def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held: Collection[str] = (),
@@ -102,4 +111,5 @@ def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held
                   recipe.activation_offloading,
                   recipe.optim if "optim" in held else None,
                   recipe.bf16_stochastic_round if "bf16_stochastic_round" in held else None,
-                  use_liger_kernel=recipe.use_liger_kernel)
+                  use_liger_kernel=recipe.use_liger_kernel,
+                  checkpointing_interval=recipe.gradient_checkpointing_interval)

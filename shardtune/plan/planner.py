@@ -8,7 +8,13 @@ from dataclasses import asdict, dataclass, field
 from shardtune.config import LOSS_TILE_POSITIONS, OFFLOADING_NEEDS_RECOMPUTATION, OFFLOADING_UNDER_DEEPSPEED_OFFLOAD
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware
-from shardtune.plan.activations import activation_bytes, activation_mode, dtype_bytes, offloaded_host_bytes
+from shardtune.plan.activations import (
+    activation_bytes,
+    activation_mode,
+    dtype_bytes,
+    offloaded_host_bytes,
+    recomputed_layers,
+)
 from shardtune.plan.backward_moments import forward_backward_parts, gradients_fresh_each_micro_batch
 from shardtune.plan.buffers import buffers, freed_under_layer_gradients
 from shardtune.plan.host_fit import host_ram_peak, host_ram_terms
@@ -71,6 +77,7 @@ class MemoryPlan:
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     peak_phase: str = "forward_backward"
     gradient_checkpointing_mode: str = "full"
+    gradient_checkpointing_interval: int = 1  # every k-th layer recomputed
     activation_offloading: bool = False
     layout: str = ""  # how the states lie over the GPUs (Strategy.layout)
     gradient_accumulation_steps: int | None = None
@@ -103,7 +110,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
          foreach: bool = True, export_bytes: int = 2, checkpointing_mode: str = "full",
          activation_offloading: bool = False, chunked_cross_entropy: bool = False, optim: str = "adamw_torch",
          bf16_stochastic_round: bool = False, gradient_accumulation_steps: int | None = None,
-         torch_compile: bool = False, use_liger_kernel: bool = False) -> MemoryPlan:
+         torch_compile: bool = False, use_liger_kernel: bool = False, checkpointing_interval: int = 1
+         ) -> MemoryPlan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
     headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
@@ -122,7 +130,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     `gradient_accumulation_steps`: micro-batches per step; at 1 on one process no gradient exists when a backward
     starts (backward_moments), unknown (None) is planned as accumulating. `torch_compile` is recorded and planned
     as eager (MemoryPlan.torch_compile). `use_liger_kernel`: Liger's RMSNorm and SwiGLU in the layers and its fused
-    linear cross-entropy in place of the tiles, which it needs (chunked_cross_entropy)."""
+    linear cross-entropy in place of the tiles, which it needs (chunked_cross_entropy). `checkpointing_interval`:
+    with `checkpointing`, every k-th layer recomputed (activations.recomputed_layers), the others saving all."""
     params = shape.params
     if use_liger_kernel and not chunked_cross_entropy:
         raise PlanError("--use_liger_kernel replaces the tiled loss with Liger's fused loss: it needs "
@@ -138,7 +147,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
                         "fsdp_full_shard, fsdp_shard_grad_op, fsdp_hybrid_shard or ddp.")
     if bf16_stochastic_round and (strategy.mixed_precision != "bf16" or peft):
         raise PlanError("--bf16_stochastic_round trains bf16 weights: full fine-tuning with --mixed_precision bf16.")
-    if activation_offloading and not checkpointing:
+    if activation_offloading and not (checkpointing and checkpointing_interval == 1):
         raise PlanError(OFFLOADING_NEEDS_RECOMPUTATION)
     if activation_offloading and strategy.kind == "deepspeed" and strategy.offloads:
         raise PlanError(OFFLOADING_UNDER_DEEPSPEED_OFFLOAD)
@@ -158,8 +167,10 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     lora = (peft.rank, tuple(peft.target_names())) if peft else (0, ())
     selective = checkpointing and checkpointing_mode == "selective"
     loss_tile = LOSS_TILE_POSITIONS if chunked_cross_entropy else None
+    recomputed = recomputed_layers(shape.layers, checkpointing_interval)
     acts = activation_bytes(shape, rows, length, mode, checkpointing, attn, masked, peft is not None, selective,
-                            *lora, offloading=activation_offloading, loss_tile=loss_tile, liger=use_liger_kernel)
+                            *lora, offloading=activation_offloading, loss_tile=loss_tile, liger=use_liger_kernel,
+                            recomputed=recomputed)
     buffer = buffers(strategy, shape, params, world, mode, peft, bf16_stochastic_round)
     buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked, peft,
                                           bf16_stochastic_round, use_liger_kernel)
@@ -169,7 +180,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     fresh = gradients_fresh_each_micro_batch(strategy.kind, world, gradient_accumulation_steps)
     peak_moment = forward_backward_parts(shape, rows, length, mode, checkpointing, acts, states.gradients, cache,
                                          buffer - cache, fresh, attn, masked, peft, selective, loss_tile,
-                                         use_liger_kernel)
+                                         use_liger_kernel, recomputed)
     # With recomputation peft makes the embedding output require grad (enable_input_require_grads): a leaf of the
     # loss's graph, which then holds it and its gradient; accelerate steps DeepSpeed's engine inside backward, while
     # that graph is alive (the trainer drops it before stepping any other strategy).
@@ -201,6 +212,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         host_ram_fits=host_ram_peak(host) <= usable_host_ram(hardware), notes=notes,
         phases=phases, peak_phase=peak_phase,
         gradient_checkpointing_mode=checkpointing_mode if checkpointing else "full",
+        gradient_checkpointing_interval=checkpointing_interval if checkpointing else 1,
         activation_offloading=activation_offloading, layout=strategy.layout(hardware.world_size),
         gradient_accumulation_steps=gradient_accumulation_steps, torch_compile=torch_compile,
         use_liger_kernel=use_liger_kernel,

@@ -24,9 +24,23 @@ def peak_components(p: MemoryPlan) -> dict[str, float]:
     return components
 
 
-def checkpointing_words(on: bool, mode: str | None) -> str:
-    """'off', 'on' (full, the default) or 'on (selective)'."""
-    return "off" if not on else "on (selective)" if mode == "selective" else "on"
+def checkpointing_words(on: bool, mode: str | None, interval: int = 1) -> str:
+    """'off', 'on' (full, the default) or 'on (selective)', and which layers where not every one:
+    'on (every 2nd layer)'."""
+    if not on:
+        return "off"
+    details = (["selective"] if mode == "selective" else []) + \
+        ([f"every {interval}{ordinal_suffix(interval)} layer"] if interval > 1 else [])
+    return f"on ({', '.join(details)})" if details else "on"
+
+
+def plan_checkpointing_words(p: MemoryPlan) -> str:
+    return checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode,
+                               p.gradient_checkpointing_interval)
+
+
+def ordinal_suffix(number: int) -> str:
+    return "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
 
 
 def optimizer_words(optim: str, bf16_stochastic_round: bool) -> str:
@@ -53,7 +67,7 @@ def loss_words(p: MemoryPlan) -> str:
 def format_plan(p: MemoryPlan) -> str:
     rows = [f"{p.model} ({p.params:,} params) on {p.hardware} ({p.world_size} GPUs) with {p.config}, "
             f"micro-batch {p.micro_batch} x {p.max_seq_length} tokens, checkpointing "
-            f"{checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode)}, "
+            f"{plan_checkpointing_words(p)}, "
             f"{p.mixed_precision} ({p.activation_mode}), loss "
             f"{loss_words(p)}, optimizer "
             f"{optimizer_words(p.optim, p.bf16_stochastic_round)}"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware
 from shardtune.plan.planner import MemoryPlan, gb, plan
-from shardtune.plan.report import checkpointing_words, optimizer_words
+from shardtune.plan.report import checkpointing_words, optimizer_words, plan_checkpointing_words
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import CONFIGS_DIR, Strategy, read_accelerate_config
 
@@ -71,6 +71,8 @@ class Search:
     bf16_stochastic_round: bool | None = None
     # CUDA only, planned as given like activation offloading; it rules out selective checkpointing (its RoPE).
     use_liger_kernel: bool = False
+    # Every k-th layer recomputed where the search recomputes: the recipe's, held (1: every layer).
+    checkpointing_interval: int = 1
 
     def fixed(self) -> str:
         """What the search holds as given, in words: '' when it varies all of it."""
@@ -144,7 +146,8 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
                                     save_only_model=search.save_only_model, eval_batch=search.eval_batch,
                                     checkpointing_mode=mode, activation_offloading=search.activation_offloading,
                                     chunked_cross_entropy=search.chunked_cross_entropy, optim=optim,
-                                    bf16_stochastic_round=stochastic, use_liger_kernel=search.use_liger_kernel),
+                                    bf16_stochastic_round=stochastic, use_liger_kernel=search.use_liger_kernel,
+                                    checkpointing_interval=search.checkpointing_interval),
                                accumulation, offload)
 
 
@@ -183,7 +186,7 @@ def recommend(shape: ModelShape, hardware: Hardware, search: Search | None = Non
 
 def describe_plan(p: MemoryPlan, accumulation: int) -> str:
     return (f"{p.config}, micro-batch {p.micro_batch} x accumulation {accumulation}, gradient checkpointing "
-            f"{checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode)}"
+            f"{plan_checkpointing_words(p)}"
             + ("" if (p.optim, p.bf16_stochastic_round) == OPTIMIZER_LADDER[0] else
                f", optimizer {optimizer_words(p.optim, p.bf16_stochastic_round)}"))
 
@@ -196,7 +199,7 @@ def least_per_gpu(p: MemoryPlan) -> tuple[float, int]:
 def _smallest(p: MemoryPlan) -> str:
     """The plan that needs least per GPU, as a phrase."""
     return (f"{p.config} with micro-batch {p.micro_batch} and checkpointing "
-            f"{checkpointing_words(p.gradient_checkpointing, p.gradient_checkpointing_mode)}, needs "
+            f"{plan_checkpointing_words(p)}, needs "
             f"{gb(p.per_gpu['total'])} per GPU")
 
 

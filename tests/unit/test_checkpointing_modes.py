@@ -15,7 +15,12 @@ from shardtune.config import ConfigError, Recipe
 from shardtune.flops import resolve_model, shape_from_config
 from shardtune.hardware import parse_hardware
 from shardtune.plan.__main__ import main
-from shardtune.plan.activations import activation_bytes, offloaded_activation_bytes, selective_layer_bytes
+from shardtune.plan.activations import (
+    activation_bytes,
+    layer_activation_bytes,
+    offloaded_activation_bytes,
+    selective_layer_bytes,
+)
 from shardtune.plan.host import pinned_block_bytes
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import CONFIGS_DIR, PlanError, read_accelerate_config
@@ -152,6 +157,11 @@ def test_checkpointing_mode_refusals():
     with pytest.raises(ConfigError, match="add --gradient_checkpointing true"):
         check_checkpointing_mode(Recipe(gradient_checkpointing=False, gradient_checkpointing_mode="selective"))
     check_checkpointing_mode(Recipe(gradient_checkpointing=True, gradient_checkpointing_mode="selective"))
+    with pytest.raises(ConfigError, match="--gradient_checkpointing_mode selective chooses what checkpointed layers "
+                                          "keep and --gradient_checkpointing_interval 2 chooses which layers are "
+                                          "checkpointed: add --gradient_checkpointing true, or drop them"):
+        check_checkpointing_mode(Recipe(gradient_checkpointing=False, gradient_checkpointing_mode="selective",
+                                        gradient_checkpointing_interval=2))
     with pytest.raises(ConfigError, match="on CPU they are in host memory already"):
         check_activation_offloading(Recipe(activation_offloading=True, use_cpu=True), on_gpu=False)
     check_activation_offloading(Recipe(activation_offloading=True), on_gpu=True)
@@ -217,3 +227,29 @@ def test_planner_cli_takes_both_flags(capsys):
     main(["--model", "llama-3.1-70b", "--activation_offloading", "true", "--optim", "adamw_torch", "--json"])
     recommended = json.loads(capsys.readouterr().out)
     assert not (recommended["config"].startswith("ds_") and "offload" in recommended["config"]), recommended
+
+
+def test_planner_plans_the_checkpointing_interval(capsys):
+    """--gradient_checkpointing_interval k: the layers not recomputed save what they save without recomputation
+    (measured in tests/unit/test_plan_accuracy.py); the plan says which layers, and refuses it without
+    checkpointing, as the recipe does."""
+    import json
+
+    args = ["--model", "llama-3.1-8b", "--config_file", f"{CONFIGS_DIR}/fsdp_full_shard.yaml",
+            "--per_device_train_batch_size", "4", "--json"]
+    plans = {}
+    for flags in (("--gradient_checkpointing", "true"), ("--gradient_checkpointing_interval", "4"),
+                  ("--gradient_checkpointing", "false")):
+        main([*args, *flags])
+        plans[flags] = json.loads(capsys.readouterr().out)
+    every, fourth, none = plans.values()
+    assert fourth["gradient_checkpointing_interval"] == 4 and every["gradient_checkpointing_interval"] == 1
+    shape = resolve_model("llama-3.1-8b")
+    # 8 of 32 layers recomputed: the other 24 save a whole layer's activations each
+    assert fourth["per_gpu"]["activations"] - every["per_gpu"]["activations"] == pytest.approx(
+        24 * (layer_activation_bytes(shape, 4, 4096, "half") - 2 * 4 * 4096 * shape.hidden))
+    assert every["per_gpu"]["total"] < fourth["per_gpu"]["total"] < none["per_gpu"]["total"]
+    main([*args[:-1], "--gradient_checkpointing_interval", "4"])
+    assert "checkpointing on (every 4th layer)" in capsys.readouterr().out
+    assert main([*args, "--gradient_checkpointing", "false", "--gradient_checkpointing_interval", "2"]) == 2
+    assert "--gradient_checkpointing_interval 2 chooses which layers are checkpointed" in capsys.readouterr().err
