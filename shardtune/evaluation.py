@@ -1,11 +1,16 @@
-"""Held-out loss and next-token accuracy, without full-vocabulary fp32 logits.
+"""Held-out loss and next-token accuracy, without the full-vocabulary logits.
 
-The model's logits stay in its compute dtype (one copy); loss and argmax run over chunks of positions, each
-upcast to fp32 on its own. For Llama 3 (128,256 tokens) a full fp32 copy of 8 x 4096 positions is 17 GB, and
-cross-entropy on it makes a second one; a chunk of 1,024 positions is 0.5 GB.
+The loss and the argmax run as the LM head's forward, swapped in for the eval forward (as the tiled training loss
+does, shardtune.tiled_loss): the head computes its logits for one chunk of positions at a time, in the compute
+dtype, each upcast to fp32 on its own. For Llama 3 (128,256 tokens) the logits of 8 x 4096 positions would be
+8.4 GB in bf16, and accelerate's autocast wrapper returns a model's outputs in fp32 (convert_outputs_to_fp32:
+17 GB more, which FSDP2's output cast then rounds back to bf16 in a third copy); a chunk of 1,024 positions is
+0.5 GB.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,18 +20,20 @@ from torch.utils.data import DataLoader
 from shardtune.batches import COUNTS
 from shardtune.config import EVAL_CHUNK_POSITIONS
 from shardtune.data import IGNORE_INDEX
+from shardtune.tiled_loss import forward_replaced
 
 
-def row_statistics(logits: torch.Tensor, labels: torch.Tensor, chunk: int = EVAL_CHUNK_POSITIONS) -> torch.Tensor:
-    """Per row: [sum of target-token losses, targets, correct next-token predictions], fp32, on the logits'
-    device. Position t predicts label t + 1, as the causal LM loss compares them."""
+def chunk_statistics(logits_of: Callable[[int, int, int], torch.Tensor], labels: torch.Tensor, positions: int,
+                     device: torch.device, chunk: int) -> torch.Tensor:
+    """Per row: [sum of target-token losses, targets, correct next-token predictions], fp32, on `device`, from
+    `logits_of(row, start, end)`, the logits of positions start..end-1 of a row of `positions`. Position t
+    predicts label t + 1, as the causal LM loss compares them."""
     rows = []
-    for row_logits, row_labels in zip(logits, labels, strict=True):
-        totals = torch.zeros(3, device=logits.device)
-        positions = row_logits.shape[0] - 1
-        for start in range(0, positions, chunk):
-            end = min(start + chunk, positions)
-            predicted, targets = row_logits[start:end].float(), row_labels[start + 1:end + 1]
+    for row, row_labels in enumerate(labels):
+        totals = torch.zeros(3, device=device)
+        for start in range(0, positions - 1, chunk):
+            end = min(start + chunk, positions - 1)
+            predicted, targets = logits_of(row, start, end).float(), row_labels[start + 1:end + 1]
             mask = targets != IGNORE_INDEX
             loss = F.cross_entropy(predicted, targets, ignore_index=IGNORE_INDEX, reduction="sum")
             correct = ((predicted.argmax(-1) == targets) & mask).sum()
@@ -35,16 +42,42 @@ def row_statistics(logits: torch.Tensor, labels: torch.Tensor, chunk: int = EVAL
     return torch.stack(rows)
 
 
+def row_statistics(logits: torch.Tensor, labels: torch.Tensor, chunk: int = EVAL_CHUNK_POSITIONS) -> torch.Tensor:
+    """chunk_statistics of full (batch, positions, vocab) logits."""
+    return chunk_statistics(lambda row, start, end: logits[row, start:end], labels, logits.shape[1], logits.device,
+                            chunk)
+
+
+def head_statistics(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict,
+                    chunk: int = EVAL_CHUNK_POSITIONS) -> torch.Tensor:
+    """chunk_statistics of a batch, computed inside the model's forward as its LM head's, which reads the head's
+    weight where each strategy gathers it and applies it to one chunk of positions at a time (under autocast, in
+    the compute dtype, as the head's own forward would)."""
+    head = unwrapped.get_output_embeddings()
+    computed = []
+
+    def statistics_forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        def logits_of(row: int, start: int, end: int) -> torch.Tensor:
+            return F.linear(hidden_states[row, start:end], head.weight, head.bias)
+
+        computed.append(chunk_statistics(logits_of, batch["labels"], hidden_states.shape[1], hidden_states.device,
+                                         chunk))
+        return computed[-1]
+
+    with forward_replaced(head, statistics_forward):
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return computed[0]  # not the forward's output: FSDP2's output cast would round it to bf16
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
     """Mean loss and next-token accuracy over every target token of the held-out split, all ranks together."""
     model.eval()
+    unwrapped = accelerator.unwrap_model(model)
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, targets, correct
     for batch in loader:
         batch.pop(COUNTS)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        per_row = row_statistics(logits, batch["labels"])
-        del logits
+        per_row = head_statistics(model, unwrapped, batch)
         totals += accelerator.gather_for_metrics(per_row).sum(0)  # drops the rows padded in for even batches
     model.train()
     loss_sum, targets, correct = totals.tolist()

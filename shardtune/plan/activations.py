@@ -308,12 +308,14 @@ def eval_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, ma
     RoPE's cos and sin (b·s·head_dim each). On top, the larger of the SwiGLU MLP (SiLU of gate, up and their
     product, 3·c·n·intermediate; measured with the profiler's allocator events; a LoRA adapter on up_proj adds
     its scaled output and the sum, `result + lora_B(lora_A(x)) * scaling` in peft, while SiLU of gate is alive:
-    4) and the head: the logits in the compute dtype (c·n·vocab, kept for the whole batch) with one chunk of
-    EVAL_CHUNK_POSITIONS positions upcast to fp32 and cross-entropy's log-softmax of it."""
+    4) and the head, which computes one chunk of EVAL_CHUNK_POSITIONS positions at a time
+    (shardtune.evaluation.head_statistics): the chunk's logits in the compute dtype, their fp32 upcast and
+    cross-entropy's log-softmax of it."""
     compute, residual = dtype_bytes(mode)
     n = batch * seq
     mask = compute * batch * seq * seq if masked else 0
     stream = 4 * residual * n * shape.hidden + mask + 2 * residual * n * shape.head_dim
     upcasts = 2 if compute != 4 else 1  # the chunk's fp32 copy (none when fp32 already) and its log-softmax
-    head = compute * n * shape.vocab + 4 * min(seq, EVAL_CHUNK_POSITIONS) * shape.vocab * upcasts
+    chunk = min(seq, EVAL_CHUNK_POSITIONS)
+    head = compute * chunk * shape.vocab + 4 * chunk * shape.vocab * upcasts
     return float(stream + max(head, (4 if adapted_up else 3) * compute * n * shape.intermediate))

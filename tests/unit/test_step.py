@@ -18,7 +18,7 @@ from shardtune.batches import COUNT_KEYS, COUNTS, StepBatch, counted_steps, make
 from shardtune.checks import check_attention
 from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.data import IGNORE_INDEX
-from shardtune.evaluation import row_statistics
+from shardtune.evaluation import head_statistics, row_statistics
 from shardtune.metrics import step_vector
 from shardtune.optimizers import make_optimizer
 from shardtune.step import StepOutput, norm_on_device, train_step
@@ -166,16 +166,17 @@ def test_each_step_reports_the_learning_rate_its_update_used(tiny_assets, tokeni
 
 
 class LargestFloat32(TorchDispatchMode):
-    """The largest fp32 tensor any operation creates."""
+    """The largest fp32 tensor any operation creates; with `vocab`, of those whose last dimension it is (logits)."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int | None = None) -> None:
         super().__init__()
-        self.numel = 0
+        self.numel, self.vocab = 0, vocab
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in out if isinstance(out, tuple | list) else [out]:
-            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32:
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and (
+                    self.vocab is None or tensor.shape[-1:] == (self.vocab,) and not func.is_view):
                 self.numel = max(self.numel, tensor.numel())
         return out
 
@@ -198,6 +199,36 @@ def test_eval_statistics_equal_full_logits_without_an_fp32_copy_of_them():
     correct = ((full.argmax(-1) == targets) & mask).sum(1)
     torch.testing.assert_close(chunked, torch.stack([loss, mask.sum(1).float(), correct.float()], dim=1))
     assert row_statistics(logits.to(META), labels.to(META), chunk=chunk).device == META
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_eval_statistics_come_from_the_head_a_chunk_at_a_time(precision):
+    """The eval forward's head computes the statistics itself (evaluation.head_statistics): equal to those of the
+    model's own full logits, with no fp32 tensor larger than one chunk of logits, under accelerate's autocast
+    wrapper too, whose fp32 conversion of the model's outputs would copy the full logits."""
+    from transformers import LlamaForCausalLM
+
+    from shardtune.tiny import tiny_llama_config
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True, mixed_precision=precision)
+    torch.manual_seed(0)
+    model = accelerator.prepare_model(LlamaForCausalLM(tiny_llama_config(500)).eval())
+    input_ids = torch.randint(3, 500, (3, 37))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[2, 30:] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    labels[0, :10] = IGNORE_INDEX
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        assert logits.dtype == torch.float32  # accelerate's wrapper: the full copy head_statistics never makes
+        with LargestFloat32(vocab=500) as largest:
+            statistics = head_statistics(model, accelerator.unwrap_model(model), batch, chunk=8)
+    assert 0 < largest.numel <= 8 * 500
+    expected = row_statistics(logits.to(torch.bfloat16) if precision == "bf16" else logits, labels, chunk=8)
+    torch.testing.assert_close(statistics, expected, rtol=1e-6 if precision == "no" else 1e-3, atol=0)
+    AcceleratorState._reset_state(True)
 
 
 @pytest.mark.parametrize(("attn", "packing", "on_gpu", "message"), [
