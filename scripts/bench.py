@@ -249,7 +249,7 @@ def run_row(args: argparse.Namespace, flags: tuple[str, ...], cuda: bool) -> dic
         rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
         summary = summarize(rows, args.warmup)
         if cuda:
-            summary["peak_mb"] = summary["peak_memory_gb"] * 2**30 / 1e6
+            summary["peak_mb"] = summary["peak_memory_gb"] * 1e3
         else:
             ranks = [json.loads(path.read_text()) for path in memory.glob("memory_rank*.json")]
             summary["peak_mb"] = max(rank["peak"][phase] for rank in ranks

@@ -215,7 +215,7 @@ def summarize(rows: list[dict], planned: dict[str, float]) -> dict:
         values = [row[key] for row in rows if key in row]
         if not values:
             return {**result, "error": f"metrics.jsonl has no {key}"}
-        measured = max(values) * 2**30 / 1e9
+        measured = max(values)  # GB, as metrics.jsonl logs them and the planner counts
         result[f"{phase}_gb"], result[f"{phase}_planned_gb"] = measured, planned[phase]
         result[f"{phase}_error"] = planned[phase] / measured - 1
     return result

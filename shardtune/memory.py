@@ -260,11 +260,11 @@ def _proc_status_bytes(field: str) -> int | None:
 
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
-    """Peak allocated GPU memory on CUDA; the process's peak resident set size on CPU (since the process started:
-    getrusage's, which `reset_peak_rss` does not reset)."""
+    """Peak allocated GPU memory on CUDA, the process's peak resident set size on CPU, since reset_phase_peak, in
+    GB (10^9 bytes, as the planner counts)."""
     if device.type == "cuda":
-        return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30}
-    return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+    return {"peak_rss_gb": peak_rss_bytes() / 1e9}
 
 
 def reset_phase_peak(device: torch.device) -> None:
@@ -278,6 +278,4 @@ def reset_phase_peak(device: torch.device) -> None:
 def phase_peak_gb(device: torch.device, phase: str) -> dict[str, float]:
     """The peak since reset_phase_peak, named like peak_memory_gb's: <phase>_peak_memory_gb (allocated on the GPU)
     or <phase>_peak_rss_gb (resident on the CPU)."""
-    if device.type == "cuda":
-        return {f"{phase}_peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30}
-    return {f"{phase}_peak_rss_gb": peak_rss_bytes() / 2**30}
+    return {f"{phase}_{name}": value for name, value in peak_memory_gb(device).items()}

@@ -10,6 +10,8 @@ that the previous step's reduce brought (the first step reduces its own), `after
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +20,7 @@ from accelerate import Accelerator
 from shardtune.batches import COUNT_KEYS, StepBatch
 from shardtune.config import BatchSizes
 from shardtune.flops import ModelShape, flops_per_token, mfu
-from shardtune.memory import peak_memory_gb
+from shardtune.memory import peak_memory_gb, reset_phase_peak
 from shardtune.step import StepOutput
 
 
@@ -30,21 +32,28 @@ class StepSummary:
     stop_requested: bool
     loss: float
     grad_norm: float
+    skipped: bool = False  # a loss scaler's overflow: the optimizer did not step
 
 
-def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main_process: bool) -> torch.Tensor:
-    """[non-finite, stop, loss share, gradient norm, *counts, next step's targets] on the loss's device, to be
-    summed over ranks. The norm is global (the same on every rank): only the main process adds it, so the sum is
-    exact; so are the counts (integers far below 2**53)."""
+def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main_process: bool,
+                loss_scaled: bool = False) -> torch.Tensor:
+    """[non-finite, stop, skipped, loss share, gradient norm, *counts, next step's targets] on the loss's device,
+    to be summed over ranks. The norm is global (the same on every rank): only the main process adds it, so the
+    sum is exact; so are the counts (integers far below 2**53). With a dynamic loss scaler (`loss_scaled`, fp16)
+    an infinite norm is an overflow the scaler skips the step for and lowers its scale after, as torch's
+    GradScaler and DeepSpeed's do: counted as skipped, not as an error; a non-finite loss still is one."""
     device = out.loss.device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
     norm = out.grad_norm if out.grad_norm is not None else torch.full((), float("nan"), device=device)
-    checked = norm if out.grad_norm is not None else torch.zeros((), device=device)
-    non_finite = ~(torch.isfinite(out.loss) & torch.isfinite(checked))
+    finite_norm = torch.isfinite(norm) if out.grad_norm is not None else torch.ones((), dtype=torch.bool,
+                                                                                       device=device)
+    non_finite = ~torch.isfinite(out.loss) if loss_scaled else ~(torch.isfinite(out.loss) & finite_norm)
     return torch.stack([
         non_finite.to(torch.float64),
         torch.full((), float(stop_requested), dtype=torch.float64, device=device),
+        (~finite_norm).to(torch.float64) if loss_scaled else zero,
         out.loss.to(torch.float64),
-        norm.to(torch.float64) * float(is_main_process),
+        norm.to(torch.float64) if is_main_process else zero,  # not inf x 0: that would sum to NaN
         *(torch.full((), float(batch.counts[key]), dtype=torch.float64, device=device) for key in COUNT_KEYS),
         torch.full((), float(batch.next_targets), dtype=torch.float64, device=device),
     ])
@@ -55,9 +64,9 @@ class TrainMetrics:
     the first and the last loss logged, for the run's closing line."""
 
     def __init__(self, accelerator: Accelerator, batching: BatchSizes, steps_per_epoch: int, shape: ModelShape,
-                 peak_flops_per_gpu: float | None) -> None:
+                 peak_flops_per_gpu: float | None, loss_scaled: bool = False) -> None:
         self.accelerator, self.batching, self.steps_per_epoch = accelerator, batching, steps_per_epoch
-        self.shape, self.peak_flops_per_gpu = shape, peak_flops_per_gpu
+        self.shape, self.peak_flops_per_gpu, self.loss_scaled = shape, peak_flops_per_gpu, loss_scaled
         self._next_targets: torch.Tensor | None = None
         self.first_loss: float | None = None
         self.last_loss: float | None = None
@@ -72,23 +81,37 @@ class TrainMetrics:
         return self.accelerator.reduce(local, "sum")
 
     def _reset(self) -> None:
-        self.started, self.steps, self.loss = time.perf_counter(), 0, 0.0
+        self.started, self.paused_s, self.steps, self.skipped, self.loss = time.perf_counter(), 0.0, 0, 0, 0.0
         self.counts = dict.fromkeys(COUNT_KEYS, 0.0)
+        reset_phase_peak(self.accelerator.device)  # each window logs its own peak
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time and memory that are not training's (a checkpoint save, an eval): left out of the window's time,
+        and its peak memory starts again after them (they log their own)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - started
+            reset_phase_peak(self.accelerator.device)
 
     def after_step(self, out: StepOutput, batch: StepBatch, stop_requested: bool) -> StepSummary:
-        vector = step_vector(out, batch, stop_requested, self.accelerator.is_main_process)
+        vector = step_vector(out, batch, stop_requested, self.accelerator.is_main_process, self.loss_scaled)
         summed = self.accelerator.reduce(vector, "sum")  # the step's one collective
         self._next_targets = summed[-1].to(torch.long)  # stays on the device: the next step's loss divisor
-        non_finite, stop, loss, grad_norm, *counts, _ = summed.tolist()  # the step's one device-to-host sync
+        non_finite, stop, skipped, loss, grad_norm, *counts, _ = summed.tolist()  # the step's one device-to-host sync
         self.steps += 1
+        self.skipped += skipped > 0
         self.loss += loss
         for key, value in zip(COUNT_KEYS, counts, strict=True):
             self.counts[key] += value
-        return StepSummary(non_finite > 0, stop > 0, loss, grad_norm)
+        return StepSummary(non_finite > 0, stop > 0, loss, grad_norm, skipped > 0)
 
     def window(self, step: int, last: StepSummary, lr: float) -> dict[str, float]:
-        """The row logged at `step`, over the steps since the previous one; starts the next window."""
-        elapsed, tokens = time.perf_counter() - self.started, self.counts["tokens"]
+        """The row logged at `step`, over the steps since the previous one; starts the next window. With a loss
+        scaler, the steps it skipped on an overflow."""
+        elapsed, tokens = time.perf_counter() - self.started - self.paused_s, self.counts["tokens"]
         world = self.batching.world_size
         row = {
             "loss": self.loss / self.steps,
@@ -104,6 +127,8 @@ class TrainMetrics:
             "epoch": step / self.steps_per_epoch,
             **peak_memory_gb(self.accelerator.device),
         }
+        if self.loss_scaled:
+            row["skipped_steps"] = self.skipped
         if self.peak_flops_per_gpu:  # MFU as PaLM defines it; T is the mean sequence length of the window
             per_token = flops_per_token(self.shape, seq_len=round(tokens / self.counts["sequences"]))
             row["tflops_per_gpu"] = tokens / elapsed * per_token / world / 1e12

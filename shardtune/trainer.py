@@ -175,7 +175,8 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
     start(accelerator, recipe, batching, launch, run, resume_path, start_step)
     checkpointer = Checkpointer(accelerator, recipe,
                                 lambda path: add_model_files(accelerator, model, run.tokenizer, run.save_dtype, path))
-    metrics = TrainMetrics(accelerator, batching, run.steps_per_epoch, run.shape, device_peak_flops(accelerator))
+    metrics = TrainMetrics(accelerator, batching, run.steps_per_epoch, run.shape, device_peak_flops(accelerator),
+                           loss_scaled=recipe.mixed_precision == "fp16")
     hooks = BackwardHooks(ModelStateProbe(model, run.optimizer), Fault.from_env(accelerator.process_index))
     start_phases(model, run.optimizer)  # SHARDTUNE_PROFILE_MEMORY: peaks per phase (shardtune.profiling)
 
@@ -192,7 +193,8 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
         end_phase()
         summary = metrics.after_step(out, batch, stop.requested)  # every rank's verdict reaches every rank
         if summary.non_finite:
-            return refuse_non_finite(accelerator, step, summary)
+            checkpointer.wait()  # a save still being written is of an earlier, finite step: it completes
+            return refuse_non_finite(accelerator, step, summary, metrics.loss_scaled)
         if step == start_step + 1:
             report_held(accelerator, output_dir, step, hooks.probe, run.loaded)
             if recipe.torch_compile:
@@ -204,9 +206,10 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
             log_window(accelerator, output_dir, step, row, progress)
         if summary.stop_requested:
             return save_and_stop(accelerator, checkpointer, step)
-        checkpointer.after_step(step, run.max_steps)  # every --save_steps and the last; polls an async save
-        if recipe.eval_steps and step % recipe.eval_steps == 0 and step < run.max_steps:
-            log_eval(accelerator, run, output_dir, step)
+        with metrics.paused():  # tokens/s and the window's peak are training's
+            checkpointer.after_step(step, run.max_steps)  # every --save_steps and the last; polls an async save
+            if recipe.eval_steps and step % recipe.eval_steps == 0 and step < run.max_steps:
+                log_eval(accelerator, run, output_dir, step)
     return finish(accelerator, recipe, run, checkpointer, metrics)
 
 
@@ -241,8 +244,9 @@ def device_peak_flops(accelerator: Accelerator) -> float | None:
     return peak_flops(torch.cuda.get_device_name(accelerator.device)) if on_gpu else None
 
 
-def refuse_non_finite(accelerator: Accelerator, step: int, summary: StepSummary) -> int:
-    accelerator.print(f"shardtune: error: non-finite loss or gradient norm at step {step} "
+def refuse_non_finite(accelerator: Accelerator, step: int, summary: StepSummary, loss_scaled: bool) -> int:
+    what = "loss" if loss_scaled else "loss or gradient norm"  # a loss scaler skips the steps of infinite norms
+    accelerator.print(f"shardtune: error: non-finite {what} at step {step} "
                       f"(loss {summary.loss}, grad norm {summary.grad_norm}); nothing saved from this "
                       "state. Lower --learning_rate or resume from the last checkpoint.")
     return NON_FINITE_EXIT_CODE

@@ -19,9 +19,6 @@ def gpu_check():
     return load_script("gpu_check")
 
 
-GIB = 2**30 / 1e9  # GB per GiB: metrics.jsonl logs GiB, the table and the planner speak GB
-
-
 def metrics_rows() -> list[dict]:
     """Three windows of two steps (the first compiles), then the export's and the eval's peaks."""
     windows = [(2, 9.0, 1000.0, 0.10, 20.0), (4, 1.0, 9000.0, 0.40, 21.0), (6, 1.2, 7000.0, 0.30, 21.5)]
@@ -32,14 +29,14 @@ def metrics_rows() -> list[dict]:
 
 
 def test_a_case_is_summarized_with_its_warmup_apart(gpu_check):
-    planned = {"train": 23.0, "save": 12.0 * GIB, "eval": 12.0}
+    planned = {"train": 23.0, "save": 12.0, "eval": 12.0}  # metrics.jsonl, the table and the planner speak GB
     summary = gpu_check.summarize(metrics_rows(), planned)
     assert summary["warmup_s"] == 18.0  # the first window: 2 steps of 9 s
     assert summary["tokens_per_second_per_gpu"] == 8000.0 and summary["mfu"] == pytest.approx(0.35)
     assert summary["step_time_s"] == 1.1  # median of the timed windows
-    assert summary["train_gb"] == pytest.approx(21.5 * GIB) and summary["save_error"] == pytest.approx(0.0)
-    assert summary["eval_error"] == pytest.approx(12.0 / (10.0 * GIB) - 1)
-    assert summary["train_error"] == pytest.approx(23.0 / (21.5 * GIB) - 1)
+    assert summary["train_gb"] == 21.5 and summary["save_error"] == pytest.approx(0.0)
+    assert summary["eval_error"] == pytest.approx(12.0 / 10.0 - 1)
+    assert summary["train_error"] == pytest.approx(23.0 / 21.5 - 1)
 
 
 def test_a_case_without_a_phase_peak_is_an_error(gpu_check):
@@ -57,18 +54,18 @@ def test_a_packed_row_is_planned_at_the_lengths_the_data_gives(gpu_check):
 
 
 def test_the_table_prints_every_figure_and_failed_rows(gpu_check, capsys):
-    summary = gpu_check.summarize(metrics_rows(), {"train": 25.0, "save": 13.0, "eval": 10.0})
+    summary = gpu_check.summarize(metrics_rows(), {"train": 23.0, "save": 13.0, "eval": 10.0})
     rows = [{"case": "ddp packed x1", "seconds": 50.0, **summary},
             {"case": "ds_zero3 padded x1", "error": "exit 1: CUDA out of memory; log logs/gpu-check/x.log"}]
     gpu_check.print_table(rows)
     header, good, failed = capsys.readouterr().out.splitlines()
     assert header.split() == ["case", "warm-up", "s", "tok/s/GPU", "MFU", "step", "s", "train", "GB", "plan",
                               "save", "GB", "plan", "eval", "GB", "plan", "worst"]
-    worst = max(25.0 / (21.5 * GIB) - 1, 13.0 / (12.0 * GIB) - 1, 10.0 / (10.0 * GIB) - 1, key=abs)
-    assert good.split() == ["ddp", "packed", "x1", "18.0", "8,000", "35.0%", "1.10", f"{21.5 * GIB:.1f}", "25.0",
-                            f"{12.0 * GIB:.1f}", "13.0", f"{10.0 * GIB:.1f}", "10.0", f"{worst:+.1%}"]
+    worst = max(23.0 / 21.5 - 1, 13.0 / 12.0 - 1, 10.0 / 10.0 - 1, key=abs)
+    assert good.split() == ["ddp", "packed", "x1", "18.0", "8,000", "35.0%", "1.10", "21.5", "23.0",
+                            "12.0", "13.0", "10.0", "10.0", f"{worst:+.1%}"]
     assert failed == "ds_zero3 padded x1                 FAILED: exit 1: CUDA out of memory; log logs/gpu-check/x.log"
-    assert good.split()[-1] == "+8.3%"  # training: 25.0 GB planned, 23.1 measured
+    assert good.split()[-1] == "+8.3%"  # the save: 13.0 GB planned, 12.0 measured
     assert gpu_check.failed_cases(rows) == ["ds_zero3 padded x1"]
     missed = gpu_check.summarize(metrics_rows(), {"train": 26.0, "save": 13.0, "eval": 10.0})
     assert gpu_check.failed_cases([{"case": "ddp packed x1", **missed}]) == ["ddp packed x1"]  # +12.6%
@@ -101,7 +98,7 @@ def test_the_liger_cases_run_on_sharded_weights_beside_their_plain_cases(gpu_che
 
 
 def test_a_liger_case_fails_when_its_losses_leave_the_plain_ones(gpu_check, capsys):
-    planned = {"train": 23.0 * GIB, "save": 12.0 * GIB, "eval": 10.0 * GIB}
+    planned = {"train": 23.0, "save": 12.0, "eval": 10.0}
     plain = {"case": "ds_zero3 padded x1", **gpu_check.summarize(metrics_rows(), planned)}
     assert plain["losses"] == [3.0, 3.0, 3.0]
     close = {**plain, "case": "ds_zero3 padded x1 liger", "losses": [3.0, 3.006, 2.997]}

@@ -21,6 +21,7 @@ from shardtune.export import add_model_files
 from shardtune.flops import resolve_model
 from shardtune.generation import generate_samples, held_out_prompts
 from shardtune.launch import LaunchDescription
+from shardtune.memory import rss_bytes
 from shardtune.plan.launched import launch_hardware, plan_launch
 from shardtune.tiny import build_tokenizer
 from shardtune.tracking import json_values, memory_plan, run_config
@@ -149,3 +150,28 @@ BLOCK, CHUNK_HEADER, FULL, LAST = 32768, 7, 1, 4
 
 
 
+
+
+def test_a_window_leaves_out_the_saves_and_evals_it_paused_for(accelerator):
+    """tokens/s and step time are training's: the time of a checkpoint save or an eval (metrics.paused) is left
+    out, and the window's peak memory starts again after it, in GB (1e9 bytes, as the planner counts)."""
+    import time
+
+    from shardtune.batches import StepBatch
+    from shardtune.config import BatchSizes
+    from shardtune.metrics import TrainMetrics
+    from shardtune.step import StepOutput
+
+    metrics = TrainMetrics(accelerator, BatchSizes(1, 1, 1), 10, resolve_model("llama-3.1-8b"), None)
+    counts = {"targets": 10, "tokens": 30, "processed": 40, "sequences": 4}
+    summary = metrics.after_step(StepOutput(torch.tensor(1.5), torch.tensor(2.0), lr=1e-3),
+                                 StepBatch([], counts, next_targets=10), stop_requested=False)
+    with metrics.paused():
+        time.sleep(0.5)
+        held = torch.ones(200_000_000, dtype=torch.uint8)  # 200 MB resident while paused, returned when freed
+        during = rss_bytes()
+        del held
+    row = metrics.window(1, summary, lr=1e-3)
+    assert row["step_time_s"] < 0.25 and row["tokens_per_second"] == pytest.approx(30 / row["step_time_s"])
+    assert "skipped_steps" not in row  # only with a loss scaler
+    assert 0 < row["peak_rss_gb"] * 1e9 < during - 150e6

@@ -114,7 +114,7 @@ def test_step_pieces_stay_on_the_device(tiny_assets, tokenizer, attn, packing):
         for is_main in (True, False):
             vector = step_vector(out, StepBatch(micro_batches, counts, next_targets=7), stop_requested=True,
                                  is_main_process=is_main)
-            assert vector.device == META and vector.shape == (5 + len(COUNT_KEYS),)
+            assert vector.device == META and vector.shape == (6 + len(COUNT_KEYS),)
 
 
 def test_step_vector_sums_to_what_every_rank_must_know():
@@ -126,10 +126,26 @@ def test_step_vector_sums_to_what_every_rank_must_know():
     summed = sum(step_vector(out, StepBatch([], counts, next_targets=11 + index), stop_requested=index == 0,
                              is_main_process=index == 0)
                  for index, out in enumerate(ranks))
-    non_finite, stop, _, grad_norm, *totals, next_targets = summed.tolist()
-    assert (non_finite, stop, grad_norm, totals, next_targets) == (1.0, 1.0, 3.0, [20.0, 60.0, 80.0, 8.0], 23.0)
+    non_finite, stop, skipped, _, grad_norm, *totals, next_targets = summed.tolist()
+    assert (non_finite, stop, skipped, grad_norm, totals, next_targets) == (
+        1.0, 1.0, 0.0, 3.0, [20.0, 60.0, 80.0, 8.0], 23.0)
     finite = step_vector(StepOutput(torch.tensor(2.0), None, lr=1e-3), StepBatch([], counts, 0), False, True).tolist()
-    assert finite[0] == 0.0 and finite[2] == 2.0  # no norm reported (DeepSpeed without one) is not an error
+    assert finite[0] == 0.0 and finite[3] == 2.0  # no norm reported (DeepSpeed without one) is not an error
+
+
+@pytest.mark.parametrize("loss_scaled", [False, True])
+def test_an_overflow_under_a_loss_scaler_is_a_skipped_step(loss_scaled):
+    """fp16's loss scaler skips a step whose gradients overflowed (an infinite norm) and lowers its scale: with
+    one (`loss_scaled`) that step is counted as skipped, not stopped for; a non-finite loss stops either way. The
+    norm sums to inf over the ranks, not to NaN (inf x 0 on the ranks that do not report it)."""
+    counts = {"targets": 10, "tokens": 30, "processed": 40, "sequences": 4}
+    overflow = [StepOutput(torch.tensor(1.25), torch.tensor(float("inf")), lr=1e-3)] * 2
+    summed = sum(step_vector(out, StepBatch([], counts, 0), False, index == 0, loss_scaled)
+                 for index, out in enumerate(overflow)).tolist()
+    assert (summed[0] > 0, summed[2] > 0, summed[4]) == (not loss_scaled, loss_scaled, float("inf"))
+    nan_loss = step_vector(StepOutput(torch.tensor(float("nan")), torch.tensor(1.0), lr=1e-3),
+                           StepBatch([], counts, 0), False, True, loss_scaled).tolist()
+    assert nan_loss[0] == 1.0 and nan_loss[2] == 0.0
 
 
 def test_each_step_reports_the_learning_rate_its_update_used(tiny_assets, tokenizer):
