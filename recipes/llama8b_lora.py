@@ -4,7 +4,8 @@ Launch (one node, 8xH100-80GB; data parallel, every GPU holds the frozen bf16 ba
     accelerate launch --config_file accelerate_configs/ddp.yaml \
         recipes/llama8b_lora.py --dataset data/chat.jsonl
 Data: rows with `messages` (rendered with the model's chat template, loss on assistant turns), `prompt`/`completion`
-    or `text`; --packing concatenates each micro-batch without padding, attention isolated per sequence.
+    or `text`; sequences packed best-fit decreasing into rows of 4,096 tokens (--packing_strategy bfd, TRL's),
+    attention isolated per sequence.
 Plan on 8xh100-80gb, from python -m shardtune.plan --model recipes/llama8b_lora.py --hardware 8xh100-80gb
     (scripts/plan_table.py --write keeps this current): ddp, micro-batch 1 x accumulation 8, gradient checkpointing
     off: 45.9 GB of 69.9 GB usable per GPU, 128 GB of 1,800 GB usable host RAM per node.
@@ -22,6 +23,7 @@ RECIPE = Recipe(
     per_device_train_batch_size=1,
     global_batch_size=64,
     packing=True,
+    packing_strategy="bfd",  # a micro-batch of one row: joining a micro-batch's rows would pack nothing
     attn_implementation="flex_attention",  # per-sequence attention in a packed row without a dense mask
     use_peft=True,  # LoRA r=16, alpha 32, dropout 0.05 on all linear layers (the defaults)
     learning_rate=2e-4,

@@ -38,6 +38,7 @@ from shardtune.float8 import check_fp8
 from shardtune.launch import LaunchDescription
 from shardtune.liger import check_liger_device, check_liger_kernel
 from shardtune.nvme_checks import AsyncIOReadiness, check_async_io, check_nvme_path, offloads_to_nvme
+from shardtune.schedule import check_schedule
 
 
 def check_device(recipe: Recipe, has_cuda: bool) -> None:
@@ -82,6 +83,10 @@ def check_packing_strategy(recipe: Recipe) -> None:
     if recipe.packing_strategy == "bfd" and not recipe.packing:
         raise ConfigError("--packing_strategy bfd packs sequences into rows only with --packing true: add "
                           "--packing true, or drop --packing_strategy.")
+    if recipe.packing and recipe.packing_strategy != "bfd" and recipe.per_device_train_batch_size == 1:
+        raise ConfigError("--packing true at --per_device_train_batch_size 1 packs nothing: padding-free packing "
+                          "joins the rows of a micro-batch. Add --packing_strategy bfd to fill rows of "
+                          "--max_seq_length tokens, or raise the micro-batch.")
 
 
 def check_pad_to_multiple_of(recipe: Recipe) -> None:
@@ -302,7 +307,7 @@ def check_numbers(recipe: Recipe) -> None:
     for name in ("collective_timeout_minutes", "startup_timeout_minutes", "rank_timeout_s"):
         if not getattr(recipe, name) > 0:
             problems.messages.append(f"--{name} must be > 0, got {getattr(recipe, name)}.")
-    problems.check(check_warmup, recipe)
+    problems.check(check_schedule, recipe)
     problems.raise_any()
 
 
@@ -316,17 +321,6 @@ def optimizer_number_problems(recipe: Recipe) -> list[str]:
         ("adam_epsilon", recipe.adam_epsilon, ": e.g. 1e-8"), ("weight_decay", recipe.weight_decay, ": 0 for none"),
         ("max_grad_norm", recipe.max_grad_norm, ": 0 clips nothing")) if not value >= 0]
     return problems
-
-
-def check_warmup(recipe: Recipe) -> None:
-    if not 0.0 <= recipe.warmup_ratio <= 1.0:
-        raise ConfigError(f"--warmup_ratio is the share of steps spent warming up: between 0 and 1, got "
-                          f"{recipe.warmup_ratio}.")
-    if recipe.warmup_steps < 0:
-        raise ConfigError(f"--warmup_steps must be >= 0, got {recipe.warmup_steps}.")
-    if recipe.warmup_steps > 0 and recipe.warmup_ratio > 0:
-        raise ConfigError(f"--warmup_steps {recipe.warmup_steps} and --warmup_ratio {recipe.warmup_ratio} both set "
-                          "the warm-up: give one of them (--warmup_ratio 0 to count in steps).")
 
 
 def check_tracking(recipe: Recipe) -> None:
@@ -343,6 +337,9 @@ def check_checkpoints(recipe: Recipe) -> None:
     if recipe.save_only_model and recipe.use_peft:
         raise ConfigError("--save_only_model true is for full fine-tuning; a LoRA checkpoint's optimizer states are "
                           "small: drop --save_only_model true.")
+    if resume and recipe.overwrite_output_dir:
+        raise ConfigError(f"--overwrite_output_dir true would delete the run --resume_from_checkpoint {resume} "
+                          "resumes: give one of them.")
     if resume and resume != "auto" and not os.path.isdir(resume):
         raise ConfigError(f"--resume_from_checkpoint {resume!r} is not a directory: give a checkpoint "
                           "(<output_dir>/checkpoint-<step>), or `auto` for the newest complete one in --output_dir.")

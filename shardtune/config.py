@@ -195,7 +195,8 @@ class Recipe:
         "help": "QLoRA: the frozen base in 4-bit NF4 (bitsandbytes, CUDA GPUs); needs --use_peft."})
     output_dir: str = field(default="", metadata={"help": "Where metrics, W&B files and the model go."})
     max_seq_length: int = field(default=2048, metadata={
-        "help": "Tokens per sequence at most (see --truncation); with --packing, tokens per packed row."})
+        "help": "Tokens per sequence at most (see --truncation); with --packing_strategy bfd, tokens per packed "
+                "row (padding-free packing joins a micro-batch's sequences: up to micro-batch x this)."})
     per_device_train_batch_size: int = field(default=1, metadata={
         "help": "The batch size per device for training: sequences in one micro-batch (packed rows with "
                 "--packing_strategy bfd)."})
@@ -228,6 +229,9 @@ class Recipe:
         "help": "Maximum gradient norm: gradients are clipped to it before each optimizer step; 0 clips nothing (the "
                 "norm is still logged)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": f"One of {', '.join(LR_SCHEDULERS)}."})
+    lr_scheduler_kwargs: str = field(default="", metadata={
+        "help": "The schedule's own arguments, a JSON object, as TrainingArguments' lr_scheduler_kwargs: e.g. "
+                '\'{"num_cycles": 3}\' for cosine_with_restarts, \'{"lr_end": 1e-6, "power": 2.0}\' for polynomial.'})
     warmup_ratio: float = field(default=0.03, metadata={"help": "Share of the optimizer steps spent warming up."})
     warmup_steps: int = field(default=0, metadata={
         "help": "Warm-up optimizer steps, instead of --warmup_ratio (given alone on the command line, it sets the "

@@ -79,7 +79,8 @@ def parse_flags(recipe: Recipe, argv: list[str] | None = None) -> tuple[Recipe, 
     args = sys.argv[1:] if argv is None else argv
     overridden, aliases, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
     problems = unknown_argument_problems(unknown)
-    for apply in (apply_precision_alias, apply_warmup_steps, check_checkpointing_kwargs):
+    for apply in (apply_precision_alias, apply_warmup_steps, apply_accumulation_steps, check_checkpointing_kwargs,
+                  check_given_flags_act):
         try:
             overridden = apply(overridden, aliases, args) or overridden
         except ConfigError as error:
@@ -141,10 +142,30 @@ def apply_precision_alias(recipe: Recipe, aliases: argparse.Namespace, args: Seq
 
 def apply_warmup_steps(recipe: Recipe, aliases: argparse.Namespace, args: Sequence[str]) -> Recipe | None:
     """`--warmup_steps N` alone on the command line replaces the recipe's warm-up ratio; both given is an error
-    (check_warmup), as it would be ambiguous which one the scheduler follows."""
+    (schedule.check_schedule), as it would be ambiguous which one the scheduler follows."""
     if recipe.warmup_steps > 0 and given(args, "--warmup_steps") and not given(args, "--warmup_ratio"):
         return dataclasses.replace(recipe, warmup_ratio=0.0)
     return None
+
+
+def apply_accumulation_steps(recipe: Recipe, aliases: argparse.Namespace, args: Sequence[str]) -> Recipe | None:
+    """`--gradient_accumulation_steps N` alone on the command line sets the global batch (micro-batch x N x
+    ranks) in place of the recipe's --global_batch_size; both given must agree (checks.batch_sizes)."""
+    if given(args, "--gradient_accumulation_steps") and not given(args, "--global_batch_size") \
+            and recipe.global_batch_size is not None:
+        return dataclasses.replace(recipe, global_batch_size=None)
+    return None
+
+
+def check_given_flags_act(recipe: Recipe, aliases: argparse.Namespace, args: Sequence[str]) -> None:
+    """Flags given on the command line that this run would ignore (a recipe's own values may sit unused)."""
+    ignored = [(flag, why) for flag, why, unused in (
+        ("--eval_fraction", "--eval_split holds out a split of its own", bool(recipe.eval_split)),
+        ("--wandb_project", "--report_to none logs to no tracker", recipe.report_to == "none"),
+        ("--run_name", "--report_to none logs to no tracker", recipe.report_to == "none"),
+    ) if unused and given(args, flag)]
+    if ignored:
+        raise ConfigError([f"{flag} would be ignored: {why}. Drop it." for flag, why in ignored])
 
 
 def check_checkpointing_kwargs(recipe: Recipe, aliases: argparse.Namespace, args: Sequence[str]) -> None:

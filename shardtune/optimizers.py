@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from shardtune.config import BITSANDBYTES_OPTIMIZERS, TORCHAO_BLOCK_SIZE, TORCHAO_OPTIMIZERS, Recipe
+from shardtune.schedule import make_scheduler
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -77,13 +78,5 @@ def torchao_low_bit(optim: str) -> type[torch.optim.Optimizer]:
 def make_optimizer(model: torch.nn.Module, recipe: Recipe, max_steps: int, fused: bool = False
                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """The recipe's optimizer, and its learning-rate schedule over `max_steps`."""
-    # Here, not at the top: transformers.optimization imports peft where it is installed (3-4 s per rank), so
-    # the modules that only read a step's output (metrics, tests) stay light.
-    from transformers import get_scheduler
-
     optimizer = build_optimizer(model, recipe, fused)
-    scheduler = get_scheduler(
-        recipe.lr_scheduler_type, optimizer,
-        num_warmup_steps=recipe.warmup_steps_for(max_steps), num_training_steps=max_steps,
-    )
-    return optimizer, scheduler
+    return optimizer, make_scheduler(optimizer, recipe, max_steps)

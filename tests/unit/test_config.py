@@ -21,6 +21,18 @@ def test_command_line_overrides_recipe_values():
     assert overridden.resolved_output_dir == "outputs/x"
 
 
+def test_accumulation_given_alone_replaces_the_recipes_global_batch():
+    """As --warmup_steps replaces a recipe's warm-up ratio: --gradient_accumulation_steps alone sets the global
+    batch; given with --global_batch_size, the two must agree."""
+    recipe = Recipe(per_device_train_batch_size=2, global_batch_size=64)
+    alone = parse_recipe(recipe, ["--gradient_accumulation_steps", "4"])
+    assert alone.global_batch_size is None and batch_sizes(alone, 8) == BatchSizes(2, 4, 8)
+    both = parse_recipe(recipe, ["--gradient_accumulation_steps", "4", "--global_batch_size", "32"])
+    assert batch_sizes(both, 4) == BatchSizes(2, 4, 4)
+    with pytest.raises(ConfigError, match="disagrees with --global_batch_size"):
+        batch_sizes(parse_recipe(recipe, ["--gradient_accumulation_steps", "4", "--global_batch_size", "64"]), 4)
+
+
 @pytest.mark.parametrize(("micro", "gas", "total", "world", "expected"), [
     (4, None, 64, 8, 2), (1, 16, None, 8, 16), (2, 4, 64, 8, 4), (16, None, None, 2, 1),
 ])
