@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from collections.abc import Callable, Sequence
 
 from shardtune.config import (
@@ -19,7 +18,6 @@ from shardtune.config import (
     OFFLOADING_UNDER_DEEPSPEED_OFFLOAD,
     OPTIMIZER_PACKAGES,
     OPTIMIZERS,
-    SAVE_DTYPES,
     TORCHAO_OPTIMIZERS,
     TORCHAO_VERSION,
     BatchSizes,
@@ -38,6 +36,7 @@ from shardtune.float8 import check_fp8
 from shardtune.launch import LaunchDescription
 from shardtune.liger import check_liger_device, check_liger_kernel
 from shardtune.nvme_checks import AsyncIOReadiness, check_async_io, check_nvme_path, offloads_to_nvme
+from shardtune.output_checks import check_async_save, check_checkpoints, check_exports, check_output_dir
 from shardtune.schedule import check_schedule
 
 
@@ -329,46 +328,6 @@ def check_tracking(recipe: Recipe) -> None:
                           "--report_to none.")
 
 
-def check_checkpoints(recipe: Recipe) -> None:
-    resume = recipe.resume_from_checkpoint
-    if recipe.save_only_model and resume == "auto":
-        raise ConfigError("--save_only_model true writes checkpoints without optimizer states, which cannot resume "
-                          "training: drop --resume_from_checkpoint auto or --save_only_model true.")
-    if recipe.save_only_model and recipe.use_peft:
-        raise ConfigError("--save_only_model true is for full fine-tuning; a LoRA checkpoint's optimizer states are "
-                          "small: drop --save_only_model true.")
-    if resume and recipe.overwrite_output_dir:
-        raise ConfigError(f"--overwrite_output_dir true would delete the run --resume_from_checkpoint {resume} "
-                          "resumes: give one of them.")
-    if resume and resume != "auto" and not os.path.isdir(resume):
-        raise ConfigError(f"--resume_from_checkpoint {resume!r} is not a directory: give a checkpoint "
-                          "(<output_dir>/checkpoint-<step>), or `auto` for the newest complete one in --output_dir.")
-
-
-def check_output_dir(recipe: Recipe) -> None:
-    output_dir = recipe.resolved_output_dir
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise ConfigError(f"--output_dir {output_dir!r} is a file; give a directory.")
-    occupied = os.path.isdir(output_dir) and any(not name.startswith(".") for name in os.listdir(output_dir))
-    if occupied and not (recipe.resume_from_checkpoint or recipe.overwrite_output_dir):
-        raise ConfigError(
-            f"--output_dir {output_dir!r} already holds files of another run. Resume it with "
-            "--resume_from_checkpoint auto, replace it with --overwrite_output_dir true, or pick another directory."
-        )
-
-
-def check_exports(recipe: Recipe) -> None:
-    problems = []
-    if recipe.generation_samples < 0:
-        problems.append(f"--generation_samples must be 0 (off) or a positive count of held-out prompts to answer at "
-                        f"each eval; got {recipe.generation_samples}.")
-    if recipe.save_dtype not in SAVE_DTYPES:
-        problems.append(f"--save_dtype {recipe.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)} (auto: the dtype "
-                        "the model's config.json states).")
-    if problems:
-        raise ConfigError(problems)
-
-
 def batch_sizes(recipe: Recipe, world_size: int) -> BatchSizes:
     """The micro-batch, accumulation and ranks that make --global_batch_size, or ConfigError when they cannot."""
     micro, gas, total = recipe.per_device_train_batch_size, recipe.gradient_accumulation_steps, recipe.global_batch_size
@@ -439,6 +398,7 @@ def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: Lau
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
     problems.check(check_optimizer, recipe, on_gpu, launch.kind, launch.world_size, True, launch.hybrid_shard)
     problems.check(check_compile_under, recipe, launch)
+    problems.check(check_async_save, recipe, launch)
     problems.check(check_fp8, recipe, gpu_capability(recipe, on_gpu), launch.kind, launch.fsdp_offload_params)
     if offloads_to_nvme(launch):
         problems.check(check_async_io, AsyncIOReadiness.of_this_machine(has_gpu))

@@ -138,6 +138,9 @@ CASES = {
     "NVMe optimizer offload below ZeRO-3": Case((), "offload_optimizer_device nvme needs ZeRO stage 3", env={
         **DEEPSPEED, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "nvme"}),
     "DeepSpeed not installed": Case((), "pip install deepspeed", env=DEEPSPEED, uninstalled=("deepspeed",)),
+    "async save of a full state dict": Case(("--async_save", "true"),
+                                            "config sets fsdp_state_dict_type FULL_STATE_DICT",
+                                            env={**FSDP, "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}),
     "FSDP version 1": Case((), "set fsdp_version: 2", env={**FSDP, "FSDP_VERSION": "1"}),
     "FSDP1 strategy as reshard_after_forward": Case((), "'HYBRID_SHARD' is an FSDP1 strategy",
                                                     env={**FSDP, "FSDP_RESHARD_AFTER_FORWARD": "HYBRID_SHARD"}),

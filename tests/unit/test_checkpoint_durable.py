@@ -4,10 +4,12 @@ tests/launch/test_checkpoint_durable.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -57,3 +59,22 @@ def test_auto_skips_what_cannot_resume(tmp_path, capsys):
     capsys.readouterr()
     assert resolve_resume("auto", str(tmp_path), 2) == (None, 0)
     assert "starting from step 0" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_async_save_is_refused_beside_a_deepspeed_writer_of_its_own(tmp_path):
+    """DeepSpeed's JSON may choose its own checkpoint engine (checkpoint.writer, datastates_ckpt): the background
+    save writes with torch's, so the pair is refused before anything loads, not dropped after loading."""
+    from shardtune.output_checks import check_async_save
+    from shardtune.config import ConfigError, Recipe
+    from shardtune.launch import LaunchDescription
+
+    for settings in ({"checkpoint": {"writer": {"type": "fast"}}}, {"datastates_ckpt": {}}, {}):
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": 3}, **settings}))
+        launch = LaunchDescription(world_size=2, uses_deepspeed=True, deepspeed_config_file=str(path))
+        check_async_save(Recipe(async_save=False), launch)
+        if settings:
+            with pytest.raises(ConfigError, match="chooses a writer of its own"):
+                check_async_save(Recipe(async_save=True), launch)
+        else:
+            check_async_save(Recipe(async_save=True), launch)

@@ -1,0 +1,73 @@
+"""Checks of what a run writes and reads back: its output directory, checkpoints and resumption, the background
+save, and the final export's dtype and samples. Standard library and shardtune's config only: they run before
+anything heavy is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from shardtune.config import SAVE_DTYPES, ConfigError, Recipe
+from shardtune.launch import LaunchDescription
+
+
+def check_checkpoints(recipe: Recipe) -> None:
+    resume = recipe.resume_from_checkpoint
+    if recipe.save_only_model and resume == "auto":
+        raise ConfigError("--save_only_model true writes checkpoints without optimizer states, which cannot resume "
+                          "training: drop --resume_from_checkpoint auto or --save_only_model true.")
+    if recipe.save_only_model and recipe.use_peft:
+        raise ConfigError("--save_only_model true is for full fine-tuning; a LoRA checkpoint's optimizer states are "
+                          "small: drop --save_only_model true.")
+    if resume and recipe.overwrite_output_dir:
+        raise ConfigError(f"--overwrite_output_dir true would delete the run --resume_from_checkpoint {resume} "
+                          "resumes: give one of them.")
+    if resume and resume != "auto" and not os.path.isdir(resume):
+        raise ConfigError(f"--resume_from_checkpoint {resume!r} is not a directory: give a checkpoint "
+                          "(<output_dir>/checkpoint-<step>), or `auto` for the newest complete one in --output_dir.")
+
+
+def check_output_dir(recipe: Recipe) -> None:
+    output_dir = recipe.resolved_output_dir
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ConfigError(f"--output_dir {output_dir!r} is a file; give a directory.")
+    occupied = os.path.isdir(output_dir) and any(not name.startswith(".") for name in os.listdir(output_dir))
+    if occupied and not (recipe.resume_from_checkpoint or recipe.overwrite_output_dir):
+        raise ConfigError(
+            f"--output_dir {output_dir!r} already holds files of another run. Resume it with "
+            "--resume_from_checkpoint auto, replace it with --overwrite_output_dir true, or pick another directory."
+        )
+
+
+def check_exports(recipe: Recipe) -> None:
+    problems = []
+    if recipe.generation_samples < 0:
+        problems.append(f"--generation_samples must be 0 (off) or a positive count of held-out prompts to answer at "
+                        f"each eval; got {recipe.generation_samples}.")
+    if recipe.save_dtype not in SAVE_DTYPES:
+        problems.append(f"--save_dtype {recipe.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)} (auto: the dtype "
+                        "the model's config.json states).")
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_async_save(recipe: Recipe, launch: LaunchDescription) -> None:
+    """--async_save copies the state to host memory in a form it can write in the background: FSDP2's sharded
+    state dict (checkpoint.staging.async_save_obstacle asks the same of the running strategy), and under DeepSpeed
+    its torch writer, which a JSON's checkpoint writer or DataStates engine (deepspeed checkpoint_engine/utils.py
+    `create_checkpoint_engine`) replaces."""
+    if not recipe.async_save:
+        return
+    state_dict_type = os.environ.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT").strip().upper()
+    if launch.uses_fsdp and state_dict_type not in ("SHARDED_STATE_DICT", "3"):
+        raise ConfigError(f"--async_save true writes FSDP2's sharded state in the background, and the accelerate "
+                          f"config sets fsdp_state_dict_type {state_dict_type}: set SHARDED_STATE_DICT (the shipped "
+                          "configs'), or drop --async_save.")
+    if launch.deepspeed_config_file:
+        with open(launch.deepspeed_config_file) as file:
+            settings = json.load(file)
+        if (settings.get("checkpoint") or {}).get("writer") is not None or \
+                settings.get("datastates_ckpt", False) is not False:
+            raise ConfigError(f"--async_save true writes DeepSpeed's checkpoint with torch's writer in the background, "
+                              f"and {launch.deepspeed_config_file} chooses a writer of its own (checkpoint.writer or "
+                              "datastates_ckpt): drop one of the two.")
