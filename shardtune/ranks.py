@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -112,6 +113,41 @@ def check_ranks_agree(accelerator: Accelerator, fingerprint: dict[str, str]) -> 
         f"the machines of this job were started differently: {'; '.join(details)}{more}. Launch every machine with "
         "the same accelerate config, recipe flags and package versions."
     )
+
+
+def check_output_dir_shared(output_dir: str, machines: list[str]) -> None:
+    """On several machines, --output_dir must be one directory that every machine sees: each rank writes its shard
+    of a checkpoint there and rank 0 marks the checkpoint complete after checking every file, and `auto` resumes
+    from what it finds there. Rank 0 writes a file of a name never looked up before (so that no cached negative
+    lookup on NFS hides it), fsynced, before the broadcast of its name; every rank must then read it. Every rank
+    raises the same ConfigError, naming the machines that cannot."""
+    if not dist.is_initialized() or len(set(machines)) < 2:
+        return
+    names = [None]
+    if dist.get_rank() == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        names = [f".shardtune-shared-{uuid.uuid4().hex}"]
+        with open(os.path.join(output_dir, names[0]), "w") as file:
+            file.write(names[0])
+            file.flush()
+            os.fsync(file.fileno())
+    dist.broadcast_object_list(names, src=0)
+    path = os.path.join(output_dir, names[0])
+    try:
+        with open(path) as file:
+            seen = file.read() == names[0]
+    except OSError:
+        seen = False
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, seen)
+    if dist.get_rank() == 0:
+        os.remove(path)  # every rank has read it: the verdicts are in
+    blind = sorted({machines[rank] for rank, ok in enumerate(verdicts) if not ok})
+    if blind:
+        raise ConfigError(f"--output_dir {output_dir!r} is not one directory on every machine: "
+                          f"{', '.join(blind[:MACHINES_NAMED])} cannot read what rank 0 wrote there. Checkpoints "
+                          "and resuming need a filesystem every machine shares (NFS, Lustre, ...): give such a "
+                          "--output_dir.")
 
 
 def set_collective_timeout(minutes: float) -> None:

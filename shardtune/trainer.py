@@ -59,7 +59,13 @@ from shardtune.optimizers import make_optimizer
 from shardtune.packing import pack_rows
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.profiling import begin_phase, end_phase, phase, profile_memory, start_phases
-from shardtune.ranks import check_ranks_agree, launch_fingerprint, set_collective_timeout, watch_ranks
+from shardtune.ranks import (
+    check_output_dir_shared,
+    check_ranks_agree,
+    launch_fingerprint,
+    set_collective_timeout,
+    watch_ranks,
+)
 from shardtune.step import train_step
 from shardtune.tracking import log_metrics, log_samples, start_tracking, truncate_metrics
 
@@ -72,6 +78,7 @@ def train(recipe: Recipe, batching: BatchSizes, launch: LaunchDescription, resum
     stop = StopRequest()  # from the start: a signal during start-up still ends in a checkpoint and code 75
     accelerator = make_accelerator(recipe, batching, launch, log_with="wandb" if recipe.report_to == "wandb" else None)
     machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, batching, launch, start_step))
+    check_output_dir_shared(recipe.resolved_output_dir, machines)
     with watch_ranks(accelerator, recipe, machines), profile_memory(accelerator.process_index):
         exit_code = train_loop(accelerator, recipe, batching, launch, resume_path, start_step, stop)
     shut_down(accelerator)  # the wrappers, then the trackers and the process groups, once no rank watches
