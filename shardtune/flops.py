@@ -212,7 +212,8 @@ def resolve_model(model: str) -> ModelShape:
     return shape_from_config(config, name)
 
 
-def flops_per_token(shape: ModelShape, seq_len: int = DEFAULT_SEQ_LEN, recompute: bool = False) -> float:
+def flops_per_token(shape: ModelShape, seq_len: int = DEFAULT_SEQ_LEN, recompute: bool = False,
+                    adapters: int | None = None) -> float:
     """Training FLOPs per token, PaLM's definition (Chowdhery et al. 2022, appendix B).
 
     Model FLOPs: 6·N + 12·L·H·Q·T. N = non-embedding matmul parameters (input embedding excluded: a lookup;
@@ -221,11 +222,18 @@ def flops_per_token(shape: ModelShape, seq_len: int = DEFAULT_SEQ_LEN, recompute
     with L layers, H query heads, Q head dim, T sequence length; counted without causal-mask savings, as PaLM does.
 
     With `recompute=True` the hardware FLOPs (HFU) of full activation recomputation: the forward runs twice, so
-    8·N + 16·L·H·Q·T. MFU never counts recomputation; HFU does."""
+    8·N + 16·L·H·Q·T. MFU never counts recomputation; HFU does.
+
+    With a frozen base trained through `adapters` parameters (LoRA), the base's weights take no gradient: its
+    backward computes the inputs' gradients alone, 2 FLOPs per parameter and token, so 4·N (6·N with
+    recomputation), and 6 per adapter parameter (8 with recomputation); attention's backward is the same."""
     dense, attention = 6, 12
     if recompute:
         dense, attention = 8, 16
-    return dense * shape.non_embedding_matmul_params + attention * shape.layers * shape.heads * shape.head_dim * seq_len
+    attention_flops = attention * shape.layers * shape.heads * shape.head_dim * seq_len
+    if adapters is not None:
+        return (dense - 2) * shape.non_embedding_matmul_params + dense * adapters + attention_flops
+    return dense * shape.non_embedding_matmul_params + attention_flops
 
 
 def mfu(tokens_per_second_total: float, flops_per_token: float, num_gpus: int, peak: float) -> float:

@@ -64,9 +64,11 @@ class TrainMetrics:
     the first and the last loss logged, for the run's closing line."""
 
     def __init__(self, accelerator: Accelerator, batching: BatchSizes, steps_per_epoch: int, shape: ModelShape,
-                 peak_flops_per_gpu: float | None, loss_scaled: bool = False) -> None:
+                 peak_flops_per_gpu: float | None, loss_scaled: bool = False, adapters: int | None = None) -> None:
+        """`adapters`: the trainable parameters of a frozen base (LoRA), which MFU counts (flops_per_token)."""
         self.accelerator, self.batching, self.steps_per_epoch = accelerator, batching, steps_per_epoch
         self.shape, self.peak_flops_per_gpu, self.loss_scaled = shape, peak_flops_per_gpu, loss_scaled
+        self.adapters = adapters
         self._next_targets: torch.Tensor | None = None
         self.first_loss: float | None = None
         self.last_loss: float | None = None
@@ -130,7 +132,7 @@ class TrainMetrics:
         if self.loss_scaled:
             row["skipped_steps"] = self.skipped
         if self.peak_flops_per_gpu:  # MFU as PaLM defines it; T is the mean sequence length of the window
-            per_token = flops_per_token(self.shape, seq_len=round(tokens / self.counts["sequences"]))
+            per_token = flops_per_token(self.shape, round(tokens / self.counts["sequences"]), adapters=self.adapters)
             row["tflops_per_gpu"] = tokens / elapsed * per_token / world / 1e12
             row["mfu"] = mfu(tokens / elapsed, per_token, world, self.peak_flops_per_gpu)
         self.first_loss = row["loss"] if self.first_loss is None else self.first_loss

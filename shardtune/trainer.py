@@ -57,6 +57,7 @@ from shardtune.metrics import StepSummary, TrainMetrics
 from shardtune.model import enable_activation_offloading, load_model, load_tokenizer
 from shardtune.optimizers import make_optimizer
 from shardtune.packing import pack_rows
+from shardtune.plan.planned_run import recipe_peft
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.profiling import begin_phase, end_phase, phase, profile_memory, start_phases
 from shardtune.ranks import (
@@ -182,8 +183,10 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
     start(accelerator, recipe, batching, launch, run, resume_path, start_step)
     checkpointer = Checkpointer(accelerator, recipe,
                                 lambda path: add_model_files(accelerator, model, run.tokenizer, run.save_dtype, path))
+    peft = recipe_peft(recipe)
     metrics = TrainMetrics(accelerator, batching, run.steps_per_epoch, run.shape, device_peak_flops(accelerator),
-                           loss_scaled=recipe.mixed_precision == "fp16")
+                           loss_scaled=recipe.mixed_precision == "fp16",
+                           adapters=peft.trainable_params(run.shape) if peft else None)
     hooks = BackwardHooks(ModelStateProbe(model, run.optimizer), Fault.from_env(accelerator.process_index))
     start_phases(model, run.optimizer)  # SHARDTUNE_PROFILE_MEMORY: peaks per phase (shardtune.profiling)
 

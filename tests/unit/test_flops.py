@@ -22,6 +22,10 @@ def test_llama_8b_flops_per_token_by_hand():
     assert shape.non_embedding_matmul_params == n
     assert flops_per_token(shape, 4096) == 6 * n + attention == 51_470_401_536
     assert flops_per_token(shape, 4096, recompute=True) == 8 * n + 16 * 32 * 32 * 128 * 4096
+    # LoRA r=16 on every linear layer: the frozen base's weights take no gradient (forward 2, input gradients 2),
+    # the adapters every product (6)
+    adapters = 32 * 16 * (4096 + 4096 + 2 * (4096 + 1024) + 4096 + 4096 + 3 * (4096 + 14336))
+    assert flops_per_token(shape, 4096, adapters=adapters) == 4 * n + 6 * adapters + attention
 
 
 def test_design_note_70b_example_is_about_2_percent_not_3_5():

@@ -175,3 +175,14 @@ def test_a_window_leaves_out_the_saves_and_evals_it_paused_for(accelerator):
     assert row["step_time_s"] < 0.25 and row["tokens_per_second"] == pytest.approx(30 / row["step_time_s"])
     assert "skipped_steps" not in row  # only with a loss scaler
     assert 0 < row["peak_rss_gb"] * 1e9 < during - 150e6
+    # MFU of LoRA: the frozen base's flops_per_token, over the window's mean sequence length (30 / 4 tokens)
+    from shardtune.flops import flops_per_token
+
+    shape = resolve_model("llama-3.1-8b")
+    lora = TrainMetrics(accelerator, BatchSizes(1, 1, 1), 10, shape, 1e15, adapters=41_943_040)
+    summary = lora.after_step(StepOutput(torch.tensor(1.5), torch.tensor(2.0), lr=1e-3),
+                              StepBatch([], counts, next_targets=10), stop_requested=False)
+    row = lora.window(1, summary, lr=1e-3)
+    assert row["mfu"] == pytest.approx(row["tokens_per_second"] * flops_per_token(shape, 8, adapters=41_943_040)
+                                       / 1e15)
+    assert flops_per_token(shape, 8, adapters=41_943_040) < 0.7 * flops_per_token(shape, 8)
