@@ -73,9 +73,10 @@ def summarize(rows: list[dict], warmup: int) -> dict:
         "tokens_per_second_per_device": statistics.mean(row["tokens_per_second_per_device"] for row in timed),
         "step_time_s": statistics.median(row["step_time_s"] for row in timed),
     }
-    for key in ("mfu", "tflops_per_gpu", "peak_memory_gb", "peak_rss_gb"):
+    for key in ("mfu", "tflops_per_gpu", "peak_memory_gb", "peak_rss_gb"):  # each window logs its own peak
         if key in timed[-1]:
-            summary[key] = timed[-1][key] if key.startswith("peak") else statistics.mean(row[key] for row in timed)
+            values = [row[key] for row in rows if key in row]
+            summary[key] = max(values) if key.startswith("peak") else statistics.mean(row[key] for row in timed)
     return summary
 
 

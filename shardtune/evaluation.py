@@ -69,15 +69,30 @@ def head_statistics(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: d
     return computed[0]  # not the forward's output: FSDP2's output cast would round it to bf16
 
 
+def plain_head(unwrapped: torch.nn.Module) -> bool:
+    """Whether the LM head is a bare linear layer whose output is the logits: not one with a LoRA adapter (peft's
+    layer reads its base weight as `.weight`), nor a model that scales or caps its logits after it."""
+    config = unwrapped.config
+    return type(unwrapped.get_output_embeddings()) is torch.nn.Linear and \
+        getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", 1.0) == 1.0
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
-    """Mean loss and next-token accuracy over every target token of the held-out split, all ranks together."""
+    """Mean loss and next-token accuracy over every target token of the held-out split, all ranks together. A head
+    that is not plain_head runs its own forward: the statistics come from its full logits, a chunk at a time."""
     model.eval()
     unwrapped = accelerator.unwrap_model(model)
+    in_head = plain_head(unwrapped)
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, targets, correct
     for batch in loader:
         batch.pop(COUNTS)
-        per_row = head_statistics(model, unwrapped, batch)
+        if in_head:
+            per_row = head_statistics(model, unwrapped, batch)
+        else:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            per_row = row_statistics(logits, batch["labels"])
+            del logits
         totals += accelerator.gather_for_metrics(per_row).sum(0)  # drops the rows padded in for even batches
     model.train()
     loss_sum, targets, correct = totals.tolist()

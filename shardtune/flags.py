@@ -79,8 +79,8 @@ def parse_flags(recipe: Recipe, argv: list[str] | None = None) -> tuple[Recipe, 
     args = sys.argv[1:] if argv is None else argv
     overridden, aliases, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
     problems = unknown_argument_problems(unknown)
-    for apply in (apply_precision_alias, apply_warmup_steps, apply_accumulation_steps, check_checkpointing_kwargs,
-                  check_given_flags_act):
+    for apply in (apply_precision_alias, apply_warmup_steps, apply_constant_schedule, apply_accumulation_steps,
+                  check_checkpointing_kwargs, check_given_flags_act):
         try:
             overridden = apply(overridden, aliases, args) or overridden
         except ConfigError as error:
@@ -145,6 +145,15 @@ def apply_warmup_steps(recipe: Recipe, aliases: argparse.Namespace, args: Sequen
     (schedule.check_schedule), as it would be ambiguous which one the scheduler follows."""
     if recipe.warmup_steps > 0 and given(args, "--warmup_steps") and not given(args, "--warmup_ratio"):
         return dataclasses.replace(recipe, warmup_ratio=0.0)
+    return None
+
+
+def apply_constant_schedule(recipe: Recipe, aliases: argparse.Namespace, args: Sequence[str]) -> Recipe | None:
+    """`--lr_scheduler_type constant` on the command line drops the recipe's warm-up, which that schedule has
+    none of; a warm-up given beside it is refused (schedule.check_schedule)."""
+    if recipe.lr_scheduler_type == "constant" and given(args, "--lr_scheduler_type") and not any(
+            given(args, flag) for flag in ("--warmup_ratio", "--warmup_steps")):
+        return dataclasses.replace(recipe, warmup_ratio=0.0, warmup_steps=0)
     return None
 
 

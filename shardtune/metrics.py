@@ -9,6 +9,7 @@ that the previous step's reduce brought (the first step reduces its own), `after
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,10 @@ from shardtune.flops import ModelShape, flops_per_token, mfu
 from shardtune.memory import peak_memory_gb, reset_phase_peak
 from shardtune.step import StepOutput
 
+# Loss-scale overflows in a row after which a run stops as non-finite: from torch's initial scale (2^16) that many
+# halvings reach 2^-16.
+MAX_SKIPPED_IN_A_ROW = 32
+
 
 @dataclass(frozen=True)
 class StepSummary:
@@ -33,6 +38,7 @@ class StepSummary:
     loss: float
     grad_norm: float
     skipped: bool = False  # a loss scaler's overflow: the optimizer did not step
+    skipped_in_a_row: int = 0
 
 
 def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main_process: bool,
@@ -70,6 +76,7 @@ class TrainMetrics:
         self.shape, self.peak_flops_per_gpu, self.loss_scaled = shape, peak_flops_per_gpu, loss_scaled
         self.adapters = adapters
         self._next_targets: torch.Tensor | None = None
+        self.skipped_in_a_row = 0
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self._reset()
@@ -85,18 +92,23 @@ class TrainMetrics:
     def _reset(self) -> None:
         self.started, self.paused_s, self.steps, self.skipped, self.loss = time.perf_counter(), 0.0, 0, 0, 0.0
         self.counts = dict.fromkeys(COUNT_KEYS, 0.0)
+        self.peaks: list[dict[str, float]] = []  # the window's peak before each pause
         reset_phase_peak(self.accelerator.device)  # each window logs its own peak
 
     @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Time and memory that are not training's (a checkpoint save, an eval): left out of the window's time,
-        and its peak memory starts again after them (they log their own)."""
-        started = time.perf_counter()
+    def paused(self) -> Iterator[dict[str, float]]:
+        """Time and memory that are not training's (a checkpoint save, an eval): left out of the window's time and
+        peak. Yields the pause's own peak (peak_memory_gb's keys), filled in as it ends."""
+        device, started = self.accelerator.device, time.perf_counter()
+        self.peaks.append(peak_memory_gb(device))
+        reset_phase_peak(device)
+        measured: dict[str, float] = {}
         try:
-            yield
+            yield measured
         finally:
             self.paused_s += time.perf_counter() - started
-            reset_phase_peak(self.accelerator.device)
+            measured.update(peak_memory_gb(device))
+            reset_phase_peak(device)
 
     def after_step(self, out: StepOutput, batch: StepBatch, stop_requested: bool) -> StepSummary:
         vector = step_vector(out, batch, stop_requested, self.accelerator.is_main_process, self.loss_scaled)
@@ -105,10 +117,14 @@ class TrainMetrics:
         non_finite, stop, skipped, loss, grad_norm, *counts, _ = summed.tolist()  # the step's one device-to-host sync
         self.steps += 1
         self.skipped += skipped > 0
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped > 0 else 0
         self.loss += loss
         for key, value in zip(COUNT_KEYS, counts, strict=True):
             self.counts[key] += value
-        return StepSummary(non_finite > 0, stop > 0, loss, grad_norm, skipped > 0)
+        # A scaler halves its scale at each overflow: so many in a row are gradients that are not finite at any
+        # scale, which torch's GradScaler would skip forever (DeepSpeed's stops at its minimum scale).
+        non_finite = non_finite > 0 or self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW
+        return StepSummary(non_finite, stop > 0, loss, grad_norm, skipped > 0, self.skipped_in_a_row)
 
     def window(self, step: int, last: StepSummary, lr: float) -> dict[str, float]:
         """The row logged at `step`, over the steps since the previous one; starts the next window. With a loss
@@ -127,8 +143,11 @@ class TrainMetrics:
             "tokens_per_step": tokens / self.steps,
             "step_time_s": elapsed / self.steps,
             "epoch": step / self.steps_per_epoch,
-            **peak_memory_gb(self.accelerator.device),
+            **{name: max([value, *(peak[name] for peak in self.peaks)])
+               for name, value in peak_memory_gb(self.accelerator.device).items()},
         }
+        if not math.isfinite(row["grad_norm"]):  # the last step overflowed under a loss scaler (or had no norm):
+            del row["grad_norm"]  # metrics.jsonl stays JSON, which has no inf or NaN
         if self.loss_scaled:
             row["skipped_steps"] = self.skipped
         if self.peak_flops_per_gpu:  # MFU as PaLM defines it; T is the mean sequence length of the window

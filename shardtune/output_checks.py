@@ -19,9 +19,9 @@ def check_checkpoints(recipe: Recipe) -> None:
     if recipe.save_only_model and recipe.use_peft:
         raise ConfigError("--save_only_model true is for full fine-tuning; a LoRA checkpoint's optimizer states are "
                           "small: drop --save_only_model true.")
-    if resume and recipe.overwrite_output_dir:
-        raise ConfigError(f"--overwrite_output_dir true would delete the run --resume_from_checkpoint {resume} "
-                          "resumes: give one of them.")
+    if resume and resume != "auto" and recipe.overwrite_output_dir:  # `auto` with it: resume, else start afresh
+        raise ConfigError(f"--overwrite_output_dir true would be ignored: a run resumed from {resume!r} keeps "
+                          "--output_dir as it is. Drop one of them.")
     if resume and resume != "auto" and not os.path.isdir(resume):
         raise ConfigError(f"--resume_from_checkpoint {resume!r} is not a directory: give a checkpoint "
                           "(<output_dir>/checkpoint-<step>), or `auto` for the newest complete one in --output_dir.")

@@ -3,6 +3,7 @@ bounded time, and stop together when one of them dies, with a message that names
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -34,6 +35,9 @@ LAUNCH_PREFIXES = ("ACCELERATE_USE_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_MIXED
 PER_MACHINE_KEYS = ("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
                     "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH")
 MACHINES_NAMED = 3  # per differing value: enough to find them, short at 128 machines
+# How long a rank looks for the file rank 0 wrote in --output_dir: longer than NFS's default attribute-cache time for
+# a directory (acdirmax, 60 s), which may remember that the directory did not exist.
+SHARED_DIR_PATIENCE_S = 90.0
 
 
 def machine_of_rank() -> str:
@@ -115,29 +119,41 @@ def check_ranks_agree(accelerator: Accelerator, fingerprint: dict[str, str]) -> 
     )
 
 
-def check_output_dir_shared(output_dir: str, machines: list[str]) -> None:
+def check_output_dir_shared(output_dir: str, machines: list[str], patience_s: float = SHARED_DIR_PATIENCE_S) -> None:
     """On several machines, --output_dir must be one directory that every machine sees: each rank writes its shard
     of a checkpoint there and rank 0 marks the checkpoint complete after checking every file, and `auto` resumes
-    from what it finds there. Rank 0 writes a file of a name never looked up before (so that no cached negative
-    lookup on NFS hides it), fsynced, before the broadcast of its name; every rank must then read it. Every rank
-    raises the same ConfigError, naming the machines that cannot."""
+    from what it finds there. Rank 0 writes a file of a name never looked up before, fsynced, before the broadcast
+    of its name; every rank must then read it, and looks again for `patience_s` (an NFS client may remember, for
+    its attribute-cache time, that the directory did not exist when the start-up checks looked). Every rank raises
+    the same ConfigError, naming the machines that cannot."""
     if not dist.is_initialized() or len(set(machines)) < 2:
         return
-    names = [None]
+    message = [None]
     if dist.get_rank() == 0:
-        os.makedirs(output_dir, exist_ok=True)
-        names = [f".shardtune-shared-{uuid.uuid4().hex}"]
-        with open(os.path.join(output_dir, names[0]), "w") as file:
-            file.write(names[0])
-            file.flush()
-            os.fsync(file.fileno())
-    dist.broadcast_object_list(names, src=0)
-    path = os.path.join(output_dir, names[0])
-    try:
-        with open(path) as file:
-            seen = file.read() == names[0]
-    except OSError:
-        seen = False
+        message = [f".shardtune-shared-{uuid.uuid4().hex}"]
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            with open(os.path.join(output_dir, message[0]), "w") as file:
+                file.write(message[0])
+                file.flush()
+                os.fsync(file.fileno())
+        except OSError as error:  # every rank must hear of it, not wait in the broadcast
+            message = [f"error: rank 0 cannot write to --output_dir {output_dir!r}: {error}"]
+    dist.broadcast_object_list(message, src=0)
+    if message[0].startswith("error: "):
+        raise ConfigError(message[0][len("error: "):])
+    path = os.path.join(output_dir, message[0])
+    seen, deadline = False, time.monotonic() + patience_s
+    while not seen:
+        try:
+            with open(path) as file:
+                seen = file.read() == message[0]
+        except OSError:
+            if time.monotonic() > deadline:
+                break
+            with contextlib.suppress(OSError):
+                os.listdir(os.path.dirname(os.path.abspath(output_dir)))  # asks the server again
+            time.sleep(1.0)
     verdicts = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, seen)
     if dist.get_rank() == 0:

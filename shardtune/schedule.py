@@ -5,10 +5,12 @@ anything loads."""
 from __future__ import annotations
 
 import json
-
-import torch
+from typing import TYPE_CHECKING
 
 from shardtune.config import ConfigError, Recipe
+
+if TYPE_CHECKING:  # the checks import this module before anything heavy
+    import torch
 
 # The arguments of each of transformers' schedule functions beyond the optimizer, the warm-up and the step count
 # (transformers.optimization get_*_schedule*; tests/unit/test_schedule.py reads them from its signatures).

@@ -60,7 +60,8 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
                 after_backward(index)
     grad_norm = global_grad_norm(accelerator, model, max_grad_norm)  # only on the update
     optimizer.step()
-    scheduler.step()
+    if not accelerator.optimizer_step_was_skipped:  # a loss scaler's overflow (a host flag): the schedule waits too,
+        scheduler.step()  # as in transformers' Trainer
     optimizer.zero_grad()
     return StepOutput(loss=loss_sum, grad_norm=norm_on_device(grad_norm, device), lr=lr)
 

@@ -53,7 +53,7 @@ from shardtune.memory import (
     reset_phase_peak,
     rss_bytes,
 )
-from shardtune.metrics import StepSummary, TrainMetrics
+from shardtune.metrics import MAX_SKIPPED_IN_A_ROW, StepSummary, TrainMetrics
 from shardtune.model import enable_activation_offloading, load_model, load_tokenizer
 from shardtune.optimizers import make_optimizer
 from shardtune.packing import pack_rows
@@ -216,9 +216,12 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
             log_window(accelerator, output_dir, step, row, progress)
         if summary.stop_requested:
             return save_and_stop(accelerator, checkpointer, step)
-        with metrics.paused():  # tokens/s and the window's peak are training's
-            checkpointer.after_step(step, run.max_steps)  # every --save_steps and the last; polls an async save
-            if recipe.eval_steps and step % recipe.eval_steps == 0 and step < run.max_steps:
+        with metrics.paused() as saving:  # tokens/s and the window's peak are training's
+            saved = checkpointer.after_step(step, run.max_steps)  # every --save_steps and the last; polls
+        if saved:
+            log_metrics(accelerator, output_dir, step, {f"checkpoint_{name}": gb for name, gb in saving.items()})
+        if recipe.eval_steps and step % recipe.eval_steps == 0 and step < run.max_steps:
+            with metrics.paused():  # the eval logs its own peak
                 log_eval(accelerator, run, output_dir, step)
     return finish(accelerator, recipe, run, checkpointer, metrics)
 
@@ -256,6 +259,8 @@ def device_peak_flops(accelerator: Accelerator) -> float | None:
 
 def refuse_non_finite(accelerator: Accelerator, step: int, summary: StepSummary, loss_scaled: bool) -> int:
     what = "loss" if loss_scaled else "loss or gradient norm"  # a loss scaler skips the steps of infinite norms
+    if summary.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+        what = f"gradient norm at {summary.skipped_in_a_row} steps in a row, whatever the loss scale, ending"
     accelerator.print(f"shardtune: error: non-finite {what} at step {step} "
                       f"(loss {summary.loss}, grad norm {summary.grad_norm}); nothing saved from this "
                       "state. Lower --learning_rate or resume from the last checkpoint.")

@@ -227,6 +227,8 @@ def launch_command(chosen: MemoryPlan, recipe: str) -> str:
             f"{chosen.micro_batch} --gradient_checkpointing {str(chosen.gradient_checkpointing).lower()}"
             + (f" --gradient_checkpointing_mode {chosen.gradient_checkpointing_mode}"
                if chosen.gradient_checkpointing else "")
+            + (f" --gradient_checkpointing_interval {chosen.gradient_checkpointing_interval}"
+               if chosen.gradient_checkpointing and chosen.gradient_checkpointing_interval > 1 else "")
             + f" --optim {chosen.optim} --bf16_stochastic_round {str(chosen.bf16_stochastic_round).lower()}"
             + (" --mixed_precision fp8" if chosen.mixed_precision == "fp8" else ""))
 

@@ -20,7 +20,9 @@ from tests.conftest import (
 )
 from tests.launch.test_memory_phases import measured_peaks
 
-NEUTRAL_RTOL = 0.01  # the allocator's rounding of the same tensors in two runs
+# The allocator's rounding of the same tensors in two runs, and the save phase's timing: the eager reference run's
+# save peak measured 1,026,196 bytes in one suite and 1,009,812 in another (1.6%).
+NEUTRAL_RTOL = 0.02
 
 COMPILE_ARGS = ("--torch_compile", "true", "--torch_compile_backend", "aot_eager", "--save_steps", "0")
 # (config, arguments over the plain run's, the plain run's fixture)

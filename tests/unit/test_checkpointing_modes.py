@@ -251,5 +251,8 @@ def test_planner_plans_the_checkpointing_interval(capsys):
     assert every["per_gpu"]["total"] < fourth["per_gpu"]["total"] < none["per_gpu"]["total"]
     main([*args[:-1], "--gradient_checkpointing_interval", "4"])
     assert "checkpointing on (every 4th layer)" in capsys.readouterr().out
+    main(["--model", "llama-3.1-8b", "--gradient_checkpointing", "true", "--gradient_checkpointing_interval", "2"])
+    launch = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Launch:"))
+    assert "--gradient_checkpointing_interval 2" in launch  # the recommendation's launch line keeps it
     assert main([*args, "--gradient_checkpointing", "false", "--gradient_checkpointing_interval", "2"]) == 2
     assert "--gradient_checkpointing_interval 2 chooses which layers are checkpointed" in capsys.readouterr().err

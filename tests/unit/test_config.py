@@ -21,6 +21,13 @@ def test_command_line_overrides_recipe_values():
     assert overridden.resolved_output_dir == "outputs/x"
 
 
+def test_a_constant_schedule_given_alone_drops_the_recipes_warm_up():
+    recipe = Recipe(warmup_ratio=0.03)
+    constant = parse_recipe(recipe, ["--lr_scheduler_type", "constant"])
+    assert (constant.warmup_ratio, constant.warmup_steps) == (0.0, 0)
+    assert parse_recipe(recipe, ["--lr_scheduler_type", "constant", "--warmup_ratio", "0.1"]).warmup_ratio == 0.1
+
+
 def test_accumulation_given_alone_replaces_the_recipes_global_batch():
     """As --warmup_steps replaces a recipe's warm-up ratio: --gradient_accumulation_steps alone sets the global
     batch; given with --global_batch_size, the two must agree."""

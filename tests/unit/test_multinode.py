@@ -29,7 +29,7 @@ from shardtune.ranks import check_output_dir_shared
 rank, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 try:
-    check_output_dir_shared(folder, ["machine 0 (a)", "machine 1 (b)"])
+    check_output_dir_shared(folder, ["machine 0 (a)", "machine 1 (b)"], patience_s=2.0)
     print("ok")
 except ConfigError as error:
     print(error)

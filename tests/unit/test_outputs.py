@@ -166,7 +166,7 @@ def test_a_window_leaves_out_the_saves_and_evals_it_paused_for(accelerator):
     counts = {"targets": 10, "tokens": 30, "processed": 40, "sequences": 4}
     summary = metrics.after_step(StepOutput(torch.tensor(1.5), torch.tensor(2.0), lr=1e-3),
                                  StepBatch([], counts, next_targets=10), stop_requested=False)
-    with metrics.paused():
+    with metrics.paused() as pause:
         time.sleep(0.5)
         held = torch.ones(200_000_000, dtype=torch.uint8)  # 200 MB resident while paused, returned when freed
         during = rss_bytes()
@@ -175,6 +175,7 @@ def test_a_window_leaves_out_the_saves_and_evals_it_paused_for(accelerator):
     assert row["step_time_s"] < 0.25 and row["tokens_per_second"] == pytest.approx(30 / row["step_time_s"])
     assert "skipped_steps" not in row  # only with a loss scaler
     assert 0 < row["peak_rss_gb"] * 1e9 < during - 150e6
+    assert pause["peak_rss_gb"] * 1e9 > during - 10e6  # the pause's own, which a checkpoint save logs
     # MFU of LoRA: the frozen base's flops_per_token, over the window's mean sequence length (30 / 4 tokens)
     from shardtune.flops import flops_per_token
 
@@ -186,3 +187,29 @@ def test_a_window_leaves_out_the_saves_and_evals_it_paused_for(accelerator):
     assert row["mfu"] == pytest.approx(row["tokens_per_second"] * flops_per_token(shape, 8, adapters=41_943_040)
                                        / 1e15)
     assert flops_per_token(shape, 8, adapters=41_943_040) < 0.7 * flops_per_token(shape, 8)
+
+
+def test_overflows_without_end_stop_an_fp16_run(accelerator):
+    """Each overflow under a loss scaler is a skipped step; MAX_SKIPPED_IN_A_ROW of them in a row are gradients no
+    scale makes finite (torch's GradScaler would skip forever), and stop the run; a finite step starts the count
+    again."""
+    from shardtune.batches import StepBatch
+    from shardtune.config import BatchSizes
+    from shardtune.metrics import MAX_SKIPPED_IN_A_ROW, TrainMetrics
+    from shardtune.step import StepOutput
+
+    metrics = TrainMetrics(accelerator, BatchSizes(1, 1, 1), 10, resolve_model("llama-3.1-8b"), None,
+                           loss_scaled=True)
+    counts = {"targets": 10, "tokens": 30, "processed": 40, "sequences": 4}
+
+    def step(norm: float):
+        return metrics.after_step(StepOutput(torch.tensor(1.5), torch.tensor(norm), lr=1e-3),
+                                  StepBatch([], counts, next_targets=10), stop_requested=False)
+
+    assert [step(float("inf")).non_finite for _ in range(3)] == [False] * 3
+    assert not step(2.0).skipped and metrics.skipped_in_a_row == 0
+    verdicts = [step(float("inf")).non_finite for _ in range(MAX_SKIPPED_IN_A_ROW)]
+    assert verdicts == [False] * (MAX_SKIPPED_IN_A_ROW - 1) + [True]
+    row = metrics.window(36, step(2.0), lr=1e-3)
+    assert row["skipped_steps"] == 3 + MAX_SKIPPED_IN_A_ROW and row["grad_norm"] == 2.0
+    assert "grad_norm" not in metrics.window(37, step(float("inf")), lr=1e-3)  # JSON has no inf

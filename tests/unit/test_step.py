@@ -247,6 +247,33 @@ def test_eval_statistics_come_from_the_head_a_chunk_at_a_time(precision):
     AcceleratorState._reset_state(True)
 
 
+def test_eval_of_a_head_with_an_adapter_reads_its_full_logits():
+    """A LoRA adapter on lm_head (allowed with --chunked_cross_entropy false) is part of the logits: head_statistics
+    would read the base weight alone, so evaluate takes the model's own logits there (plain_head)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from shardtune.evaluation import evaluate, plain_head
+    from shardtune.tiny import tiny_llama_config
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(tiny_llama_config(500))
+    assert plain_head(base)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False))
+    assert not plain_head(model)
+    input_ids = torch.randint(3, 500, (2, 20))
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
+    with torch.no_grad():
+        expected = row_statistics(model(input_ids=input_ids).logits, batch["labels"]).sum(0)
+        adapterless = head_statistics(model, model, batch).sum(0)
+    result = evaluate(model, [{**batch, COUNTS: {}}], accelerator)
+    assert result["eval_loss"] == pytest.approx((expected[0] / expected[1]).item(), rel=1e-6)
+    assert abs(adapterless[0] - expected[0]) > 1e-3 * expected[0]  # the adapter counts
+    AcceleratorState._reset_state(True)
+
+
 @pytest.mark.parametrize(("attn", "packing", "on_gpu", "message"), [
     ("flash_attn_2", False, True, "--attn_implementation 'flash_attn_2' is unknown"),
     ("flash_attention_2", False, False, "runs on CUDA GPUs only"),
