@@ -70,10 +70,11 @@ def head_statistics(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: d
 
 
 def plain_head(unwrapped: torch.nn.Module) -> bool:
-    """Whether the LM head is a bare linear layer whose output is the logits: not one with a LoRA adapter (peft's
-    layer reads its base weight as `.weight`), nor a model that scales or caps its logits after it."""
-    config = unwrapped.config
-    return type(unwrapped.get_output_embeddings()) is torch.nn.Linear and \
+    """Whether the LM head is a linear layer whose output is the logits: torch's Linear forward (FSDP2's
+    fully_shard makes it an FSDPLinear subclass with that forward), not one with a LoRA adapter (peft's layer
+    reads its base weight as `.weight`), nor a model that scales or caps its logits after it."""
+    config, head = unwrapped.config, unwrapped.get_output_embeddings()
+    return isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward and \
         getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", 1.0) == 1.0
 
 

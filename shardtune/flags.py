@@ -150,11 +150,11 @@ def apply_warmup_steps(recipe: Recipe, aliases: argparse.Namespace, args: Sequen
 
 def apply_constant_schedule(recipe: Recipe, aliases: argparse.Namespace, args: Sequence[str]) -> Recipe | None:
     """`--lr_scheduler_type constant` on the command line drops the recipe's warm-up, which that schedule has
-    none of; a warm-up given beside it is refused (schedule.check_schedule)."""
-    if recipe.lr_scheduler_type == "constant" and given(args, "--lr_scheduler_type") and not any(
-            given(args, flag) for flag in ("--warmup_ratio", "--warmup_steps")):
-        return dataclasses.replace(recipe, warmup_ratio=0.0, warmup_steps=0)
-    return None
+    none of; a warm-up given beside it stays, and is refused if it is one (schedule.check_schedule)."""
+    if recipe.lr_scheduler_type != "constant" or not given(args, "--lr_scheduler_type"):
+        return None
+    return dataclasses.replace(recipe, **{name: none for name, none in (("warmup_ratio", 0.0), ("warmup_steps", 0))
+                                          if not given(args, f"--{name}")})
 
 
 def apply_accumulation_steps(recipe: Recipe, aliases: argparse.Namespace, args: Sequence[str]) -> Recipe | None:

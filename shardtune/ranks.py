@@ -143,27 +143,30 @@ def check_output_dir_shared(output_dir: str, machines: list[str], patience_s: fl
     if message[0].startswith("error: "):
         raise ConfigError(message[0][len("error: "):])
     path = os.path.join(output_dir, message[0])
-    seen, deadline = False, time.monotonic() + patience_s
-    while not seen:
-        try:
-            with open(path) as file:
-                seen = file.read() == message[0]
-        except OSError:
-            if time.monotonic() > deadline:
-                break
-            with contextlib.suppress(OSError):
-                os.listdir(os.path.dirname(os.path.abspath(output_dir)))  # asks the server again
-            time.sleep(1.0)
+    deadline = time.monotonic() + patience_s
+    while not (seen := read_text(path) == message[0]) and time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            os.listdir(os.path.dirname(os.path.abspath(output_dir)))  # asks the server again
+        time.sleep(1.0)
     verdicts = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, seen)
     if dist.get_rank() == 0:
-        os.remove(path)  # every rank has read it: the verdicts are in
+        with contextlib.suppress(OSError):
+            os.remove(path)  # every rank has read it: the verdicts are in
     blind = sorted({machines[rank] for rank, ok in enumerate(verdicts) if not ok})
     if blind:
         raise ConfigError(f"--output_dir {output_dir!r} is not one directory on every machine: "
                           f"{', '.join(blind[:MACHINES_NAMED])} cannot read what rank 0 wrote there. Checkpoints "
                           "and resuming need a filesystem every machine shares (NFS, Lustre, ...): give such a "
                           "--output_dir.")
+
+
+def read_text(path: str) -> str | None:
+    try:
+        with open(path) as file:
+            return file.read()
+    except OSError:
+        return None
 
 
 def set_collective_timeout(minutes: float) -> None:

@@ -61,6 +61,7 @@ from shardtune.plan.planned_run import recipe_peft
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.profiling import begin_phase, end_phase, phase, profile_memory, start_phases
 from shardtune.ranks import (
+    SHARED_DIR_PATIENCE_S,
     check_output_dir_shared,
     check_ranks_agree,
     launch_fingerprint,
@@ -79,7 +80,9 @@ def train(recipe: Recipe, batching: BatchSizes, launch: LaunchDescription, resum
     stop = StopRequest()  # from the start: a signal during start-up still ends in a checkpoint and code 75
     accelerator = make_accelerator(recipe, batching, launch, log_with="wandb" if recipe.report_to == "wandb" else None)
     machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, batching, launch, start_step))
-    check_output_dir_shared(recipe.resolved_output_dir, machines)
+    # within the start-up collective timeout, so that every rank reaches the verdicts' all-gather
+    check_output_dir_shared(recipe.resolved_output_dir, machines,
+                            min(SHARED_DIR_PATIENCE_S, recipe.startup_timeout_minutes * 60 / 2))
     with watch_ranks(accelerator, recipe, machines), profile_memory(accelerator.process_index):
         exit_code = train_loop(accelerator, recipe, batching, launch, resume_path, start_step, stop)
     shut_down(accelerator)  # the wrappers, then the trackers and the process groups, once no rank watches

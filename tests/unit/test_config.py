@@ -10,6 +10,7 @@ from shardtune.checks import batch_sizes, validate
 from shardtune.config import LR_SCHEDULERS, BatchSizes, ConfigError, Recipe
 from shardtune.flags import parse_recipe
 from shardtune.launch import LaunchDescription
+from shardtune.schedule import check_schedule
 
 
 def test_command_line_overrides_recipe_values():
@@ -26,6 +27,9 @@ def test_a_constant_schedule_given_alone_drops_the_recipes_warm_up():
     constant = parse_recipe(recipe, ["--lr_scheduler_type", "constant"])
     assert (constant.warmup_ratio, constant.warmup_steps) == (0.0, 0)
     assert parse_recipe(recipe, ["--lr_scheduler_type", "constant", "--warmup_ratio", "0.1"]).warmup_ratio == 0.1
+    no_warmup = parse_recipe(recipe, ["--lr_scheduler_type", "constant", "--warmup_steps", "0"])
+    assert (no_warmup.warmup_ratio, no_warmup.warmup_steps) == (0.0, 0)
+    check_schedule(no_warmup)
 
 
 def test_accumulation_given_alone_replaces_the_recipes_global_batch():

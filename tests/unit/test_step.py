@@ -247,6 +247,32 @@ def test_eval_statistics_come_from_the_head_a_chunk_at_a_time(precision):
     AcceleratorState._reset_state(True)
 
 
+def test_an_fsdp2_sharded_head_is_a_plain_head():
+    """fully_shard turns lm_head into an FSDPLinear subclass whose forward is Linear's: still computed in chunks
+    (type() is nn.Linear was False there, and every FSDP eval took the full logits). One rank over gloo, in a
+    process of its own."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, free_port
+
+    code = f"""
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaForCausalLM
+from shardtune.evaluation import plain_head
+from shardtune.tiny import tiny_llama_config
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+model = LlamaForCausalLM(tiny_llama_config(100))
+fully_shard([model.model.norm, model.lm_head])
+fully_shard(model)
+print(type(model.lm_head).__name__, plain_head(model))
+dist.destroy_process_group()
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.stdout.split()[-2:] == ["FSDPLinear", "True"], result.stderr[-2000:]
+
+
 def test_eval_of_a_head_with_an_adapter_reads_its_full_logits():
     """A LoRA adapter on lm_head (allowed with --chunked_cross_entropy false) is part of the logits: head_statistics
     would read the base weight alone, so evaluate takes the model's own logits there (plain_head)."""
