@@ -188,7 +188,8 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
                                 lambda path: add_model_files(accelerator, model, run.tokenizer, run.save_dtype, path))
     peft = recipe_peft(recipe)
     metrics = TrainMetrics(accelerator, batching, run.steps_per_epoch, run.shape, device_peak_flops(accelerator),
-                           loss_scaled=recipe.mixed_precision == "fp16",
+                           # a DeepSpeed JSON's own fp16 setting wins over the recipe's precision
+                           loss_scaled=launch.strategy(recipe.mixed_precision).mixed_precision == "fp16",
                            adapters=peft.trainable_params(run.shape) if peft else None)
     hooks = BackwardHooks(ModelStateProbe(model, run.optimizer), Fault.from_env(accelerator.process_index))
     start_phases(model, run.optimizer)  # SHARDTUNE_PROFILE_MEMORY: peaks per phase (shardtune.profiling)

@@ -8,18 +8,22 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from tests.conftest import read_metrics, run_recipe, tiny_deepspeed_json
 
 
-def test_fp16_overflows_are_skipped_steps_not_a_stop(tiny_assets, tmp_path):
+@pytest.mark.parametrize(("enabled", "precision"), [("auto", "fp16"), (True, "no")])
+def test_fp16_overflows_are_skipped_steps_not_a_stop(enabled, precision, tiny_assets, tmp_path):
+    """fp16 from the recipe (the JSON's "auto"), or from the JSON itself, which wins over the recipe's."""
     settings = json.loads(tiny_deepspeed_json("ds_zero2").read_text())
     # 2**30 times a gradient of order 1 / targets overflows fp16 (65,504); one overflow halves the scale.
-    settings["fp16"] = {"enabled": "auto", "initial_scale_power": 30, "hysteresis": 1}
+    settings["fp16"] = {"enabled": enabled, "initial_scale_power": 30, "hysteresis": 1}
     config = tmp_path / "zero2_fp16.json"
     config.write_text(json.dumps(settings))
     output_dir = tmp_path / "out"
     result = run_recipe(output_dir, tiny_assets, "--max_steps", "24", "--save_steps", "0", "--logging_steps", "1",
-                        "--mixed_precision", "fp16", "--eval_steps", "0", "--warmup_ratio", "0", config="ds_zero2",
+                        "--mixed_precision", precision, "--eval_steps", "0", "--warmup_ratio", "0", config="ds_zero2",
                         processes=1, launch_args=("--deepspeed_config_file", str(config)), check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [row for row in read_metrics(output_dir) if "loss" in row]
