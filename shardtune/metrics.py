@@ -37,8 +37,7 @@ class StepSummary:
     stop_requested: bool
     loss: float
     grad_norm: float
-    skipped: bool = False  # a loss scaler's overflow: the optimizer did not step
-    skipped_in_a_row: int = 0
+    skipped_in_a_row: int = 0  # a loss scaler's overflows up to this step: the optimizer did not step
 
 
 def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main_process: bool,
@@ -50,19 +49,25 @@ def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main
     GradScaler and DeepSpeed's do: counted as skipped, not as an error; a non-finite loss still is one."""
     device = out.loss.device
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    norm = out.grad_norm if out.grad_norm is not None else torch.full((), float("nan"), device=device)
-    finite_norm = torch.isfinite(norm) if out.grad_norm is not None else torch.ones((), dtype=torch.bool,
-                                                                                       device=device)
-    non_finite = ~torch.isfinite(out.loss) if loss_scaled else ~(torch.isfinite(out.loss) & finite_norm)
+    if out.grad_norm is None:  # a strategy that computes none: nothing to check, NaN logged
+        norm, overflow = torch.full((), float("nan"), device=device), zero
+    else:
+        norm, overflow = out.grad_norm, (~torch.isfinite(out.grad_norm)).to(torch.float64)
+    non_finite = (~torch.isfinite(out.loss)).to(torch.float64)
     return torch.stack([
-        non_finite.to(torch.float64),
+        non_finite if loss_scaled else torch.maximum(non_finite, overflow),
         torch.full((), float(stop_requested), dtype=torch.float64, device=device),
-        (~finite_norm).to(torch.float64) if loss_scaled else zero,
+        overflow if loss_scaled else zero,
         out.loss.to(torch.float64),
         norm.to(torch.float64) if is_main_process else zero,  # not inf x 0: that would sum to NaN
         *(torch.full((), float(batch.counts[key]), dtype=torch.float64, device=device) for key in COUNT_KEYS),
         torch.full((), float(batch.next_targets), dtype=torch.float64, device=device),
     ])
+
+
+def max_peaks(earlier: dict[str, float], now: dict[str, float]) -> dict[str, float]:
+    """peak_memory_gb's figures, the larger of two times."""
+    return {name: max(value, earlier.get(name, 0.0)) for name, value in now.items()}
 
 
 class TrainMetrics:
@@ -92,7 +97,7 @@ class TrainMetrics:
     def _reset(self) -> None:
         self.started, self.paused_s, self.steps, self.skipped, self.loss = time.perf_counter(), 0.0, 0, 0, 0.0
         self.counts = dict.fromkeys(COUNT_KEYS, 0.0)
-        self.peaks: list[dict[str, float]] = []  # the window's peak before each pause
+        self.peak_before_pauses: dict[str, float] = {}  # the window's training peak up to its last pause
         reset_phase_peak(self.accelerator.device)  # each window logs its own peak
 
     @contextmanager
@@ -100,7 +105,7 @@ class TrainMetrics:
         """Time and memory that are not training's (a checkpoint save, an eval): left out of the window's time and
         peak. Yields the pause's own peak (peak_memory_gb's keys), filled in as it ends."""
         device, started = self.accelerator.device, time.perf_counter()
-        self.peaks.append(peak_memory_gb(device))
+        self.peak_before_pauses = max_peaks(self.peak_before_pauses, peak_memory_gb(device))
         reset_phase_peak(device)
         measured: dict[str, float] = {}
         try:
@@ -124,7 +129,7 @@ class TrainMetrics:
         # A scaler halves its scale at each overflow: so many in a row are gradients that are not finite at any
         # scale, which torch's GradScaler would skip forever (DeepSpeed's stops at its minimum scale).
         non_finite = non_finite > 0 or self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW
-        return StepSummary(non_finite, stop > 0, loss, grad_norm, skipped > 0, self.skipped_in_a_row)
+        return StepSummary(non_finite, stop > 0, loss, grad_norm, self.skipped_in_a_row)
 
     def window(self, step: int, last: StepSummary, lr: float) -> dict[str, float]:
         """The row logged at `step`, over the steps since the previous one; starts the next window. With a loss
@@ -143,8 +148,7 @@ class TrainMetrics:
             "tokens_per_step": tokens / self.steps,
             "step_time_s": elapsed / self.steps,
             "epoch": step / self.steps_per_epoch,
-            **{name: max([value, *(peak[name] for peak in self.peaks)])
-               for name, value in peak_memory_gb(self.accelerator.device).items()},
+            **max_peaks(self.peak_before_pauses, peak_memory_gb(self.accelerator.device)),
         }
         if not math.isfinite(row["grad_norm"]):  # the last step overflowed under a loss scaler (or had no norm):
             del row["grad_norm"]  # metrics.jsonl stays JSON, which has no inf or NaN

@@ -220,10 +220,12 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
             log_window(accelerator, output_dir, step, row, progress)
         if summary.stop_requested:
             return save_and_stop(accelerator, checkpointer, step)
-        with metrics.paused() as saving:  # tokens/s and the window's peak are training's
-            saved = checkpointer.after_step(step, run.max_steps)  # every --save_steps and the last; polls
-        if saved:
+        if checkpointer.due(step, run.max_steps):
+            with metrics.paused() as saving:  # tokens/s and the window's peak are training's
+                checkpointer.after_step(step, run.max_steps)
             log_metrics(accelerator, output_dir, step, {f"checkpoint_{name}": gb for name, gb in saving.items()})
+        else:
+            checkpointer.after_step(step, run.max_steps)  # polls a save in flight
         if recipe.eval_steps and step % recipe.eval_steps == 0 and step < run.max_steps:
             with metrics.paused():  # the eval logs its own peak
                 log_eval(accelerator, run, output_dir, step)

@@ -51,15 +51,16 @@ class Checkpointer:
 
     # -- the trainer's interface
 
-    def after_step(self, step: int, max_steps: int) -> bool:
-        """Save at every --save_steps and the last step (polling a save in flight first); whether it saved."""
+    def due(self, step: int, max_steps: int) -> bool:
+        """Whether `step` saves: every --save_steps, and the last."""
+        every = self.recipe.save_steps
+        return bool(every) and (step % every == 0 or step == max_steps)
+
+    def after_step(self, step: int, max_steps: int) -> None:
         if self.pending:
             self.poll(block=False)
-        every = self.recipe.save_steps
-        if every and (step % every == 0 or step == max_steps):
+        if self.due(step, max_steps):
             self.save(step)
-            return True
-        return False
 
     def save(self, step: int) -> str:
         """Save the full training state at `step` (the model alone with --save_only_model), sharded as the

@@ -57,7 +57,8 @@ def forward_backward_parts(shape: ModelShape, batch: int, seq: int, mode: str, c
     embedding_grads = 0.0 if peft else per_element * shape.vocab * h
     head_copy = 2.0 * shape.vocab * h if cache and not peft else 0.0
     layer_copy = (cache - head_copy) / shape.layers
-    kept_whole = shape.layers - (shape.layers if recomputed is None else recomputed) if checkpointing else 0
+    recomputed = shape.layers if recomputed is None else recomputed
+    kept_whole = shape.layers - recomputed if checkpointing else 0  # layers that save all they save without
     saved_copies = head_copy + kept_whole * layer_copy if checkpointing else cache
     stream = residual * n * h + 8 * n  # the residual stream's incoming gradient, and the ids the embedding saved
     if checkpointing:
