@@ -7,7 +7,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's compiled CPU ops live in the virtualenv, beside the stamp that says they are built (not ~/.cache).
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: demo test unit lint gpu-check clean
+.PHONY: demo test unit lint gpu-check gpu-wheels clean
 
 $(VENV)/installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +20,7 @@ $(VENV)/installed: requirements.txt pyproject.toml
 # virtualenv, minutes on 2 cores. Build them here, with libaio for the NVMe path, so tests time the tests (the
 # suite stops at once if they are missing from TORCH_EXTENSIONS_DIR).
 $(VENV)/deepspeed-ops: $(VENV)/installed scripts/build_deepspeed_ops.py
+	@echo "Building DeepSpeed's CPU ops into $(TORCH_EXTENSIONS_DIR): once per virtualenv, several minutes on 2 cores."
 	dpkg -s libaio-dev >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libaio-dev; } \
 		|| echo "libaio-dev could not be installed: the NVMe offload test will fail"
 	$(PY) scripts/build_deepspeed_ops.py
@@ -33,13 +34,21 @@ $(VENV)/slurm: $(VENV)/installed
 		|| echo "slurm-wlm could not be installed: the SLURM test will fail"
 	touch $@
 
-demo: $(VENV)/installed
+# The ops first, visibly (DeepSpeed would otherwise compile its shared-memory op silently inside the launch).
+demo: $(VENV)/deepspeed-ops
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --use_cpu true --overwrite_output_dir true
 
-# On one GPU (sized for 10 minutes on an H200), nothing downloaded: DDP, FSDP and ZeRO-3 on a 1.2B model, padded and
-# packed, each phase's peak measured against the plan. Refuses in one line without a GPU.
+# On one GPU within 480 s, nothing downloaded: fp8, Liger and the levers first, then DDP, FSDP and ZeRO-3 on a 1.2B
+# model, each phase's peak measured against the plan, each row appended to logs/gpu-check/results.jsonl as it ends
+# (`$(PY) scripts/gpu_check.py --out logs/gpu-check/results.jsonl --rest` runs what the budget cut). Refuses in one
+# line without a GPU.
 gpu-check: $(VENV)/installed
-	$(PY) scripts/gpu_check.py
+	$(PY) scripts/gpu_check.py --out logs/gpu-check/results.jsonl
+
+# The wheels the GPU machine lacks, for its Python 3.12, into the ignored .whl/ (under 60 MiB: they travel with the
+# working tree); docs/planner.md gives the command that installs and runs them there.
+gpu-wheels: $(VENV)/installed
+	$(PY) scripts/gpu_wheels.py --dest .whl
 
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .
@@ -48,9 +57,12 @@ lint: $(VENV)/installed
 unit: $(VENV)/installed
 	$(PY) -m pytest -q tests/unit
 
-# Here (and in CI, which runs this target) a skipped NVMe-offload or SLURM test counts as a failure.
+# Here (and in CI, which runs this target) a skipped NVMe-offload or SLURM test counts as a failure: both are
+# installed above. A processor feature cannot be: fp16 under DeepSpeed on CPU (Intel AVX512-FP16 or AMX-FP16, no AMD
+# processor) skips where it is missing, its reason printed (-rs); SHARDTUNE_REQUIRE=nvme,slurm,cpu_fp16 on a runner
+# known to have it makes that skip a failure too.
 test: lint $(VENV)/deepspeed-ops $(VENV)/slurm
-	SHARDTUNE_REQUIRE=nvme,slurm $(PY) -m pytest -q --durations=15
+	SHARDTUNE_REQUIRE=nvme,slurm $(PY) -m pytest -q -rs --durations=15
 
 clean:
 	rm -rf $(VENV) assets outputs

@@ -1,23 +1,23 @@
-"""The one command that proves the trainer on a GPU: `make gpu-check` (or `python scripts/gpu_check.py`).
+"""The command that proves the trainer on a GPU: `make gpu-check` (or `python scripts/gpu_check.py`).
 
-It makes a randomly initialised model of Llama-3.2-1B's shape (1.24B parameters, bf16 on disk, as Hub
-checkpoints are) and synthetic text files, all local: nothing is downloaded. It then trains it through
-`accelerate launch --num_processes 1` with the shipped DDP, FSDP FULL_SHARD (4 micro-batches per step) and
-ZeRO-3 configs, bf16, gradient checkpointing on, padded (SDPA) and packed (flex attention), then FSDP packed with
-the levers (compiled layers, torchao's 8-bit AdamW without an fp32 master), then FSDP and ZeRO-3 padded with Liger's
-kernels (--use_liger_kernel), then FSDP padded with --mixed_precision fp8 where the GPU has float8 tensor cores
-(compute capability 8.9 or more); the Liger and fp8 cases' losses against the same case without them
-(LOSS_TOLERANCE). It prints one table:
-the warm-up (the first logged window: CUDA start-up and flex attention's compilation), then over the later steps
-tokens/s per GPU, MFU and step time, and `torch.cuda.max_memory_allocated` per phase (training, the final export,
-the final eval; reset at each) against the planner's peak of that phase. No samples are generated.
+It writes a randomly initialised model of Llama-3.2-1B's shape (1.24B parameters, bf16 on disk) and synthetic text
+files, all local, and trains it through `accelerate launch --num_processes 1` (CASES, the never-run features first):
+FSDP FULL_SHARD (4 micro-batches per step) padded with --mixed_precision fp8 (compiled; where the GPU has float8
+tensor cores), with Liger's kernels and plain; FSDP packed with the levers; ZeRO-3 padded with Liger and plain; then
+DDP, FSDP and ZeRO-3 in the other layouts; bf16, gradient checkpointing on, padded (SDPA) or packed (flex attention).
+Each Liger and fp8 case is compared with its plain case on step 1's gradient norm, the final hidden states of a fixed
+batch (each exported model with its case's kernels) and the losses (shardtune.gpu_check_figures.COMPARED). The table
+gives the warm-up apart, then per timed step tokens/s per GPU, MFU, step time and the training peak of
+max_memory_allocated beside max_memory_reserved and the device memory in use, the export's and the eval's peaks,
+each against the planner's, and the planner's reserves against what was reserved.
 
-Padded rows run from half to the whole --max_seq_length; packed rows all hold three quarters of it, so that a
-packed micro-batch's row is known and planned at its real length. Each launch runs in a process group of its own
-and is killed whole, ranks included, when it overruns: it is then a FAILED row, as is a case that did not start
-within the budget. Exit 0 when every case trained and every planned peak is within 10% of the measured one; 1
-otherwise, or when a Liger or fp8 case's losses leave its plain case's by more than its LOSS_TOLERANCE; 2
-without a CUDA device. Sized for 10 minutes on one H200 (the levers case compiles).
+The budget (BUDGET_S) counts from this process's start, or from --since (the device command's, so that the wheel
+install counts). A case starts only with time left for its minimum, its kill and the closing, and its timeout is cut
+to fit. `--cases` runs a subset, `--rest` what an earlier command with the same `--out` did not run; `--out` gets each
+case's row and each comparison as a JSON line as it ends. SIGTERM or SIGINT kills the running case's process groups,
+removes the temporary files, prints the table and exits 128 + the signal. Exit 0 when every case trained within the
+plan (TOLERANCE) and the planner's reserves and every comparison is within its tolerance; else 1; 2 for bad
+arguments or without a CUDA device. Nothing is downloaded and no samples are generated.
 """
 
 from __future__ import annotations
@@ -29,14 +29,30 @@ import math
 import os
 import random
 import signal
-import statistics
 import string
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+from shardtune.gpu_check_figures import (
+    TOLERANCE,
+    append_jsonl,
+    as_json,
+    case_name,
+    compared_suffix,
+    earlier_records,
+    failed_cases,
+    final_hidden_states,
+    new_comparisons,
+    not_run,
+    print_table,
+    summarize,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 # The levers' recommended combination with the memory levers the 70B recipe without offload needs, as recipe
@@ -45,34 +61,42 @@ REPO = Path(__file__).resolve().parents[1]
 LEVERS = {"torch_compile": True, "optim": "adamw_torch_8bit", "bf16_stochastic_round": True}
 # Liger's kernels apart: they are refused with compile (shardtune.liger.check_liger_kernel).
 LIGER = {"use_liger_kernel": True}
+# float8 linears with float8 all-gather (shardtune.float8), compiled: eager, torchao's casts run unfused and slower
+# than bf16 (shardtune.float8.unfused_fp8_warning). Run where the GPU's capability reaches FP8_MIN_CAPABILITY.
+FP8 = {"mixed_precision": "fp8", "torch_compile": True}
 LEVER_PLAN = {"torch_compile": "torch_compile", "optim": "optim", "bf16_stochastic_round": "bf16_stochastic_round",
               "use_liger_kernel": "use_liger_kernel"}
-# float8 linears with float8 all-gather (shardtune.float8): run where the GPU's capability reaches FP8_MIN_CAPABILITY.
-FP8 = {"mixed_precision": "fp8"}
-CASES = [  # (accelerate config, micro-batches per step, packing, recipe fields over the plain path)
-    ("ddp", 1, False, {}), ("ddp", 1, True, {}),
-    ("fsdp_full_shard", 4, False, {}), ("fsdp_full_shard", 4, True, {}),
-    ("ds_zero3", 1, False, {}), ("ds_zero3", 1, True, {}),
-    ("fsdp_full_shard", 4, True, LEVERS),
-    ("fsdp_full_shard", 4, False, LIGER), ("ds_zero3", 1, False, LIGER),
-    ("fsdp_full_shard", 4, False, FP8),
+
+
+class Case(NamedTuple):
+    config: str  # accelerate config
+    accumulation: int  # micro-batches per step
+    packing: bool
+    levers: dict  # recipe fields over the plain path
+
+
+# The never-run features first (fp8, Liger, the levers), each compared case beside its plain case: what the budget cuts
+# is run by a second command (--rest).
+CASES = [
+    Case("fsdp_full_shard", 4, False, FP8), Case("fsdp_full_shard", 4, False, LIGER),
+    Case("fsdp_full_shard", 4, False, {}), Case("fsdp_full_shard", 4, True, LEVERS),
+    Case("ds_zero3", 1, False, LIGER), Case("ds_zero3", 1, False, {}),
+    Case("ddp", 1, False, {}), Case("ddp", 1, True, {}), Case("fsdp_full_shard", 4, True, {}),
+    Case("ds_zero3", 1, True, {}),
 ]
-# Llama-3.2-1B's shape, at a length and micro-batch that keep each case well under a minute.
+# Llama-3.2-1B's shape, at a length and micro-batch that keep each case well under a minute once warm.
 MODEL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192)
-SEQ, MICRO, STEPS, LOG_EVERY = 2048, 4, 6, 2
+SEQ, MICRO, STEPS = 2048, 4, 6  # every step logged: step 1's gradient norm is compared
 PACKED_CHARACTERS = 3 * SEQ // 4 - 2  # a packed row's text: with BOS and EOS, three quarters of SEQ tokens
 ROWS, EVAL_FRACTION = 400, 0.02  # 8 eval rows, one per batch
-# The levers case compiles its layers and torchao's step first: it gets LEVERS_TIMEOUT_S.
-BUDGET_S, CASE_TIMEOUT_S, LEVERS_TIMEOUT_S, KILL_GRACE_S = 600, 120, 240, 10
-TOLERANCE = 0.10
-# A compared case's logged losses against its plain case's (the same name without the suffix), relative: the same
-# data and seed, six steps at lr 1e-5 of a random model whose loss is near ln(vocab). Liger: bf16 kernels that round
-# differently (fused norm, SwiGLU and loss). fp8: e4m3 rounds each matmul operand by up to 6% (3 mantissa bits),
-# which the loss, a mean over every token, averages far below 2%; broken scales or weights gathered wrong move it
-# by more.
-LOSS_TOLERANCE = {" liger": 0.01, " fp8": 0.02}
-MEASURED_PHASES = (("train", "peak_memory_gb"), ("save", "save_peak_memory_gb"), ("eval", "eval_peak_memory_gb"))
+PROBE_ROWS, PROBE_SEQ = 2, 512  # the fixed batch whose final hidden states are compared
+# Seconds, from the start: the whole command (the wheel install included, with --since) within 480 s, 2 minutes under
+# the device's per-command limit. A case is killed at CASE_TIMEOUT_S (COMPILED_TIMEOUT_S where it compiles: the
+# layers, torchao's step) or where the budget ends; its kill takes up to 2 x KILL_GRACE_S; the table, the JSONL and
+# the removal of the temporary model take up to CLOSING_S. A case with less than MIN_CASE_S is not started.
+BUDGET_S, CASE_TIMEOUT_S, COMPILED_TIMEOUT_S, KILL_GRACE_S, CLOSING_S, MIN_CASE_S = 480, 120, 240, 10, 15, 45
+ASSETS_TIMEOUT_S, PROBE_TIMEOUT_S = 120, 90
 
 
 @dataclass
@@ -83,34 +107,68 @@ class Finished:
     seconds: float
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGINT arrived: the running case is ended whole and the temporary files removed on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stopping_on_signals():
+    """SIGTERM and SIGINT raise Stopped in the main thread (once: a second signal is ignored while the first one's
+    clean-up kills and removes); the previous handlers are restored on leaving."""
+    signals = (signal.SIGTERM, signal.SIGINT)
+
+    def stop(signum, frame) -> None:
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_killing_group(command: list[str], timeout: float, log_path: Path, env: dict[str, str]) -> Finished:
-    """Run `command` in a session (and process group) of its own, its output to `log_path`. At `timeout` it is
-    killed whole: SIGTERM, then after KILL_GRACE_S SIGKILL, to its group and to every descendant's group. torchrun
-    starts each rank in a session of its own, which a signal to the launcher's group alone never reaches."""
+    """Run `command` in a session (and process group) of its own, its output to `log_path`. At `timeout`, or when
+    Stopped interrupts the wait, it is killed whole: SIGTERM, then after KILL_GRACE_S SIGKILL, to its group and to
+    every descendant's group. torchrun starts each rank in a session of its own, which a signal to the launcher's
+    group alone never reaches."""
     import psutil
 
-    started, descendants = time.monotonic(), []
+    started = time.monotonic()
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                    start_new_session=True)
+        returncode: int | None = None
         try:
-            returncode: int | None = process.wait(timeout=timeout)
+            returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            returncode = None
-        # Also after a normal exit: whatever is left in its group would hold the GPU for the next case.
-        with contextlib.suppress(psutil.Error):
-            descendants = psutil.Process(process.pid).children(recursive=True)
-        groups = {process.pid}
-        for child in descendants:
-            with contextlib.suppress(OSError):
-                groups.add(os.getpgid(child.pid))
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for group in groups:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(group, sig)
-            if wait_until_dead(process, descendants, KILL_GRACE_S):
-                break
+            pass
+        finally:  # also after a normal exit: whatever is left in its group would hold the GPU for the next case
+            kill_groups(process, psutil)
     return Finished(returncode, time.monotonic() - started)
+
+
+def kill_groups(process: subprocess.Popen, psutil) -> None:
+    descendants = []
+    with contextlib.suppress(psutil.Error):
+        descendants = psutil.Process(process.pid).children(recursive=True)
+    groups = {process.pid}
+    for child in descendants:
+        with contextlib.suppress(OSError):
+            groups.add(os.getpgid(child.pid))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, sig)
+        if wait_until_dead(process, descendants, KILL_GRACE_S):
+            break
 
 
 def wait_until_dead(process: subprocess.Popen, descendants: list, timeout: float) -> bool:
@@ -140,9 +198,40 @@ def failure(log_path: Path, finished: Finished, timeout: float) -> str:
     return f"exit {finished.returncode}: {lines[-1][:160] if lines else 'no output'}; log {log_path}"
 
 
-def write_assets(root: Path) -> tuple[str, dict[bool, tuple[str, list[int]]]]:
-    """The model (random weights, saved in bf16) with the tiny character tokenizer; the padded and the packed
-    data files, each with its rows' token lengths as the trainer tokenizes them."""
+# --- budget ----------------------------------------------------------------------------------------------------
+
+
+def case_limit(case: Case) -> float:
+    return COMPILED_TIMEOUT_S if case.levers.get("torch_compile") else CASE_TIMEOUT_S
+
+
+def time_for(limit: float, left: float) -> float | None:
+    """How long a step with its own `limit` may run when `left` seconds of the budget remain: the limit, cut so that
+    its kill (2 x KILL_GRACE_S) and the closing (CLOSING_S) still end within the budget; None (not started) where
+    that leaves under MIN_CASE_S."""
+    usable = left - 2 * KILL_GRACE_S - CLOSING_S
+    return min(limit, usable) if usable >= MIN_CASE_S else None
+
+
+def budget_left(since: float) -> float:
+    """Seconds of BUDGET_S left, counted from `since` (Unix time)."""
+    return BUDGET_S - (time.time() - since)
+
+
+def process_start() -> float:
+    """This process's start (Unix time), before the interpreter's and torch's imports."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+# --- assets and plan -------------------------------------------------------------------------------------------
+
+
+def write_assets(root: Path) -> None:
+    """(In a child process: its CUDA context ends with it.) The model (random weights, saved in bf16) with the tiny
+    character tokenizer; the padded and the packed data files; lengths.json, each file's rows' token lengths as the
+    trainer tokenizes them; probe_ids.pt, the fixed batch of the hidden-state comparison."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -156,18 +245,18 @@ def write_assets(root: Path) -> tuple[str, dict[bool, tuple[str, list[int]]]]:
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    del model
-    torch.cuda.empty_cache()
     rng = random.Random(0)
-    data = {}
+    lengths = {}
     for packing in (False, True):
         rows = [{"text": "".join(rng.choices(string.ascii_lowercase + " ", k=PACKED_CHARACTERS if packing else
                                             rng.randint(SEQ // 2, SEQ - 2)))} for _ in range(ROWS)]
         path = root / f"{'packed' if packing else 'padded'}.jsonl"
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         ids, _ = tokenize_plain(rows, list(range(len(rows))), tokenizer, "text", False, str(path))
-        data[packing] = (str(path), [min(len(row), SEQ) for row in ids])
-    return str(root / "model"), data
+        lengths[path.stem] = [min(len(row), SEQ) for row in ids]
+        if not packing:
+            torch.save(torch.tensor([row[:PROBE_SEQ] for row in ids[:PROBE_ROWS]]), root / "probe_ids.pt")
+    (root / "lengths.json").write_text(json.dumps(lengths))
 
 
 def planned_seq(lengths: list[int], packing: bool) -> int:
@@ -177,10 +266,9 @@ def planned_seq(lengths: list[int], packing: bool) -> int:
     return math.ceil(sum(longest[:MICRO]) / MICRO) if packing else longest[0]
 
 
-def planned_peaks(config: str, packing: bool, seq: int, levers: dict | None = None) -> dict[str, float]:
+def planned_peaks(config: str, packing: bool, seq: int, gpu_memory: int, levers: dict | None = None) -> dict:
     """The planner's peak per measured phase, in GB: training (forward/backward and optimizer step), the final
     export, the final eval (one row per batch, as launched)."""
-    import torch
     from transformers import LlamaConfig
 
     from shardtune.flops import shape_from_config
@@ -189,7 +277,7 @@ def planned_peaks(config: str, packing: bool, seq: int, levers: dict | None = No
     from shardtune.plan.strategy import read_accelerate_config
 
     shape = shape_from_config(LlamaConfig(**MODEL), "llama-1.2b (random)")
-    hardware = Hardware(1, 1, torch.cuda.get_device_properties(0).total_memory, name="1 GPU")
+    hardware = Hardware(1, 1, gpu_memory, name="1 GPU")
     levers = levers or {}
     strategy = read_accelerate_config(str(REPO / "accelerate_configs" / f"{config}.yaml"),
                                       mixed_precision=levers.get("mixed_precision", "bf16"))
@@ -200,30 +288,12 @@ def planned_peaks(config: str, packing: bool, seq: int, levers: dict | None = No
             "save": phases["save"]["total"] / 1e9, "eval": phases["eval"]["total"] / 1e9}
 
 
-def summarize(rows: list[dict], planned: dict[str, float]) -> dict:
-    """A case's figures from its metrics.jsonl rows: the first window apart (warm-up), the later ones timed."""
-    windows = [row for row in rows if "loss" in row]
-    timed = [row for row in windows if row["step"] > LOG_EVERY]
-    if not windows or not timed:
-        return {"error": "metrics.jsonl holds no timed window"}
-    result = {"losses": [row["loss"] for row in windows],
-              "warmup_s": windows[0]["step_time_s"] * windows[0]["step"],
-              "tokens_per_second_per_gpu": statistics.mean(row["tokens_per_second_per_device"] for row in timed),
-              "mfu": statistics.mean(row.get("mfu", float("nan")) for row in timed),
-              "step_time_s": statistics.median(row["step_time_s"] for row in timed)}
-    for phase, key in MEASURED_PHASES:
-        values = [row[key] for row in rows if key in row]
-        if not values:
-            return {**result, "error": f"metrics.jsonl has no {key}"}
-        measured = max(values)  # GB, as metrics.jsonl logs them and the planner counts
-        result[f"{phase}_gb"], result[f"{phase}_planned_gb"] = measured, planned[phase]
-        result[f"{phase}_error"] = planned[phase] / measured - 1
-    return result
+# --- a case ----------------------------------------------------------------------------------------------------
 
 
-def case_name(config: str, accumulation: int, packing: bool, levers: dict) -> str:
-    suffix = " liger" if levers.get("use_liger_kernel") else " fp8" if levers == FP8 else " levers" if levers else ""
-    return f"{config} {'packed' if packing else 'padded'} x{accumulation}{suffix}"
+def case_slug(case: Case) -> str:
+    """A case's name as --cases takes it and its output directory is named."""
+    return case_name(*case).replace(" ", "-")
 
 
 def runs_here(levers: dict, capability: tuple[int, int]) -> bool:
@@ -239,124 +309,198 @@ def lever_flags(levers: dict) -> list[str]:
             for word in (f"--{field}", str(value).lower())]
 
 
-def run_case(config: str, accumulation: int, packing: bool, levers: dict, model: str, data: tuple[str, list[int]],
-             root: Path, log_dir: Path, timeout: float) -> dict:
-    name = case_name(config, accumulation, packing, levers)
-    output_dir = root / name.replace(" ", "-")
-    command = [
-        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-        str(REPO / "accelerate_configs" / f"{config}.yaml"), "--num_processes", "1", "--num_machines", "1",
+def launch_command(case: Case, model: str, data: str, output_dir: Path) -> list[str]:
+    return [  # accelerate's launcher as a module of this interpreter: its console script may sit elsewhere
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(REPO / "accelerate_configs" / f"{case.config}.yaml"), "--num_processes", "1", "--num_machines", "1",
         "--main_process_port", "29555", str(REPO / "recipes" / "tiny.py"),
-        "--model_name_or_path", model, "--dataset", data[0], "--output_dir", str(output_dir),
+        "--model_name_or_path", model, "--dataset", data, "--output_dir", str(output_dir),
         "--max_seq_length", str(SEQ), "--per_device_train_batch_size", str(MICRO),
-        "--global_batch_size", str(MICRO * accumulation), "--max_steps", str(STEPS), "--logging_steps",
-        str(LOG_EVERY), "--learning_rate", "1e-5", "--mixed_precision", levers.get("mixed_precision", "bf16"),
+        "--global_batch_size", str(MICRO * case.accumulation), "--max_steps", str(STEPS), "--logging_steps", "1",
+        "--learning_rate", "1e-5", "--mixed_precision", case.levers.get("mixed_precision", "bf16"),
         "--gradient_checkpointing", "true",
-        "--packing", str(packing).lower(), "--attn_implementation", "flex_attention" if packing else "sdpa",
+        "--packing", str(case.packing).lower(), "--attn_implementation", "flex_attention" if case.packing else "sdpa",
         "--eval_fraction", str(EVAL_FRACTION), "--per_device_eval_batch_size", "1", "--generation_samples", "0",
-        "--save_steps", "0", "--save_model", "true", "--report_to", "none", *lever_flags(levers),
+        "--save_steps", "0", "--save_model", "true", "--report_to", "none", *lever_flags(case.levers),
     ]
-    planned = planned_peaks(config, packing, planned_seq(data[1], packing), levers)
-    log_path = log_dir / f"{output_dir.name}.log"
-    finished = run_killing_group(command, timeout, log_path, {**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    row = {"case": name, "seconds": finished.seconds}
+
+
+# --- hidden states ---------------------------------------------------------------------------------------------
+
+
+def probed(name: str) -> bool:
+    """Whether a case's final hidden states are compared: a compared case, or the plain case of one."""
+    return bool(compared_suffix(name)) or any(compared_suffix(other) and other.removesuffix(compared_suffix(other))
+                                              == name for other in map(lambda case: case_name(*case), CASES))
+
+
+def probe(out: str, model_dir: str, ids_file: str, suffix: str) -> None:
+    """(In a child process: its CUDA context ends with it.) final_hidden_states of one exported model, to `out`."""
+    import torch
+
+    torch.save(final_hidden_states(model_dir, suffix, torch.load(ids_file)), out)
+
+
+def add_hidden_states(row: dict, output_dir: Path, root: Path, log_dir: Path, left: float) -> None:
+    """The trained case's final hidden states of the fixed batch, kept in log_dir (a later command compares with
+    them): row["hidden_file"], or row["hidden_error"] saying why not."""
+    limit = time_for(PROBE_TIMEOUT_S, left)
+    if limit is None:
+        row["hidden_error"] = f"not probed: the {BUDGET_S} s budget was spent"
+        return
+    out, log_path = log_dir / f"{output_dir.name}.hidden.pt", log_dir / f"{output_dir.name}.probe.log"
+    out.unlink(missing_ok=True)
+    command = [sys.executable, __file__, "--probe", str(out), str(output_dir), str(root / "probe_ids.pt"),
+               compared_suffix(row["case"])]
+    finished = run_killing_group(command, limit, log_path, child_env())
+    if finished.returncode == 0:
+        row["hidden_file"] = str(out)
+    else:
+        row["hidden_error"] = failure(log_path, finished, limit)
+
+
+# --- the run ---------------------------------------------------------------------------------------------------
+
+
+def selected_cases(names: str | None) -> list[Case]:
+    """CASES, or those `--cases` names (comma-separated, as case_slug writes them) in CASES' order. Raises
+    ValueError naming the unknown ones and every known one."""
+    if not names:
+        return list(CASES)
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    known = {case_slug(case): case for case in CASES}
+    unknown = [name for name in wanted if name not in known]
+    if unknown or not wanted:
+        raise ValueError(f"--cases {', '.join(unknown) or repr(names)}: not a case; give some of "
+                         f"{','.join(known)}")
+    return [case for case in CASES if case_slug(case) in wanted]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of every process this one starts: shardtune importable from this checkout, before whatever
+    PYTHONPATH already holds (the device command's wheel directory)."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
+
+
+def in_scratch(work: Callable[[Path], None]) -> int | None:
+    """work(a temporary directory) with SIGTERM and SIGINT ending it: the running case killed whole (in
+    run_killing_group, on the way out), the directory removed. The signal's number if one ended it, else None."""
+    with stopping_on_signals():
+        try:
+            with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+                work(Path(scratch))
+        except Stopped as stop:
+            return stop.signum
+    return None
+
+
+def run_cases(root: Path, cases: list[Case], deadline: float, args, gpu_memory: int, rows: list,
+              comparisons: list) -> None:
+    """Each case in turn, within the budget, into `rows` (and --out as each ends); each comparison once a compared
+    case and its plain case have trained, here or in an earlier command with the same --out, into `comparisons`."""
+    log_dir, earlier = Path(args.log_dir), earlier_records(args.out)
+    latest = {record["case"]: record for record in earlier if "case" in record}
+    done = {record["comparison"] for record in earlier if "comparison" in record}
+    limit = time_for(ASSETS_TIMEOUT_S, deadline - time.monotonic()) or 1
+    finished = run_killing_group([sys.executable, __file__, "--write_assets", str(root)], limit,
+                                 log_dir / "assets.log", child_env())
     if finished.returncode != 0:
-        return {**row, "error": failure(log_path, finished, timeout)}
-    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return {**row, **summarize(rows, planned)}
-
-
-def print_table(rows: list[dict]) -> None:
-    phases = "".join(f"{phase + ' GB':>10}{'plan':>7}" for phase, _ in MEASURED_PHASES)
-    print(f"{'case':<34}{'warm-up s':>10}{'tok/s/GPU':>11}{'MFU':>7}{'step s':>8}{phases}{'worst':>8}")
-    for row in rows:
-        if "error" in row:
-            print(f"{row['case']:<34} FAILED: {row['error']}")
-            continue
-        figures = "".join(f"{row[f'{phase}_gb']:>10.1f}{row[f'{phase}_planned_gb']:>7.1f}" for phase, _ in
-                          MEASURED_PHASES)
-        print(f"{row['case']:<34}{row['warmup_s']:>10.1f}{row['tokens_per_second_per_gpu']:>11,.0f}"
-              f"{row['mfu']:>7.1%}{row['step_time_s']:>8.2f}{figures}{worst_error(row):>+8.1%}")
-    for case, gap in loss_gaps(rows).items():
-        suffix = compared_suffix(case)
-        print(f"{case}: losses at most {gap:.2%} from {case.removesuffix(suffix)}'s "
-              f"(tolerance {LOSS_TOLERANCE[suffix]:.0%})")
-
-
-def worst_error(row: dict) -> float:
-    return max((row[f"{phase}_error"] for phase, _ in MEASURED_PHASES), key=abs)
-
-
-def compared_suffix(case: str) -> str:
-    """The suffix of a case compared with its plain case (a LOSS_TOLERANCE key), else ''."""
-    return next((suffix for suffix in LOSS_TOLERANCE if case.endswith(suffix)), "")
-
-
-def loss_gaps(rows: list[dict]) -> dict[str, float]:
-    """Each compared case's (Liger, fp8) largest relative gap between its logged losses and those of the same case
-    without the lever; NaN where either did not train."""
-    by_case = {row["case"]: row for row in rows}
-    gaps = {}
-    for row in rows:
-        suffix = compared_suffix(row["case"])
-        if not suffix:
-            continue
-        plain = by_case.get(row["case"].removesuffix(suffix), {})
-        if "losses" not in row or "losses" not in plain or len(row["losses"]) != len(plain["losses"]):
-            gaps[row["case"]] = math.nan
-            continue
-        gaps[row["case"]] = max(abs(mine / theirs - 1) for mine, theirs in zip(row["losses"], plain["losses"],
-                                                                               strict=True))
-    return gaps
-
-
-def failed_cases(rows: list[dict]) -> list[str]:
-    gaps = loss_gaps(rows)
-    return [row["case"] for row in rows if "error" in row or abs(worst_error(row)) > TOLERANCE
-            or not gaps.get(row["case"], 0.0) <= LOSS_TOLERANCE.get(compared_suffix(row["case"]), 0.0)]
+        for case in cases:
+            rows.append({"case": case_name(*case), "error": "not started: the model and data were not written: "
+                                                              f"{failure(log_dir / 'assets.log', finished, limit)}"})
+            append_jsonl(args.out, rows[-1])
+        return
+    lengths = json.loads((root / "lengths.json").read_text())
+    for case in cases:
+        name, kind, output_dir = case_name(*case), "packed" if case.packing else "padded", root / case_slug(case)
+        limit = time_for(case_limit(case), deadline - time.monotonic())
+        row = {"case": name, "error": f"not started: the {BUDGET_S} s budget was spent (run it with --rest)"}
+        if limit is not None:
+            log_path = log_dir / f"{case_slug(case)}.log"
+            planned = planned_peaks(case.config, case.packing, planned_seq(lengths[kind], case.packing),
+                                    gpu_memory, case.levers)
+            command = launch_command(case, str(root / "model"), str(root / f"{kind}.jsonl"), output_dir)
+            ended = run_killing_group(command, limit, log_path, child_env())
+            row = {"case": name, "seconds": ended.seconds}
+            if ended.returncode != 0:
+                row["error"] = failure(log_path, ended, limit)
+            else:
+                metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+                row.update(summarize(metrics, planned, gpu_memory / 1e9))
+                if probed(name):
+                    add_hidden_states(row, output_dir, root, log_dir, deadline - time.monotonic())
+        rows.append(row)
+        latest[name] = row
+        append_jsonl(args.out, row)
+        print(json.dumps(as_json(row)), flush=True)
+        for found in new_comparisons(latest, done):
+            comparisons.append(found)
+            done.add(found["comparison"])
+            append_jsonl(args.out, found)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--cases", help="comma-separated cases to run, in CASES' order (default: all): "
+                        + ",".join(case_slug(case) for case in CASES))
+    parser.add_argument("--out", help="append each case's row and each comparison to this JSON Lines file as it ends")
+    parser.add_argument("--rest", action="store_true", help="with --out: only the cases it holds no row of (a second "
+                        "command after a first that the budget cut)")
+    parser.add_argument("--since", type=float, help="the Unix time the budget counts from (default: this process's "
+                        "start); the device command passes its own start, so that the wheel install counts")
     parser.add_argument("--log_dir", default=str(REPO / "logs" / "gpu-check"),
                         help="each case's launch output, kept after the run (default: %(default)s)")
+    parser.add_argument("--write_assets", help=argparse.SUPPRESS)  # the child processes of run_cases and compare
+    parser.add_argument("--probe", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.write_assets:
+        write_assets(Path(args.write_assets))
+        return 0
+    if args.probe:
+        probe(*args.probe)
+        return 0
+    deadline = time.monotonic() + budget_left(args.since or process_start())
+    try:
+        cases = selected_cases(args.cases)
+    except ValueError as error:
+        print(f"gpu_check: error: {error}", file=sys.stderr)
+        return 2
+    if args.rest and not args.out:
+        print("gpu_check: error: --rest runs the cases the --out file holds no row of: give --out.", file=sys.stderr)
+        return 2
+    if args.rest:
+        cases = not_run(cases, earlier_records(args.out))
+        if not cases:
+            print(f"gpu_check: every case has a row in {args.out} already: nothing to run.")
+            return 0
     import torch
 
     if not torch.cuda.is_available():
         print("gpu_check: error: no CUDA device is visible; run `make gpu-check` on a GPU machine.", file=sys.stderr)
         return 2
-    deadline = time.monotonic() + BUDGET_S
     capability = torch.cuda.get_device_capability(0)
-    cases = [case for case in CASES if runs_here(case[3], capability)]
+    skipped = [case_slug(case) for case in cases if not runs_here(case.levers, capability)]
+    cases = [case for case in cases if runs_here(case.levers, capability)]
     print(f"gpu_check: {torch.cuda.get_device_name(0)} (compute capability {capability[0]}.{capability[1]}), "
-          f"{len(cases)} cases, budget {BUDGET_S} s" + ("" if len(cases) == len(CASES) else
-                                                       "; fp8 skipped: no float8 tensor cores"), flush=True)
-    log_dir = Path(args.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-        root = Path(scratch)
-        model, data = write_assets(root)
-        rows = []
-        for config, accumulation, packing, levers in cases:
-            left = deadline - time.monotonic()
-            name = case_name(config, accumulation, packing, levers)
-            if left < 30:
-                rows.append({"case": name, "error": f"not started: the {BUDGET_S} s budget was spent"})
-            else:
-                rows.append(run_case(config, accumulation, packing, levers, model, data[packing], root, log_dir,
-                                     min(LEVERS_TIMEOUT_S if "torch_compile" in levers else CASE_TIMEOUT_S,
-                                         left)))
-            print(json.dumps(rows[-1]), flush=True)
-        print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-    failed = failed_cases(rows)
+          f"torch {torch.__version__}, {len(cases)} cases, {deadline - time.monotonic():.0f} s of the {BUDGET_S} s "
+          "budget left" + (f"; skipped {', '.join(skipped)}: no float8 tensor cores" if skipped else ""), flush=True)
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    comparisons: list[dict] = []
+    memory = torch.cuda.get_device_properties(0).total_memory
+    stopped = in_scratch(lambda root: run_cases(root, cases, deadline, args, memory, rows, comparisons))
+    if stopped:
+        print(f"gpu_check: stopped by {signal.Signals(stopped).name}: the running case was killed, the temporary "
+              "files removed; the table holds the cases that ended", file=sys.stderr)
+    print_table(rows, comparisons)
+    if stopped:
+        return 128 + stopped
+    failed = failed_cases(rows, comparisons)
     if failed:
-        print(f"gpu_check: {len(failed)} case(s) failed, missed the plan by more than {TOLERANCE:.0%} or the "
-              "plain losses by more than their tolerance: "
-              f"{', '.join(failed)}", file=sys.stderr)
+        print(f"gpu_check: {len(failed)} case(s) failed, missed the plan by more than {TOLERANCE:.0%}, a planned "
+              f"reserve, or their plain case's figures by more than their tolerance: {', '.join(failed)}",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -2,7 +2,13 @@
 
     python scripts/merge_lora.py outputs/llama8b_lora merged/llama8b [--base meta-llama/Llama-3.1-8B] [--dtype bf16]
 
-The base defaults to the one recorded in adapter_config.json. Merging is peft's `merge_and_unload`: W + B·A·α/r.
+The base defaults to the one recorded in adapter_config.json (an absolute path, or a Hub id). An adapter that
+records a relative path (written before runs recorded it absolute) is resolved through the run_config.json beside
+it, which records the run's model absolute; failing that, the command names --base. Merging is peft's
+`merge_and_unload`: W + B·A·α/r. The merged model is written under a temporary name, loaded back (its weights'
+names and shapes against the model class its config names), then renamed: it appears whole or not at all, with
+the file modes any new file gets (0644 under umask 022). A checkpoint-<step> directory is exported with
+scripts/export_hf.py instead (merged by default).
 """
 
 from __future__ import annotations
@@ -10,9 +16,108 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import sys
+from pathlib import Path
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# A Hub id: "name" or "owner/name", no path syntax (huggingface_hub's rule, without importing it).
+HUB_ID = re.compile(r"[\w][\w.\-]{0,95}(/[\w][\w.\-]{0,95})?")
+
+
+class Refused(Exception):
+    """Bad input: the message names the problem and the fix."""
+
+
+def base_model(adapter_dir: str, given: str) -> str:
+    """The base to merge into: --base, else the adapter's recorded base, resolved (see the module's doc)."""
+    if given:
+        if looks_local(given) and not os.path.isdir(given):
+            raise Refused(f"--base {given} not found: give the base model's directory or its Hub id.")
+        return os.path.abspath(given) if os.path.isdir(given) else given
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as file:
+        recorded = json.load(file).get("base_model_name_or_path") or ""
+    if not recorded:
+        raise Refused(f"{adapter_dir}/adapter_config.json records no base model: give it with --base.")
+    if os.path.isabs(recorded) or recorded.startswith("~"):
+        path = os.path.expanduser(recorded)
+        if not os.path.isdir(path):
+            raise Refused(f"the base model recorded in {adapter_dir}/adapter_config.json, {recorded}, is not found: "
+                          "give its directory (or Hub id) with --base.")
+        return path
+    run_model, tail = run_config_model(adapter_dir), Path(os.path.normpath(recorded)).parts
+    if run_model and os.path.isdir(run_model) and Path(run_model).parts[-len(tail):] == tail:
+        return run_model  # the path the adapter records, as its run recorded it: absolute
+    if os.path.isdir(recorded):
+        return os.path.abspath(recorded)
+    if looks_local(recorded) or not HUB_ID.fullmatch(recorded):
+        raise Refused(f"{adapter_dir}/adapter_config.json records its base as {recorded}, a path relative to the "
+                      f"directory its run was started in, not found from {os.getcwd()}: give the base model's "
+                      "directory with --base.")
+    return recorded  # a Hub id
+
+
+def looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def run_config_model(adapter_dir: str) -> str:
+    """The model the run's run_config.json records (absolute where it was local), or ""."""
+    try:
+        with open(os.path.join(adapter_dir, "run_config.json")) as file:
+            return json.load(file).get("recipe", {}).get("model_name_or_path") or ""
+    except (OSError, ValueError):
+        return ""
+
+
+def input_problem(adapter_dir: str, output_dir: str) -> str | None:
+    config_file = os.path.join(adapter_dir, "adapter_config.json")
+    if not os.path.isdir(adapter_dir):
+        return f"{adapter_dir} not found: give the output_dir of a --use_peft run."
+    if os.path.isfile(os.path.join(adapter_dir, "checkpoint_complete.json")):
+        return (f"{adapter_dir} is a checkpoint: export it merged with `python scripts/export_hf.py {adapter_dir} "
+                f"{output_dir}`.")
+    if not os.path.isfile(config_file):
+        return f"{config_file} not found: give the output_dir of a --use_peft run."
+    if os.path.isfile(output_dir):
+        return f"{output_dir} is a file: give a new directory for the merged model."
+    if os.path.isdir(output_dir) and os.listdir(output_dir):
+        return f"{output_dir} exists and is not empty: give a new directory (or remove that one first)."
+    return None
+
+
+def merge(adapter_dir: str, base: str, scratch: str, dtype_name: str) -> None:
+    """The merged model and the tokenizer written in `scratch`, then loaded back."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.export import MAX_SHARD_SIZE, make_readable
+    from shardtune.export_checks import model_problem
+
+    dtype = getattr(torch, DTYPES[dtype_name])
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    except (OSError, ValueError) as error:
+        raise Refused(f"cannot load the base model {base} ({first_line(error)}): give the base model's directory "
+                      "(or Hub id) with --base.") from None
+    try:
+        merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise Refused(f"the adapter {adapter_dir} does not fit the base {base} ({first_line(error)}): give the base "
+                      "it was trained on with --base.") from None
+    merged.save_pretrained(scratch, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
+    tokenizer_source = adapter_dir if os.path.isfile(os.path.join(adapter_dir, "tokenizer_config.json")) else base
+    AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(scratch)
+    make_readable(scratch)
+    problem = model_problem(scratch)
+    if problem:
+        raise Refused(f"the merged model would not load as what it claims: {problem}. Nothing was written.")
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,28 +128,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",
                         help="dtype of the merged weights (default: %(default)s)")
     args = parser.parse_args(argv)
-
-    config_file = os.path.join(args.adapter_dir, "adapter_config.json")
-    if not os.path.isfile(config_file):
-        print(f"merge_lora: error: {config_file} not found: give the output_dir of a --use_peft run.", file=sys.stderr)
+    output_dir = args.output_dir.rstrip("/") or "/"
+    scratch = os.path.join(os.path.dirname(output_dir), f".{os.path.basename(output_dir)}.tmp")
+    try:
+        problem = input_problem(args.adapter_dir, output_dir)
+        if problem:
+            raise Refused(problem)
+        base = base_model(args.adapter_dir, args.base)
+        shutil.rmtree(scratch, ignore_errors=True)
+        os.makedirs(scratch)
+        merge(args.adapter_dir, base, scratch, args.dtype)
+    except (Refused, OSError) as error:
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(f"merge_lora: error: {error if isinstance(error, Refused) else first_line(error)}", file=sys.stderr)
         return 2
-    if os.path.exists(args.output_dir) and os.listdir(args.output_dir):
-        print(f"merge_lora: error: {args.output_dir} is not empty; give a new directory.", file=sys.stderr)
-        return 2
-    with open(config_file) as file:
-        base = args.base or json.load(file)["base_model_name_or_path"]
+    from shardtune.checkpoint.durable import durable, fsync_path
 
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, DTYPES[args.dtype]))
-    merged = PeftModel.from_pretrained(model, args.adapter_dir).merge_and_unload()
-    merged.save_pretrained(args.output_dir, safe_serialization=True, max_shard_size="5GB")
-    tokenizer_source = args.adapter_dir if os.path.isfile(os.path.join(args.adapter_dir, "tokenizer_config.json")) \
-        else base
-    AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(args.output_dir)
-    print(f"merge_lora: {base} + {args.adapter_dir} -> {args.output_dir}")
+    durable(scratch)  # every file on disk before the output takes its name
+    if os.path.isdir(output_dir):
+        os.rmdir(output_dir)
+    os.rename(scratch, output_dir)
+    fsync_path(os.path.dirname(os.path.abspath(output_dir)))
+    print(f"merge_lora: {base} + {args.adapter_dir} -> {output_dir}")
     return 0
 
 

@@ -14,6 +14,7 @@ from shardtune.config import (
     COMPILE_MODES,
     FIELD_CHOICES,
     FP8_DIM_MULTIPLE,
+    FP8_MIN_CAPABILITY,
     OFFLOADING_NEEDS_RECOMPUTATION,
     OFFLOADING_UNDER_DEEPSPEED_OFFLOAD,
     OPTIMIZER_PACKAGES,
@@ -33,11 +34,14 @@ from shardtune.data_sources import (
     check_dataset_weights,
 )
 from shardtune.float8 import check_fp8
+from shardtune.hardware import Hardware, HardwareError, parse_hardware
 from shardtune.launch import LaunchDescription
 from shardtune.liger import check_liger_device, check_liger_kernel
 from shardtune.nvme_checks import AsyncIOReadiness, check_async_io, check_nvme_path, offloads_to_nvme
 from shardtune.output_checks import check_async_save, check_checkpoints, check_exports, check_output_dir
 from shardtune.schedule import check_schedule
+
+RECIPE_DEFAULTS = {item.name: item.default for item in dataclasses.fields(Recipe)}
 
 
 def check_device(recipe: Recipe, has_cuda: bool) -> None:
@@ -47,14 +51,16 @@ def check_device(recipe: Recipe, has_cuda: bool) -> None:
                           "driver (nvidia-smi, CUDA_VISIBLE_DEVICES), or pass --use_cpu true to train on CPU.")
 
 
-def check_attention(recipe: Recipe, on_gpu: bool) -> None:
+def check_attention(recipe: Recipe, on_gpu: bool, loads: bool = True) -> None:
+    """The attention kernel on this device; `loads`: the run will load it (a --dry_run plans it without its
+    package)."""
     name = recipe.attn_implementation
     if name not in ATTENTION_PACKAGES:
         raise ConfigError(f"--attn_implementation {name!r} is unknown: use one of {', '.join(ATTENTION_PACKAGES)}.")
     package = ATTENTION_PACKAGES[name]
     if package and not on_gpu:
         raise ConfigError(f"--attn_implementation {name} runs on CUDA GPUs only: use sdpa on this machine.")
-    if package and importlib.util.find_spec(package) is None:
+    if loads and package and importlib.util.find_spec(package) is None:
         raise ConfigError(f"--attn_implementation {name} needs the {package} package, which is not installed: "
                           f"install it (pip install {package.split('_interface')[0].replace('_', '-')}) or use "
                           "sdpa or flex_attention.")
@@ -138,15 +144,21 @@ def check_quantization(recipe: Recipe, on_gpu: bool, loads: bool = True) -> None
         raise ConfigError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
 
 
-def check_checkpointing_mode(recipe: Recipe) -> None:
+def set_fields(recipe: Recipe, names: Sequence[str], given: frozenset[str]) -> list[str]:
+    """Those of `names` the run sets: given on the command line (at any value, its default included), or set by
+    the recipe to other than Recipe's default."""
+    return [name for name in names if name in given or getattr(recipe, name) != RECIPE_DEFAULTS[name]]
+
+
+def check_checkpointing_mode(recipe: Recipe, given: frozenset[str] = frozenset()) -> None:
     """--gradient_checkpointing_mode chooses what a checkpointed layer keeps, --gradient_checkpointing_interval
-    which layers are checkpointed: without checkpointing neither would act."""
+    which layers are checkpointed: without checkpointing neither would act. `given`: the fields on the command
+    line (shardtune.flags.given_fields)."""
     if recipe.gradient_checkpointing:
         return
-    given = [f"--{name} {value} chooses {what}" for name, value, default, what in (
-        ("gradient_checkpointing_mode", recipe.gradient_checkpointing_mode, "full", "what checkpointed layers keep"),
-        ("gradient_checkpointing_interval", recipe.gradient_checkpointing_interval, 1, "which layers are checkpointed"))
-        if value != default]
+    words = {"gradient_checkpointing_mode": "what checkpointed layers keep",
+             "gradient_checkpointing_interval": "which layers are checkpointed"}
+    given = [f"--{name} {getattr(recipe, name)} chooses {words[name]}" for name in set_fields(recipe, words, given)]
     if given:
         raise ConfigError(f"{' and '.join(given)}: add --gradient_checkpointing true, or drop "
                           f"{'it' if len(given) == 1 else 'them'}.")
@@ -172,11 +184,10 @@ def check_activation_offloading(recipe: Recipe, on_gpu: bool, deepspeed_offloads
         raise ConfigError(problems)
 
 
-def check_torch_compile(recipe: Recipe) -> None:
-    """--torch_compile's backend and mode: each acts only with compilation on, and must be one torch.compile has."""
-    given = [flag for flag, value, default in (("--torch_compile_backend", recipe.torch_compile_backend, "inductor"),
-                                               ("--torch_compile_mode", recipe.torch_compile_mode, None))
-             if value != default]
+def check_torch_compile(recipe: Recipe, given: frozenset[str] = frozenset()) -> None:
+    """--torch_compile's backend and mode: each acts only with compilation on, and must be one torch.compile has.
+    `given`: the fields on the command line."""
+    given = [f"--{name}" for name in set_fields(recipe, ("torch_compile_backend", "torch_compile_mode"), given)]
     if given and not recipe.torch_compile:
         raise ConfigError(f"{' and '.join(given)} configure{'s' if len(given) == 1 else ''} compilation, which runs "
                           "only with --torch_compile true: add it, or drop them.")
@@ -201,11 +212,10 @@ def check_torch_compile(recipe: Recipe) -> None:
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 
 
-def check_lora(recipe: Recipe) -> None:
+def check_lora(recipe: Recipe, given: frozenset[str] = frozenset()) -> None:
     """LoRA's shape only with LoRA on: without --use_peft a LoRA flag would be accepted and ignored (a full
-    fine-tune), as the planner refuses it too."""
-    defaults = {item.name: item.default for item in dataclasses.fields(Recipe)}
-    shaped = [f"--{name}" for name in LORA_FIELDS if getattr(recipe, name) != defaults[name]]
+    fine-tune), as the planner refuses it too. `given`: the fields on the command line."""
+    shaped = [f"--{name}" for name in set_fields(recipe, LORA_FIELDS, given)]
     if shaped and not recipe.use_peft:
         raise ConfigError(f"{', '.join(shaped)} shape{'s' if len(shaped) == 1 else ''} LoRA adapters, which train "
                           "only with --use_peft true: add it, or drop them.")
@@ -289,6 +299,25 @@ def check_loss_scaler(recipe: Recipe, on_gpu: bool, uses_deepspeed: bool) -> Non
         )
 
 
+def check_deepspeed_fp16(recipe: Recipe, launch: LaunchDescription) -> None:
+    """fp16 under DeepSpeed where its accelerator has none: DeepSpeed's engine asks get_accelerator()
+    .is_fp16_supported() (on CPU, oneDNN's fp16 kernels: Intel's AVX512-FP16 or AMX-FP16; AMD processors have
+    none) and raises "Type fp16 is not supported on your device" only after the model has loaded. The same question,
+    before anything loads; deepspeed is imported only for an fp16 DeepSpeed launch, which imports it anyway."""
+    from_json = launch.deepspeed_settings.get("mixed_precision")
+    if not launch.uses_deepspeed or (from_json or recipe.mixed_precision) != "fp16":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        fix = ('set "fp16": {"enabled": false} (or "auto") in the DeepSpeed JSON' if from_json else
+               "use --mixed_precision bf16 or no")
+        raise ConfigError(f"fp16 under DeepSpeed needs fp16 support on the device, and DeepSpeed's "
+                          f"{accelerator.device_name()} accelerator reports none here (on CPU: oneDNN's fp16 kernels, "
+                          f"Intel AVX512-FP16 or AMX-FP16): {fix}.")
+
+
 def check_numbers(recipe: Recipe) -> None:
     """Hyper-parameters, step counts and timeouts within their ranges; every one out of range is reported."""
     problems = Problems()
@@ -297,8 +326,14 @@ def check_numbers(recipe: Recipe) -> None:
     if not recipe.learning_rate > 0:  # also NaN
         problems.messages.append(f"--learning_rate must be > 0, got {recipe.learning_rate}: give e.g. "
                                  "--learning_rate 1e-5.")
-    if recipe.max_steps <= 0 and recipe.num_train_epochs <= 0:
-        problems.messages.append("Nothing to train: set --max_steps > 0 or --num_train_epochs > 0.")
+    # TrainingArguments' -1 means "not set: train the epochs"; transformers reads 0 (and below) the same way, which
+    # makes `--max_steps 0` a whole epoch: refused, like every other negative.
+    if recipe.max_steps == 0 or recipe.max_steps < -1:
+        problems.messages.append(f"--max_steps must be > 0 (optimizer steps), or -1 to train --num_train_epochs "
+                                 f"epochs; got {recipe.max_steps}.")
+    elif recipe.num_train_epochs < 0 or (recipe.max_steps == -1 and recipe.num_train_epochs == 0):
+        problems.messages.append(f"Nothing to train: --num_train_epochs {recipe.num_train_epochs} with --max_steps "
+                                 f"{recipe.max_steps}; set --max_steps > 0 or --num_train_epochs > 0.")
     problems.messages.extend(below_lowest((flag, getattr(recipe, flag[2:])) for flag in (
         "--max_seq_length", "--per_device_eval_batch_size", "--gradient_checkpointing_interval", "--logging_steps",
         "--eval_steps", "--save_steps", "--save_total_limit")))
@@ -351,6 +386,35 @@ def batch_sizes(recipe: Recipe, world_size: int) -> BatchSizes:
     return BatchSizes(micro, total // per_step, world_size)
 
 
+# Compute capability of the GPUs --hardware can name (hardware.PEAK_BF16_FLOPS), which a dry run plans fp8 on; a
+# GPU left unnamed (8x80gb) is taken to have float8 tensor cores, which its launch checks.
+GPU_CAPABILITY = {"a100": (8, 0), "h100": (9, 0), "h100-pcie": (9, 0), "h200": (9, 0), "b200": (10, 0)}
+
+
+def planned_capability(hardware: Hardware) -> tuple[int, int]:
+    """The compute capability of the planned GPUs."""
+    return GPU_CAPABILITY.get(hardware.gpu or "", FP8_MIN_CAPABILITY)
+
+
+def check_hardware_launch(recipe: Recipe, launch: LaunchDescription) -> None:
+    """--hardware at launch plans the run against that hardware's GPU memory in place of this machine's: it must be
+    the launch's own GPUs, or the plan would be another run's (a dry run plans --hardware for itself)."""
+    if not recipe.hardware:
+        return
+    try:
+        hardware = parse_hardware(recipe.hardware)
+    except HardwareError as error:
+        raise ConfigError(str(error)) from None
+    if recipe.use_cpu:
+        raise ConfigError(f"--hardware {recipe.hardware} plans GPUs, and this run trains on CPU (--use_cpu true): drop "
+                          f"it, or plan that hardware with --dry_run --hardware {recipe.hardware}.")
+    if (hardware.nodes, hardware.gpus_per_node) != (launch.num_machines, launch.local_world_size):
+        raise ConfigError(f"--hardware {recipe.hardware} plans {hardware.nodes} node(s) of {hardware.gpus_per_node} "
+                          f"GPUs, and this launch runs {launch.num_machines} of {launch.local_world_size} processes: "
+                          f"give the launch's own GPUs (e.g. {launch.num_machines}x{launch.local_world_size}x80gb), or "
+                          f"plan that hardware with --dry_run --hardware {recipe.hardware}.")
+
+
 # Checks that need the recipe alone: no model, no data read, no launch environment. Each raises ConfigError (with
 # one message or several); all of them run and every failure is reported together. A new check goes here.
 RECIPE_CHECKS: tuple[Callable[[Recipe], None], ...] = (
@@ -361,9 +425,6 @@ RECIPE_CHECKS: tuple[Callable[[Recipe], None], ...] = (
     check_choices,
     check_packing_strategy,
     check_pad_to_multiple_of,
-    check_lora,
-    check_checkpointing_mode,
-    check_torch_compile,
     check_liger_kernel,
     check_numbers,
     check_tracking,
@@ -371,35 +432,67 @@ RECIPE_CHECKS: tuple[Callable[[Recipe], None], ...] = (
     check_exports,
     check_output_dir,
 )
-
-
-def check_recipe(recipe: Recipe, problems: Problems, launch: LaunchDescription | None) -> BatchSizes | None:
+# Checks of settings that act only beside another: they also take the fields given on the command line, since a
+# flag given at its default value (--lora_alpha 32 without --use_peft) is given all the same.
+GIVEN_CHECKS: tuple[Callable[[Recipe, frozenset[str]], None], ...] = (
+    check_lora,
+    check_checkpointing_mode,
+    check_torch_compile,
+)
+# What a --dry_run leaves out, and why: it judges the launch it plans on --hardware, from wherever it runs; each of
+# these judges the machine the run starts on, its disks or the run's output dir. Every other check runs in both.
+NOT_IN_DRY_RUN: dict[Callable[..., None], str] = {
+    check_inputs_named: "the dataset's files are on the machine that trains (a dry run plans without --dataset)",
+    check_checkpoints: "the output dir's checkpoints are the training machine's",
+    check_output_dir: "the output dir is the training machine's",
+    check_device: "this machine's GPU: a dry run plans --hardware's",
+    check_async_io: "DeepSpeed's async_io op is built on the machine that trains",
+    check_hardware_launch: "it compares --hardware with the launch's processes, and a dry run plans --hardware",
+    # and, in check_recipe and check_on_device, the NVMe directory's existence and the packages a run loads
+}
+def check_recipe(recipe: Recipe, problems: Problems, launch: LaunchDescription | None,
+                 given: frozenset[str] = frozenset(), planned: bool = False) -> BatchSizes | None:
     """Run every check that needs the command line and the launch alone, recording failures in `problems`.
     `launch`: None when the launch environment failed its own checks (the checks that depend on it are then
-    skipped). Returns the batch sizes, or None if they could not be made."""
+    skipped). `given`: the fields on the command line (shardtune.flags.given_fields). `planned`: a --dry_run's
+    launch, which leaves out NOT_IN_DRY_RUN and the NVMe directory's existence. Returns the batch sizes, or None if
+    they could not be made."""
     for check in RECIPE_CHECKS:
-        problems.check(check, recipe)
+        if not (planned and check in NOT_IN_DRY_RUN):
+            problems.check(check, recipe)
+    for given_check in GIVEN_CHECKS:
+        problems.check(given_check, recipe, given)
     if launch is None:
         return None
-    problems.check(check_nvme_path, recipe, launch.nvme_offloaded)
+    problems.check(check_nvme_path, recipe, launch.nvme_offloaded, not planned)
     return problems.check(batch_sizes, recipe, launch.world_size)
 
 
-def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: LaunchDescription) -> None:
-    """The checks that depend on this machine: a GPU, or CPU mode asked for; the attention kernel, 4-bit
-    quantization, fp16's loss scaler, the optimizer and fp8's float8 tensor cores on it; NVMe offload's async_io
-    op. `has_gpu`: CUDA is available."""
-    problems.check(check_device, recipe, has_gpu)
-    on_gpu = has_gpu and not recipe.use_cpu
-    problems.check(check_attention, recipe, on_gpu)
-    problems.check(check_quantization, recipe, on_gpu)
+def check_on_device(recipe: Recipe, problems: Problems, launch: LaunchDescription, on_gpu: bool,
+                    capability: tuple[int, int] | None, loads: bool = True) -> None:
+    """The checks of the recipe on its devices under the launch: the attention kernel, 4-bit quantization,
+    activation offloading, Liger, fp16's loss scaler, the optimizer, compilation, async saves and fp8's float8
+    tensor cores. A launch passes this machine's (`on_gpu`: a CUDA GPU in use; `capability`: its compute
+    capability where fp8 needs it); a --dry_run the planned GPUs', with `loads` false (the packages a run loads
+    are this machine's)."""
+    problems.check(check_attention, recipe, on_gpu, loads)
+    problems.check(check_quantization, recipe, on_gpu, loads)
     problems.check(check_activation_offloading, recipe, on_gpu, launch.deepspeed_offloads)
     problems.check(check_liger_device, recipe, on_gpu)
     problems.check(check_loss_scaler, recipe, on_gpu, launch.uses_deepspeed)
-    problems.check(check_optimizer, recipe, on_gpu, launch.kind, launch.world_size, True, launch.hybrid_shard)
+    problems.check(check_optimizer, recipe, on_gpu, launch.kind, launch.world_size, loads, launch.hybrid_shard)
     problems.check(check_compile_under, recipe, launch)
     problems.check(check_async_save, recipe, launch)
-    problems.check(check_fp8, recipe, gpu_capability(recipe, on_gpu), launch.kind, launch.fsdp_offload_params)
+    problems.check(check_fp8, recipe, capability, launch.kind, launch.fsdp_offload_params)
+
+
+def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: LaunchDescription) -> None:
+    """The checks that depend on this machine: a GPU, or CPU mode asked for; check_on_device with this machine's
+    GPU; NVMe offload's async_io op. `has_gpu`: CUDA is available."""
+    problems.check(check_device, recipe, has_gpu)
+    on_gpu = has_gpu and not recipe.use_cpu
+    check_on_device(recipe, problems, launch, on_gpu, gpu_capability(recipe, on_gpu))
+    problems.check(check_deepspeed_fp16, recipe, launch)  # this machine's DeepSpeed accelerator
     if offloads_to_nvme(launch):
         problems.check(check_async_io, AsyncIOReadiness.of_this_machine(has_gpu))
 

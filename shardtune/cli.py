@@ -11,24 +11,28 @@ import sys
 import time
 import warnings
 
-from shardtune.checkpoint.markers import resolve_resume
+from shardtune.checkpoint.run_settings import resume_point
 from shardtune.checks import (
-    RECIPE_CHECKS,
-    batch_sizes,
-    check_attention,
-    check_checkpoints,
-    check_inputs_named,
+    check_hardware_launch,
     check_machine,
-    check_output_dir,
-    check_quantization,
+    check_on_device,
     check_recipe,
+    planned_capability,
 )
 from shardtune.config import BatchSizes, ConfigError, Problems, Recipe
 from shardtune.flag_hints import launch_line
-from shardtune.flags import parse_flags
-from shardtune.launch import LaunchDescription
+from shardtune.flags import given_fields, parse_flags
+from shardtune.hub import is_hub_id, probe_hub
+from shardtune.launch import (
+    LaunchDescription,
+    accelerate_config_problems,
+    launch_environment,
+    launcher_config_file,
+    planned_launch_environment,
+)
 from shardtune.local_rank import first_on_machine
 from shardtune.model_checks import check_model
+from shardtune.output_dir import OutputDirLock, is_rank_zero
 
 
 def main(recipe: Recipe, argv: list[str] | None = None) -> None:
@@ -36,13 +40,16 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
     (and in the launcher's error file), exit code 2."""
     try:
         recipe, launch, batching = checked_launch(recipe, argv)
-        resume_path, start_step = resolve_resume(recipe.resume_from_checkpoint, recipe.resolved_output_dir,
-                                                 launch.world_size)
+        resume = resume_point(recipe, launch, batching)
+        if is_rank_zero():  # the output directory is this run's until the process ends (shardtune.output_dir)
+            taken_over = OutputDirLock(recipe.resolved_output_dir).acquire(recipe.overwrite_output_dir)
+            if taken_over:
+                print(f"shardtune: warning: {taken_over}", file=sys.stderr, flush=True)
         # DeepSpeed still calls these collectives by their old names, once per layer and step.
         warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
         from shardtune.trainer import train
 
-        train(recipe, batching, launch, resume_path, start_step)
+        train(recipe, batching, launch, resume)
     except ConfigError as error:
         refuse(error.messages)
         distributed = sys.modules.get("torch.distributed")  # a refusal before any import of it has no group
@@ -59,17 +66,18 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, Laun
     problems = Problems()
     recipe, flag_problems = parse_flags(recipe, argv)
     problems.messages.extend(flag_problems)
+    given = given_fields(recipe, argv)
     if os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true":  # use_cpu: true in the accelerate config
         recipe = dataclasses.replace(recipe, use_cpu=True)
+    if recipe.dry_run:  # plans the launch on --hardware, not this machine's
+        sys.exit(dry_run(recipe, problems, given))
     launch = problems.check(LaunchDescription.from_env)
-    if recipe.dry_run:  # plans for --hardware, not this machine: no torch needed
-        problems.raise_any()
-        assert launch is not None  # no problems: the launch was read
-        sys.exit(dry_run(recipe, problems, launch))
     if recipe.config_file:  # accelerate launch reads a config; the script only plans one under --dry_run
         problems.messages.append(f"--config_file is read only with --dry_run (to plan that config): to train under "
                                  f"it, give it to the launcher: {launch_line(recipe.config_file)}")
-    batching = check_recipe(recipe, problems, launch)
+    batching = check_recipe(recipe, problems, launch, given)
+    if launch is not None:
+        problems.check(check_hardware_launch, recipe, launch)
     # This machine's GPU, the model's config and the memory plan need torch and transformers, seconds of imports:
     # a command line that its own checks refuse is refused now; the rest is judged once it is right.
     problems.raise_any()
@@ -77,7 +85,12 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, Laun
     import torch
 
     check_machine(recipe, problems, torch.cuda.is_available(), launch)
+    config_file = launcher_config_file() if launched() else None
+    if config_file:  # accelerate ignores a misspelt key of a section: the run would go without that setting
+        problems.messages.extend(accelerate_config_problems(config_file))
     if recipe.model_name_or_path:
+        if is_hub_id(recipe.model_name_or_path) and not os.path.isdir(recipe.model_name_or_path):
+            probe_hub()  # out of reach: the lookup fails at once, not after huggingface_hub's retries
         problems.check(check_model, recipe)
         # The plan of the launched config, a refusal among the others if it does not fit.
         problems.check(print_memory_plan, recipe, launch, bool(recipe.hardware))
@@ -88,36 +101,57 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, Laun
 
 # --- --dry_run ---------------------------------------------------------------------------------------------------
 
-# What a dry run leaves out: it plans for --hardware, not for this machine, and reads no data, model or output dir.
-NOT_IN_DRY_RUN = (check_inputs_named, check_checkpoints, check_output_dir)
-
-
-def dry_run(recipe: Recipe, problems: Problems, launch: LaunchDescription) -> int:
-    """--dry_run: every check that concerns the plan (values, choices, the batch over the planned GPUs, the
-    attention and precision as on GPUs), all reported together, then the plan. Outside `accelerate launch` it
-    plans --config_file or the config the recipe's launch line names; under it, the launched config."""
+def dry_run(recipe: Recipe, problems: Problems, given: frozenset[str]) -> int:
+    """--dry_run: every check a launch makes of the command line (checks.check_recipe and check_on_device), under
+    the launch it plans on --hardware's GPUs, all reported together, then the plan. What it leaves out, the checks
+    of the machine, the data and the output dir, is checks.NOT_IN_DRY_RUN. Outside `accelerate launch` it plans
+    --config_file or the config in the recipe's launch line, as accelerate's launcher would launch it on
+    --hardware; under it, the launched config on --hardware's GPUs."""
     if not recipe.model_name_or_path:
         problems.messages.append("No model: set --model_name_or_path to a local model directory or a Hub model id.")
-    for check in RECIPE_CHECKS:
-        if check not in NOT_IN_DRY_RUN:
-            problems.check(check, recipe)
-    problems.check(check_attention, recipe, True)
-    problems.check(check_quantization, recipe, True, False)  # as on a GPU; planning needs no bitsandbytes
     hardware = problems.check(planned_hardware, recipe.hardware) if recipe.hardware else None
     if hardware is None and not recipe.hardware:
         problems.messages.append("--dry_run needs --hardware (e.g. 8xh100-80gb): the hardware to plan for.")
-    if hardware is not None:
-        problems.check(batch_sizes, recipe, hardware.world_size)
-    config_file = None
-    if not launched():
+    config_file, is_launched = None, launched()  # asked once: the planned launch's variables make any run look launched
+    if is_launched:
+        config_file = launcher_config_file()
+        read = bool(config_file)
+    else:
         config_file = recipe.config_file or recipe_config_file()
+        read = bool(config_file) and os.path.isfile(config_file)
         if not config_file:
             problems.messages.append("--dry_run outside accelerate launch plans the accelerate config that "
                                      "--config_file names: give one (e.g. accelerate_configs/fsdp_full_shard.yaml).")
-        elif not os.path.isfile(config_file):
+        elif not read:
             problems.messages.append(f"--config_file {config_file!r} does not exist: give an accelerate config YAML.")
-    problems.raise_any()
-    return print_memory_plan(recipe, launch, required=True, config_file=config_file)
+    key_problems = accelerate_config_problems(config_file) if read else []
+    problems.messages.extend(key_problems)
+    env = None
+    if hardware is not None and (is_launched or read) and not key_problems:
+        env = problems.check(planned_environment, hardware, None if is_launched else config_file)
+    if env is None:  # no launch to plan (a problem says why): the checks that need none
+        check_recipe(recipe, problems, None, given, planned=True)
+        raise ConfigError(problems.messages)
+    with launch_environment(env):  # every check reads the planned launch where a run reads its own
+        launch = problems.check(LaunchDescription.from_env)
+        check_recipe(recipe, problems, launch, given, planned=True)
+        if launch is not None:
+            check_on_device(recipe, problems, launch, True, planned_capability(hardware), loads=False)
+        problems.raise_any()
+        assert launch is not None  # no problems: the launch was read
+        return print_memory_plan(recipe, launch, required=True, config_file=None if is_launched else config_file)
+
+
+def planned_environment(hardware, config_file: str | None) -> dict[str, str]:
+    """The variables of the launch a dry run plans: `config_file` launched on `hardware` by accelerate's launcher,
+    or, with None, this launch's own accelerate variables on `hardware`'s ranks."""
+    if config_file:
+        return planned_launch_environment(config_file, hardware.nodes, hardware.gpus_per_node)
+    own = {name: value for name, value in os.environ.items()
+           if name.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))}
+    return {**own, "WORLD_SIZE": str(hardware.world_size), "LOCAL_WORLD_SIZE": str(hardware.gpus_per_node),
+            "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            "MASTER_PORT": os.environ.get("MASTER_PORT", "29500")}
 
 
 def planned_hardware(spec: str):
@@ -180,7 +214,7 @@ def print_memory_plan(recipe: Recipe, launch: LaunchDescription, required: bool,
     """Plan this launch's memory per GPU (under `config_file` instead of the launched config, for a dry run)
     before any weight loads; raise ConfigError if it does not fit. Without --hardware and without GPUs there is
     nothing to plan against (returns 0)."""
-    from shardtune.flops import ModelError, resolve_model
+    from shardtune.flops import ModelError, builtin_name, resolve_model
     from shardtune.hardware import HardwareError
     from shardtune.plan.launched import launch_hardware, launch_strategy, plan_launch
     from shardtune.plan.report import format_plan
@@ -192,7 +226,10 @@ def print_memory_plan(recipe: Recipe, launch: LaunchDescription, required: bool,
             if required:
                 raise ConfigError("--dry_run needs --hardware (e.g. 8xh100-80gb) on a machine without GPUs.")
             return 0
-        shape = resolve_model(recipe.model_name_or_path)
+        name = recipe.model_name_or_path
+        if is_hub_id(name) and not builtin_name(name) and not os.path.exists(name):
+            probe_hub()  # out of reach: the lookup fails at once, not after huggingface_hub's retries
+        shape = resolve_model(name)
     except (HardwareError, ModelError) as error:
         if required:
             raise ConfigError(str(error)) from error

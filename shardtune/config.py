@@ -301,7 +301,8 @@ class Recipe:
         "help": "Copy the state to host memory, write it in the background while training goes on (costs host RAM "
                 "equal to each rank's checkpoint shard)."})
     resume_from_checkpoint: str = field(
-        default="", metadata={"help": "`auto` (newest complete checkpoint in output_dir, if any) or a path."}
+        default="", metadata={"help": "`auto` (the newest complete checkpoint in output_dir; step 0 where its run "
+                                      "saved none; refused where no run started) or a checkpoint's path."}
     )
     hardware: str = field(
         default="", metadata={"help": "Plan memory for this hardware at start-up (e.g. 8xh100-80gb); "

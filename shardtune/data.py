@@ -5,23 +5,34 @@ the loss on completion / assistant tokens only. Their micro-batches: shardtune.b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 
 import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config import DATA_FILE_TYPES, ConfigError, Recipe
-from shardtune.data_sources import bundled_chat_templates, chat_template_path, dataset_sources, dataset_weights
+from shardtune.data_sources import (
+    FORMATS,
+    bundled_chat_templates,
+    chat_template_path,
+    check_row_formats,
+    check_text_encoding,
+    dataset_sources,
+    dataset_weights,
+    detect_format,  # noqa: F401 (its home is data_sources; scripts/prepare_data.py imports it from here)
+    json_problem,
+    only_whitespace,
+    source_format,
+)
 
 IGNORE_INDEX = -100  # label of tokens that carry no loss (prompt, padding)
 logger = logging.getLogger(__name__)
-# The columns that identify each format, in the order auto-detection tries them. Alpaca's `input` is optional.
-FORMATS = {"tokenized": ("input_ids", "labels"), "messages": ("messages",), "sharegpt": ("conversations",),
-           "alpaca": ("instruction", "output"), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 CHAT_FORMATS = ("messages", "sharegpt")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 # Stanford Alpaca's prompts (tatsu-lab/stanford_alpaca, train.py PROMPT_DICT), for tokenizers without a chat template.
@@ -81,8 +92,9 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
 # Sources.
 
 
-def load_source(source: str, split: str) -> Dataset:
-    """One split of a local file (its only split), a `save_to_disk` directory or a Hub dataset."""
+def load_source(source: str, split: str, dataset_format: str = "auto") -> Dataset:
+    """One split of a local file (its only split), a `save_to_disk` directory or a Hub dataset, its rows checked
+    to be of one format (check_row_formats)."""
     try:
         if os.path.isdir(source):
             loaded = load_from_disk(source)
@@ -90,34 +102,36 @@ def load_source(source: str, split: str) -> Dataset:
                 if split not in loaded:
                     raise ConfigError(f"{source!r} has splits {sorted(loaded)}, not {split!r}: set --dataset_split.")
                 loaded = loaded[split]
-            return loaded
-        if os.path.isfile(source):
-            if os.path.getsize(source) == 0:
+        elif os.path.isfile(source):
+            if os.path.getsize(source) == 0 or only_whitespace(source):
                 raise ConfigError(f"The data file {source!r} is empty.")
             builder = DATA_FILE_TYPES[os.path.splitext(source)[1].lower()]
-            return load_dataset(builder, data_files=source, split="train")
-        return load_dataset(source, split=split)
+            if builder != "parquet":
+                check_text_encoding(source)
+            with quiet_json_loader():
+                loaded = load_dataset(builder, data_files=source, split="train")
+        else:
+            loaded = load_dataset(source, split=split)
     except ConfigError:
         raise
     except Exception as error:  # datasets raises many types; the user needs the file and the place
-        reason = first_bad_line(source) or str(error) or type(error).__name__
+        reason = (json_problem(source) if os.path.isfile(source) and DATA_FILE_TYPES.get(
+            os.path.splitext(source)[1].lower()) == "json" else None) or str(error) or type(error).__name__
         raise ConfigError(f"Cannot read dataset {source!r}: {reason}") from error
+    check_row_formats(loaded, dataset_format, source)
+    return loaded
 
 
-def first_bad_line(path: str) -> str | None:
-    """For a JSON Lines file that does not parse: which line, and why (datasets' own error does not say)."""
-    if not (os.path.isfile(path) and path.lower().endswith((".jsonl", ".json"))):
-        return None
-    with open(path, encoding="utf-8", errors="replace") as file:
-        for number, line in enumerate(file, start=1):
-            if line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as error:
-                    if number == 1 and path.lower().endswith(".json"):
-                        return None  # a single JSON document, not JSON Lines
-                    return f"line {number} is not valid JSON ({error.msg})"
-    return None
+@contextlib.contextmanager
+def quiet_json_loader() -> Iterator[None]:
+    """datasets' JSON builder logs its own error before raising it: the refusal names the line instead."""
+    json_logger = logging.getLogger("datasets.packaged_modules.json.json")
+    level = json_logger.level
+    json_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        json_logger.setLevel(level)
 
 
 def prepared_eval(source: str) -> Dataset | None:
@@ -148,13 +162,13 @@ def load_eval_sources(recipe: Recipe, sources: list[str]) -> list[tuple[str, Dat
     prepare_data.py tokenized; None: hold --eval_fraction out of the training mixture."""
     name = recipe.eval_split
     if name and os.path.exists(name):
-        return [(name, load_source(name, name))]
+        return [(name, load_source(name, name, recipe.dataset_format))]
     if name:
         files = [source for source in sources if os.path.isfile(source)]
         if files:
             raise ConfigError(f"--eval_split {name!r}: a data file has one split ({files[0]!r}). Give an eval file, "
                               "or leave --eval_split empty to hold out --eval_fraction of the rows.")
-        return [(source, load_source(source, name)) for source in sources]
+        return [(source, load_source(source, name, recipe.dataset_format)) for source in sources]
     prepared = [prepared_eval(source) for source in sources]
     if all(split is not None for split in prepared):
         return list(zip(sources, prepared, strict=True))
@@ -170,26 +184,6 @@ def draw(raw: Dataset, weight: float, seed: int) -> Dataset:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Formats.
-
-
-def detect_format(columns: list[str], requested: str = "auto") -> str:
-    """The format of a source: rows tokenized before are used as they are; otherwise --dataset_format, or the
-    first format whose columns the source has."""
-    if all(column in columns for column in FORMATS["tokenized"]):
-        return "tokenized"
-    if requested != "auto":
-        missing = [column for column in FORMATS[requested] if column not in columns]
-        if missing:
-            raise ConfigError(f"--dataset_format {requested} needs column(s) {missing}; the dataset has "
-                              f"{sorted(columns)}.")
-        return requested
-    for name, needed in FORMATS.items():
-        if all(column in columns for column in needed):
-            return name
-    raise ConfigError(
-        f"Dataset columns {sorted(columns)} match no known format: give `messages` (chat), `conversations` "
-        "(ShareGPT), `instruction` and `output` (Alpaca), `prompt` and `completion`, or `text`."
-    )
 
 
 def sharegpt_messages(conversation: list[dict]) -> list[dict]:
@@ -224,10 +218,31 @@ def alpaca_messages(row: dict) -> list[dict]:
 
 def row_messages(row: dict, data_format: str) -> list[dict]:
     if data_format == "sharegpt":
-        return sharegpt_messages(row["conversations"])
+        return joined_parts(sharegpt_messages(row["conversations"]))
     if data_format == "alpaca":
         return alpaca_messages(row)
-    return row["messages"]
+    return joined_parts(row["messages"])
+
+
+def joined_parts(messages: list[dict]) -> list[dict]:
+    """OpenAI's content as a list of parts (`[{"type": "text", "text": "..."}]`) as the string every template
+    renders: the texts joined as they are, as the templates that take parts join them (Gemma 3's, TRL's vision
+    ones; Llama 3's would render the list's repr). A part that is not text is refused: these models read text."""
+    if not isinstance(messages, list):
+        return messages  # check_chat names it
+    joined = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"a {message.get('role')} message's content has a part of type {kind!r} (or "
+                                     "one without text): shardtune trains text-only models; keep only "
+                                     '{"type": "text", "text": "..."} parts, or give the content as a string')
+            message = {**message, "content": "".join(part["text"] for part in content)}
+        joined.append(message)
+    return joined
 
 
 def prompt_and_target(row: dict, data_format: str) -> tuple[str, str]:
@@ -377,7 +392,7 @@ def tokenize(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, n
     source = source or recipe.dataset
     if len(raw) == 0:
         raise ConfigError(f"The {name} data of {source!r} is empty.")
-    data_format = detect_format(raw.column_names, recipe.dataset_format)
+    data_format = source_format(raw, recipe.dataset_format)
     if data_format == "tokenized":
         return use_tokenized(raw, recipe, name, source)
     if data_format in CHAT_FORMATS and not has_chat_template(tokenizer):
@@ -455,7 +470,7 @@ def load_train(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, raw_parts: li
         taken = draw(raw, weight, recipe.seed + position)
         parts.append(tokenize(taken, recipe, tokenizer, "train", source))
         summary.append(f"{source}: {len(taken)} of {len(raw)} rows "
-                       f"({detect_format(raw.column_names, recipe.dataset_format)})")
+                       f"({source_format(raw, recipe.dataset_format)})")
     mixture = len(parts) > 1 or weights[0] < 1.0
     if mixture:
         logger.warning("train mixture of %d source(s), shuffled with seed %d: %s", len(parts), recipe.seed,
@@ -470,7 +485,7 @@ def load_splits(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[Dat
     weights = dataset_weights(recipe)  # a bad --dataset_weights before anything loads
     apply_chat_template_flag(tokenizer, recipe)
     sources = dataset_sources(recipe.dataset)
-    raw_parts = [(source, load_source(source, recipe.dataset_split)) for source in sources]
+    raw_parts = [(source, load_source(source, recipe.dataset_split, recipe.dataset_format)) for source in sources]
     eval_parts = load_eval_sources(recipe, sources)
     train = load_train(recipe, tokenizer, raw_parts, weights)
     if eval_parts is not None:

@@ -1,14 +1,28 @@
-"""What --dataset, --dataset_weights and --chat_template name, read and checked without loading any data."""
+"""What --dataset, --dataset_weights and --chat_template name, checked without loading any data; and the data
+files and rows themselves, checked before tokenization: UTF-8 text, JSON that parses, one format per source."""
 
 from __future__ import annotations
 
+import codecs
+import json
 import os
+from typing import TYPE_CHECKING
 
 from shardtune.config import DATA_FILE_TYPES, ConfigError, Recipe
 from shardtune.hub import looks_like_path
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from datasets import Dataset
+
 # Bundled chat templates, one `<name>.jinja` each, shipped with the package.
 CHAT_TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
+# The columns that identify each format, in the order auto-detection tries them. Alpaca's `input` is optional.
+FORMATS = {"tokenized": ("input_ids", "labels"), "messages": ("messages",), "sharegpt": ("conversations",),
+           "alpaca": ("instruction", "output"), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+# The formats whose columns hold text, read as strings when tokenized.
+TEXT_FORMATS = ("alpaca", "prompt_completion", "text")
+ENCODING_CHUNK = 1 << 20  # bytes decoded at a time: the check reads a file at about 0.6 GB/s
 
 
 def dataset_sources(dataset: str) -> list[str]:
@@ -95,13 +109,207 @@ def check_dataset_path(dataset: str) -> None:
     if os.path.isdir(dataset):
         markers = ("dataset_info.json", "dataset_dict.json")
         if not any(os.path.exists(os.path.join(dataset, marker)) for marker in markers):
+            files = sorted(name for name in os.listdir(dataset)
+                           if os.path.splitext(name)[1].lower() in DATA_FILE_TYPES)
+            listed = (f" It holds {len(files)} data file(s): give them comma-separated, --dataset "
+                      f"{','.join(os.path.join(dataset, name) for name in files[:3])}{',...' * (len(files) > 3)}"
+                      if files else "")
             raise ConfigError(f"--dataset {dataset!r} is a directory but not one written by `save_to_disk`; "
-                              "give a data file or a saved dataset.")
+                              f"give a data file or a saved dataset.{listed}")
     elif os.path.isfile(dataset):
         if suffix not in DATA_FILE_TYPES:
             raise ConfigError(f"--dataset {dataset!r}: unknown file type {suffix!r}; use one of "
                               f"{', '.join(DATA_FILE_TYPES)} or a `save_to_disk` directory.")
-        if os.path.getsize(dataset) == 0:
+        if os.path.getsize(dataset) == 0 or only_whitespace(dataset):
             raise ConfigError(f"The data file {dataset!r} is empty; give --dataset a file with training rows.")
     elif looks_like_path(dataset):
         raise ConfigError(f"Dataset file not found: {dataset!r}. Check the path given to --dataset.")
+
+
+def only_whitespace(path: str) -> bool:
+    """Blank lines only: read until the first other byte, so a file of rows costs one read."""
+    with open(path, "rb") as file:
+        while chunk := file.read(ENCODING_CHUNK):
+            if chunk.strip():
+                return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data files, read before `datasets` parses them.
+
+
+def check_text_encoding(path: str) -> None:
+    """A JSON or CSV data file must be UTF-8: pyarrow's JSON reader keeps other bytes in its strings, which fail
+    only when tokenization reads the row, as a UnicodeDecodeError traceback."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as file:
+            while chunk := file.read(ENCODING_CHUNK):
+                decoder.decode(chunk)
+        decoder.decode(b"", final=True)
+        return
+    except UnicodeDecodeError:
+        pass
+    with open(path, "rb") as file:
+        start = file.read(2)
+    name = os.path.basename(path)
+    if start in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+        raise ConfigError(f"The data file {path!r} is UTF-16 text, not UTF-8: convert it (iconv -f utf-16 -t utf-8 "
+                          f"{name} > utf8-{name}) and give that file.")
+    offset = 0
+    with open(path, "rb") as file:
+        for number, line in enumerate(file, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ConfigError(
+                    f"The data file {path!r} is not UTF-8: line {number} (byte {offset + error.start}) holds "
+                    f"{line[error.start:error.end]!r}, which no UTF-8 text holds. Convert the file to UTF-8 (from "
+                    f"Windows-1252, say: iconv -f cp1252 -t utf-8 {name} > utf8-{name}) and give that file.") from None
+            offset += len(line)
+
+
+def is_json_lines(path: str) -> bool:
+    """JSON Lines (one value a line, as .jsonl and most .json data files are), not one JSON document (a list of
+    rows, on one line or pretty-printed)."""
+    with open(path, encoding="utf-8", errors="replace") as file:
+        first = next((line for line in file if line.strip()), "")
+    try:
+        return not isinstance(json.loads(first), list) or path.lower().endswith(".jsonl")
+    except json.JSONDecodeError:
+        return path.lower().endswith(".jsonl")
+
+
+def json_problem(path: str) -> str | None:
+    """Where and why a JSON or JSON Lines file does not give rows, in a line (datasets' own errors name neither the
+    line nor the cause); None when it finds nothing wrong."""
+    if is_json_lines(path):
+        with open(path, encoding="utf-8", errors="replace") as file:
+            for number, line in enumerate(file, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as error:
+                    return f"line {number} is not valid JSON ({error.msg}, column {error.colno}): fix or delete it."
+                if not isinstance(row, dict):
+                    kind = {str: "string", list: "array", bool: "boolean", type(None): "null"}.get(type(row), "number")
+                    return (f"line {number} is a JSON {kind}, not an object: each line must be one "
+                            'object of a row\'s fields, e.g. {"text": "..."}.')
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            document = json.load(file)
+    except json.JSONDecodeError as error:
+        return f"line {error.lineno} column {error.colno} is not valid JSON ({error.msg})."
+    if not isinstance(document, list) or not all(isinstance(row, dict) for row in document):
+        return ("it is one JSON document but not a list of row objects: give JSON Lines (one object a line) or a "
+                "JSON list of objects.")
+    return None if document else "it holds no rows."
+
+
+def row_place(source: str, index: int) -> str:
+    """Where row `index` (0-based, as loaded) is: its line in a JSON Lines file (datasets skips blank lines),
+    else its 1-based row number."""
+    if os.path.isfile(source) and source.lower().endswith((".json", ".jsonl")) and is_json_lines(source):
+        with open(source, "rb") as file:
+            rows = (number for number, line in enumerate(file, start=1) if line.strip())
+            line = next((number for position, number in enumerate(rows) if position == index), None)
+        if line is not None:
+            return f"line {line}"
+    return f"row {index + 1}{' after the header' * source.lower().endswith('.csv')}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rows, read by column in Arrow before tokenization.
+
+
+def detect_format(columns: list[str], requested: str = "auto") -> str:
+    """The format of a source's columns: rows tokenized before are used as they are; otherwise --dataset_format,
+    or the first format whose columns the source has."""
+    if all(column in columns for column in FORMATS["tokenized"]):
+        return "tokenized"
+    if requested != "auto":
+        missing = [column for column in FORMATS[requested] if column not in columns]
+        if missing:
+            raise ConfigError(f"--dataset_format {requested} needs column(s) {missing}; the dataset has "
+                              f"{sorted(columns)}.")
+        return requested
+    for name, needed in FORMATS.items():
+        if all(column in columns for column in needed):
+            return name
+    raise ConfigError(
+        f"Dataset columns {sorted(columns)} match no known format: give `messages` (chat), `conversations` "
+        "(ShareGPT), `instruction` and `output` (Alpaca), `prompt` and `completion`, or `text`."
+    )
+
+
+def source_format(raw: Dataset, requested: str = "auto") -> str:
+    """A source's format: detect_format's, except that auto-detection takes the first format whose columns the
+    first row fills (a column of another format may hold only nulls). check_row_formats holds every row to it."""
+    data_format = detect_format(raw.column_names, requested)
+    if data_format == "tokenized" or requested != "auto" or len(raw) == 0:
+        return data_format
+    return (row_formats(raw, 0) or [data_format])[0]
+
+
+def filled(raw: Dataset, columns: tuple[str, ...]) -> pa.ChunkedArray:
+    """Arrow mask over the rows as loaded: those that hold a value (not null, not missing) in every one of
+    `columns`, which the source has (detect_format made sure)."""
+    import pyarrow.compute as pc
+
+    mask = pc.is_valid(raw.data.column(columns[0]))
+    for column in columns[1:]:
+        mask = pc.and_(mask, pc.is_valid(raw.data.column(column)))
+    return mask
+
+
+def row_formats(raw: Dataset, index: int) -> list[str]:
+    """The formats whose columns row `index` fills, in detection order."""
+    row = raw[index]
+    return [name for name, needed in FORMATS.items()
+            if name != "tokenized" and all(row.get(column) is not None for column in needed)]
+
+
+def check_row_formats(raw: Dataset, requested: str, source: str) -> str:
+    """Every row of a source, as loaded (row i is the source's i-th), in one format, the first row's (or
+    --dataset_format's), with its columns filled, and text where the format reads text: the first row that is not
+    is named by its line, before tokenization (which would blame a valid row, or fail on a null). Returns the
+    format."""
+    import pyarrow.compute as pc
+
+    if len(raw) == 0:
+        raise ConfigError(f"{source!r} holds no rows: give --dataset a source with training rows.")
+    data_format = source_format(raw, requested)
+    if data_format == "tokenized":
+        return data_format
+    needed = FORMATS[data_format]
+    lacking = pc.invert(filled(raw, needed))
+    if pc.any(lacking).as_py():
+        index = pc.index(lacking, True).as_py()
+        place, theirs = row_place(source, index), row_formats(raw, index)
+        if theirs and requested == "auto":
+            raise ConfigError(f"{source!r}: {place} is a `{theirs[0]}` row and {row_place(source, 0)} a "
+                              f"`{data_format}` row: a source holds rows of one format. Put each format in a file of "
+                              "its own and give them all, comma-separated (--dataset a.jsonl,b.jsonl).")
+        empty = [f"`{column}`" for column in needed if raw[index].get(column) is None]
+        why = (f"--dataset_format {requested} needs" if requested != "auto"
+               else f"the `{data_format}` rows of this source need")
+        raise ConfigError(f"{source!r}: {place} has no {' or '.join(empty)} (missing or null), which {why}: fill it "
+                          "in or delete the row.")
+    if data_format in TEXT_FORMATS:
+        for column in [*needed, *(["input"] if data_format == "alpaca" and "input" in raw.column_names else [])]:
+            check_text_column(raw, column, source, optional=column == "input")
+    return data_format
+
+
+def check_text_column(raw: Dataset, column: str, source: str, optional: bool = False) -> None:
+    """A column read as text holds strings (a number or a list in one row makes `datasets` store it as JSON)."""
+    feature = raw.features[column]
+    if getattr(feature, "dtype", None) in ("string", "large_string"):
+        return
+    for index, value in enumerate(raw[column]):
+        if not isinstance(value, str) and not (optional and value is None):
+            raise ConfigError(f"{source!r}: {row_place(source, index)} holds {json.dumps(value)[:40]} in "
+                              f"`{column}`, which must be text: write it as a string (\"{column}\": \"...\").")

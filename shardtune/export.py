@@ -24,6 +24,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from shardtune.checkpoint.durable import durable, fsync_path
 from shardtune.checkpoint.tensor_files import write_safetensors
 from shardtune.config import Recipe
+from shardtune.tracking import absolute_if_local
 
 # --save_dtype (shardtune.config.SAVE_DTYPES, less auto) as torch dtypes.
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -72,6 +73,12 @@ def add_model_files(accelerator: Accelerator, model: torch.nn.Module, tokenizer:
     config_with_dtype(unwrapped.config, dtype).save_pretrained(path)
     if not is_peft_model(unwrapped) and unwrapped.can_generate():  # what the final export's save_pretrained writes
         unwrapped.generation_config.save_pretrained(path)
+    if is_peft_model(unwrapped):  # the LoRA settings (α, r, targets) the merge of the checkpoint's weights needs
+        for config in unwrapped.peft_config.values():
+            config = copy.deepcopy(config)
+            config.base_model_name_or_path = absolute_if_local(config.base_model_name_or_path)
+            config.inference_mode = True  # as peft saves it: the adapter loads for inference
+            config.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
 
@@ -87,6 +94,8 @@ def save_hf_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer: P
     if is_peft_model(unwrapped):
         state_dict = adapter_state_dict(accelerator, unwrapped)
         if accelerator.is_main_process:
+            for config in unwrapped.peft_config.values():  # loads from any directory, not only the run's
+                config.base_model_name_or_path = absolute_if_local(config.base_model_name_or_path)
             unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
         del state_dict
     else:
@@ -100,9 +109,33 @@ def save_hf_model(accelerator: Accelerator, model: torch.nn.Module, tokenizer: P
             if unwrapped.can_generate():
                 unwrapped.generation_config.save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
+        make_readable(output_dir)
         durable(output_dir, recursive=False)  # the export's files, then output_dir itself, survive a crash
     gc.collect()  # gathered copies can sit in reference cycles until the collector runs
     accelerator.wait_for_everyone()
+
+
+def written_file_mode() -> int:
+    """The mode a plain open(path, "w") gives a new file: 0o666 less the umask (0o644 under umask 022). Read from
+    /proc, not set and restored with os.umask, which would race the files a background save creates meanwhile."""
+    try:
+        with open("/proc/self/status") as status:
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
+def make_readable(directory: str, recursive: bool = False) -> None:
+    """The weights in `directory` get the mode any other written file gets: safetensors' save_file (which
+    save_pretrained and peft call) creates its files 0o600, readable by their owner alone."""
+    mode = written_file_mode()
+    for root, _, names in os.walk(directory) if recursive else [(directory, None, os.listdir(directory))]:
+        for name in names:
+            path = os.path.join(root, name)
+            if name.endswith(".safetensors") and os.path.isfile(path) and not os.path.islink(path):
+                os.chmod(path, mode)
 
 
 def export_entries(unwrapped: torch.nn.Module) -> dict[str, torch.Tensor]:

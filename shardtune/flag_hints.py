@@ -4,7 +4,10 @@ recipe's own flag, so that the command line a user keeps is the one the docs and
 
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
+import importlib.util
 import os
 import sys
 from collections.abc import Iterable
@@ -114,6 +117,53 @@ GUIDANCE: dict[tuple[str, ...], str] = {
 }
 
 
+# TrainingArguments' and TRL's flags that shardtune does not take (some from transformers 4, whose users still
+# type them), their class and what shardtune does instead; the other fields of those classes (library_flags) get
+# "see --help". Each is refused as theirs, never as the nearest recipe flag by spelling (--logging_dir is not
+# --logging_steps).
+NOT_TAKEN: dict[str, tuple[str, str]] = {
+    "logging_dir": ("TrainingArguments", "metrics go to output_dir/metrics.jsonl and W&B's files under "
+                                         "output_dir/wandb; --logging_steps sets how often."),
+    **dict.fromkeys(("dataloader_num_workers", "dataloader_prefetch_factor", "dataloader_persistent_workers"), (
+        "TrainingArguments", "the data is tokenized before training (--dataset_num_proc processes, once per node) "
+                             "and micro-batches are cut from memory, with no loader workers.")),
+    "dataset_text_field": ("SFTConfig", "each --dataset source's format is read from its columns: a 'text' column "
+                                        "trains as plain text (--dataset_format text)."),
+    "group_by_length": ("TrainingArguments", "micro-batches follow the shuffled data (--seed); --packing true removes "
+                                             "the padding that grouping by length would save."),
+    "save_safetensors": ("TrainingArguments", "the final model is written as safetensors (--save_model)."),
+}
+# The dataclasses whose fields are transformers' and TRL's flags: (module, file under the package, classes).
+LIBRARY_FLAG_CLASSES = (("transformers", "training_args.py", ("TrainingArguments",)),
+                        ("trl", os.path.join("trainer", "sft_config.py"), ("SFTConfig",)))
+
+
+@functools.cache
+def library_flags() -> dict[str, str]:
+    """Every field of TrainingArguments and SFTConfig, by name, with the class it belongs to: read from the
+    installed sources without importing them (importing TrainingArguments imports torch, seconds that a refused
+    command line need not wait)."""
+    flags: dict[str, str] = {}
+    for package, path, classes in LIBRARY_FLAG_CLASSES:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        with open(os.path.join(spec.submodule_search_locations[0], path)) as file:
+            tree = ast.parse(file.read())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name in classes:
+                for item in node.body:
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        flags.setdefault(item.target.id, node.name)
+    return flags
+
+
+def not_taken_hint(name: str) -> str | None:
+    """The hint for one of TrainingArguments' or SFTConfig's flags that the recipe does not have; None for others."""
+    owner, instead = NOT_TAKEN.get(name, (library_flags().get(name), "see --help for the recipe's flags."))
+    return f"a {owner} flag shardtune does not take: {instead}" if owner else None
+
+
 def normalized(flag: str) -> str:
     """'--Learning-Rate' -> 'learning_rate': how the tables are keyed."""
     return flag.lstrip("-").lower().replace("-", "_")
@@ -130,9 +180,10 @@ MEANINGS = meaning_table()
 
 
 def flag_hint(flag: str, known: Iterable[str], value: str | None = None) -> str:
-    """The hint for an unknown flag given `value`: its meaning if another trainer uses the name, else the nearest
-    spelling of a known flag, else --help. A name of an accelerate config file, or one nearest to --config_file,
-    is pointed at the launcher: the recipe's --config_file trains nothing."""
+    """The hint for an unknown flag given `value`: its meaning if another trainer uses the name; a flag of
+    TrainingArguments or SFTConfig the recipe does not take, as such; else the nearest spelling of a known flag,
+    else --help. A name of an accelerate config file, or one nearest to --config_file, is pointed at the launcher:
+    the recipe's --config_file trains nothing."""
     name = normalized(flag)
     if name in CONFIG_FILE_NAMES:
         return config_file_hint(value)
@@ -140,6 +191,9 @@ def flag_hint(flag: str, known: Iterable[str], value: str | None = None) -> str:
     if meaning:
         return meaning
     known = list(known)
+    not_taken = not_taken_hint(name) if f"--{name}" not in known else None  # not a recipe flag's other spelling
+    if not_taken:
+        return not_taken
     nearest = difflib.get_close_matches(f"--{name}", known, n=1) or difflib.get_close_matches(flag, known, n=1)
     if nearest == ["--config_file"]:
         return config_file_hint(value)

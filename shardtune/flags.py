@@ -88,6 +88,17 @@ def parse_flags(recipe: Recipe, argv: list[str] | None = None) -> tuple[Recipe, 
     return overridden, problems
 
 
+def given_fields(recipe: Recipe, argv: list[str] | None = None) -> frozenset[str]:
+    """The Recipe fields the command line gives, at whatever value: a flag given at its default (--lora_alpha 32)
+    is given all the same, which no comparison with the defaults can tell. --no_<flag> gives <flag>, and
+    TrainingArguments' --bf16 and --fp16 give --mixed_precision."""
+    args = sys.argv[1:] if argv is None else argv
+    actions = recipe_parser(recipe)._option_string_actions  # argparse's own map of each spelling to its action
+    dests = {actions[token.partition("=")[0]].dest for token in args if token.partition("=")[0] in actions}
+    fields = {item.name for item in dataclasses.fields(Recipe)}
+    return frozenset({"mixed_precision" if dest in ("bf16", "fp16") else dest for dest in dests} & fields)
+
+
 def given(args: Sequence[str], flag: str) -> bool:
     """Whether `flag` is on the command line (abbreviations are off, so only its exact spelling counts)."""
     return any(arg == flag or arg.startswith(f"{flag}=") for arg in args)
@@ -172,6 +183,7 @@ def check_given_flags_act(recipe: Recipe, aliases: argparse.Namespace, args: Seq
         ("--eval_fraction", "--eval_split holds out a split of its own", bool(recipe.eval_split)),
         ("--wandb_project", "--report_to none logs to no tracker", recipe.report_to == "none"),
         ("--run_name", "--report_to none logs to no tracker", recipe.report_to == "none"),
+        ("--num_train_epochs", f"--max_steps {recipe.max_steps} sets the run's length", recipe.max_steps > 0),
     ) if unused and given(args, flag)]
     if ignored:
         raise ConfigError([f"{flag} would be ignored: {why}. Drop it." for flag, why in ignored])

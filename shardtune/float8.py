@@ -92,6 +92,18 @@ def check_fp8(recipe: Recipe, capability: tuple[int, int] | None, launch_kind: s
                           "with --use_peft true.")
 
 
+def unfused_fp8_warning(recipe: Recipe) -> str | None:
+    """The start-up line of an fp8 run that does not compile: torchao's dynamic float8 casts (an amax reduction, a
+    scale, a cast per operand of each matmul) are fused into the matmuls' neighbours only by torch.compile; eager,
+    each is a kernel of its own over the whole tensor, slower than the bf16 matmul it replaces (pytorch/ao#685: a
+    feed-forward layer 1.1x to 3.4x slower than 16-bit, using up to twice its memory; compiled, up to 1.6x faster)."""
+    if recipe.mixed_precision != "fp8" or recipe.torch_compile:
+        return None
+    return ("shardtune: warning: --mixed_precision fp8 without --torch_compile true runs torchao's float8 casts "
+            "unfused: expect each layer 1.1-3.4x slower than --mixed_precision bf16, with up to 2x the activation "
+            "memory (pytorch/ao#685); add --torch_compile true.")
+
+
 def rewrap_loaded_shards(model: torch.nn.Module) -> int:
     """After accelerate's FSDP2 preparation: wrap again, for float8 all-gather, the weight shards that RAM-efficient
     loading replaced with plain tensors; the number wrapped. accelerate's fsdp2_load_full_state_dict broadcasts

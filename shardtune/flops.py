@@ -55,6 +55,13 @@ BUILTIN_CONFIG_VALUES = {
     ),
 }
 BUILTIN_MODELS = tuple(BUILTIN_CONFIG_VALUES)
+# The model types whose decoder layers are the ones ModelShape counts: q, k, v and o projections over
+# grouped-query heads (Qwen2: biases on q, k and v), a SwiGLU MLP of three matrices, two RMSNorms and rotary
+# positions (no position table). The parameter counts, FLOPs and memory formulas hold for these alone.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# The config.json fields a shape is read from. transformers fills a missing one with its config class's default
+# (LlamaConfig's are Llama 2 7B's), which plans and builds some other model than the one whose weights load.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def builtin_configs() -> dict[str, PretrainedConfig]:
@@ -118,6 +125,7 @@ class ModelShape:
 
 
 def shape_from_config(config: PretrainedConfig, name: str = "") -> ModelShape:
+    check_architecture(config, name or getattr(config, "name_or_path", ""))
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     model_type = getattr(config, "model_type", "llama")
@@ -133,7 +141,34 @@ def shape_from_config(config: PretrainedConfig, name: str = "") -> ModelShape:
 
 
 class ModelError(ValueError):
-    """A `--model` value that is neither built in, nor a local config, nor a recipe."""
+    """A `--model` value that is neither built in, nor a local config, nor a recipe, or a model of an architecture
+    that shardtune cannot plan."""
+
+
+def check_architecture(config: PretrainedConfig, name: str = "") -> None:
+    """Raise ModelError for a model outside SUPPORTED_MODEL_TYPES: its shape is not the one planned (a GPT-2 config
+    has no intermediate_size at all)."""
+    model_type = getattr(config, "model_type", None) or "unknown"
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    classes = getattr(config, "architectures", None) or []
+    described = f"{model_type} model" + (f" ({', '.join(classes)})" if classes else "")
+    raise ModelError(f"{name or 'The model'!r} is a {described}: shardtune plans and trains Llama-class decoders "
+                     f"only (model_type {', '.join(SUPPORTED_MODEL_TYPES)}: grouped-query attention, a SwiGLU MLP, "
+                     "RMSNorm). Give a model of one of those families.")
+
+
+def check_shape_fields(name: str) -> None:
+    """Raise ModelError when config.json leaves out a field the shape is read from (SHAPE_FIELDS)."""
+    from transformers import PretrainedConfig
+
+    values, _ = PretrainedConfig.get_config_dict(name)
+    missing = [field for field in SHAPE_FIELDS if values.get(field) is None]
+    if missing:
+        where = os.path.join(name, "config.json") if os.path.isdir(name) else f"The config.json of {name!r}"
+        raise ModelError(f"{where} has no {', '.join(missing)}: transformers would fill "
+                         f"{'it' if len(missing) == 1 else 'them'} with its class defaults, not this model's sizes. "
+                         "Use the config.json that came with the model's weights.")
 
 
 def builtin_name(model_id: str) -> str | None:
@@ -170,11 +205,9 @@ def resolve_config(model: str) -> tuple[str, PretrainedConfig]:
     key = builtin_name(model)
     if key:
         return key, SimpleNamespace(**BUILTIN_CONFIG_VALUES[key])
-    path = os.path.dirname(model) if model.endswith(".json") else model
+    path = (os.path.dirname(model) or ".") if model.endswith(".json") else model
     if os.path.isfile(os.path.join(path, "config.json")):
-        from transformers import AutoConfig
-
-        return os.path.basename(os.path.abspath(path)), AutoConfig.from_pretrained(path)
+        return os.path.basename(os.path.abspath(path)), read_config(path)
     try:
         config = read_config(model)
     except ModelError as error:
@@ -184,7 +217,8 @@ def resolve_config(model: str) -> tuple[str, PretrainedConfig]:
 
 def read_config(name: str) -> PretrainedConfig:
     """AutoConfig of a local model directory, or of a Hub id (from the cache, or downloaded: config.json only).
-    A name that can only be a path and exists nowhere is "not found", never tried on the Hub."""
+    A name that can only be a path and exists nowhere is "not found", never tried on the Hub. A model outside
+    SUPPORTED_MODEL_TYPES, or whose config.json leaves out a shape field, is refused."""
     from transformers import AutoConfig
 
     from shardtune.hub import first_line, hub_problem, looks_like_path
@@ -198,13 +232,18 @@ def read_config(name: str) -> PretrainedConfig:
     elif looks_like_path(name):
         raise ModelError(f"Model directory not found: {name!r}. Check the path given to --model_name_or_path.")
     try:
-        return AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(name)
     except OSError as error:
         if os.path.isdir(name):
-            raise ModelError(f"Cannot read {os.path.join(name, 'config.json')}: {first_line(error)}") from None
+            raise ModelError(f"Cannot read {os.path.join(name, 'config.json')}: {first_line(error)} Fix it, or use "
+                             "the config.json that came with the model's weights.") from None
         raise ModelError(hub_problem(name, error)) from None
     except ValueError as error:  # an unknown model_type, a config transformers cannot build
-        raise ModelError(f"--model_name_or_path {name!r}: {first_line(error)}") from None
+        raise ModelError(f"--model_name_or_path {name!r}: {first_line(error)} shardtune plans and trains model_type "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}.") from None
+    check_architecture(config, name)
+    check_shape_fields(name)
+    return config
 
 
 def resolve_model(model: str) -> ModelShape:

@@ -4,9 +4,12 @@ checks, the Accelerator, the launch-time memory plan and the cross-rank fingerpr
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import importlib.util
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -260,3 +263,167 @@ def check_hpz(hpz_partition: int, world_size: int) -> None:
     if group > 1 and world_size % group:
         raise ConfigError(f"zero_hpz_partition_size {hpz_partition} does not divide the {world_size} processes "
                           "launched into groups: set it to the GPUs per node in the DeepSpeed JSON file.")
+
+
+# --- the accelerate config file ----------------------------------------------------------------------------------
+
+# The sections whose keys `accelerate launch` copies onto its own arguments with a prefix (commands/launch.py,
+# _validate_launch_command): fsdp_config's `offload_params` is its --fsdp_offload_params.
+SECTION_PREFIXES = {"fsdp_config": "fsdp_", "fp8_config": "fp8_", "dynamo_config": "dynamo_"}
+# Top-level keys accelerate still reads and converts (BaseConfig.process_config).
+LEGACY_KEYS = ("fp16", "dynamo_backend")
+
+
+def accelerate_config_keys(compute_environment: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(the top-level keys, the keys of its sections) of an accelerate config file, as accelerate reads them: the
+    fields of the config class it loads the file into (ClusterConfig on a local machine), and the arguments of
+    `accelerate launch`, onto which it copies every key of a section (fsdp_config, deepspeed_config, ...). It
+    copies an unknown key just the same, where nothing reads it: a misspelt key is silently ignored."""
+    import dataclasses
+
+    from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig
+    from accelerate.commands.launch import launch_command_parser
+
+    config_class = ClusterConfig if compute_environment == "LOCAL_MACHINE" else SageMakerConfig
+    fields = frozenset(item.name for item in dataclasses.fields(config_class)) | frozenset(LEGACY_KEYS)
+    arguments = frozenset(action.dest for action in launch_command_parser()._actions)
+    return fields, arguments
+
+
+def accelerate_config_problems(path: str) -> list[str]:
+    """One line per key of the accelerate config file at `path` that accelerate would not read (accelerate refuses
+    an unknown top-level key only when it launches, and ignores an unknown key of a section), naming the nearest
+    key it reads. [] for a file it cannot read (its launcher says why)."""
+    import yaml
+
+    try:
+        with open(path) as file:
+            config = yaml.safe_load(file)
+    except (OSError, yaml.YAMLError) as error:
+        return [f"Cannot read the accelerate config {path}: {' '.join(str(error).split())}"]
+    if not isinstance(config, dict):
+        return [f"The accelerate config {path} is not a mapping of keys to values: write it as `accelerate config` "
+                "does (accelerate_configs/*.yaml are examples)."]
+    fields, arguments = accelerate_config_keys(str(config.get("compute_environment", "LOCAL_MACHINE")))
+    problems = [unknown_key(path, str(key), None, sorted(fields)) for key in config if str(key) not in fields]
+    for section, values in config.items():
+        if not (str(section).endswith("_config") and isinstance(values, dict)):
+            continue
+        prefix = SECTION_PREFIXES.get(section, "")
+        for key in map(str, values):
+            read_as = key if key.startswith(prefix) else prefix + key
+            if read_as not in arguments:
+                # The nearest among the keys written in this section: those sharing its prefix, or for
+                # deepspeed_config (whose keys have none) every argument of the launcher.
+                candidates = sorted(name for name in arguments if name.startswith(prefix) or not prefix)
+                problems.append(unknown_key(path, key, str(section), candidates))
+    return problems
+
+
+def unknown_key(path: str, key: str, section: str | None, candidates: list[str]) -> str:
+    """The line for a key accelerate does not read, with the nearest it does."""
+    nearest = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    fix = f"did you mean {nearest[0]}?" if nearest else "remove it (see `accelerate launch --help` for the keys)."
+    if section is None:  # accelerate launch refuses these itself, without a hint
+        return f"The accelerate config {path} sets {key!r}, which accelerate does not know: {fix}"
+    return (f"The accelerate config {path} sets {section}: {key!r}, which accelerate does not read (it would be "
+            f"ignored): {fix}")
+
+
+def planned_launch_environment(config_file: str, nodes: int, gpus_per_node: int) -> dict[str, str]:
+    """The variables a process of `accelerate launch --config_file <config_file>` on `nodes` nodes of
+    `gpus_per_node` GPUs would see, as accelerate's own launcher builds them (commands/launch.py and
+    utils/launch.py), with torchrun's WORLD_SIZE, LOCAL_WORLD_SIZE and RANK of its first process: the launch that a
+    --dry_run plans, which its checks then read as a launched run reads its own (LaunchDescription.from_env).
+    Raises ConfigError where accelerate's launcher would refuse the file."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
+
+    world = nodes * gpus_per_node
+    args = launch_command_parser().parse_args([
+        "--config_file", config_file, "--num_processes", str(world), "--num_machines", str(nodes),
+        "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", "29500", "recipe.py"])
+    logging.getLogger("accelerate.commands.launch").setLevel(logging.ERROR)  # its notes on defaults it fills
+    try:
+        args, defaults, precision_from_config = _validate_launch_command(args)
+        if args.use_deepspeed:  # as launch_command does before it hands over to the DeepSpeed launcher
+            fields = [*(defaults.deepspeed_config if defaults else ())] + ["mixed_precision"] * precision_from_config
+            args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+            _, env = prepare_deepspeed_cmd_env(args)
+        elif args.use_fsdp or args.multi_gpu:
+            env = prepare_multi_gpu_env(args)
+        else:
+            _, env = prepare_simple_launcher_cmd_env(args)
+    except (ValueError, TypeError, KeyError, OSError) as error:
+        raise ConfigError(f"accelerate launch refuses --config_file {config_file}: "
+                          f"{' '.join(str(error).split())}") from None
+    planned = {name: value for name, value in env.items() if os.environ.get(name) != value}
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **planned, "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(gpus_per_node), "RANK": "0", "LOCAL_RANK": "0"}
+
+
+@contextlib.contextmanager
+def launch_environment(env: Mapping[str, str]) -> Iterator[None]:
+    """os.environ as a planned launch's process sees it (planned_launch_environment), restored afterwards: every
+    check reads the planned launch where it reads a real one. The variables of this shell's own launch (if any)
+    are dropped meanwhile."""
+    saved = dict(os.environ)
+    for name in [*os.environ]:
+        if name.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")):
+            del os.environ[name]
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+LAUNCHER_DEPTH = 4  # a rank's ancestors looked at for its launcher: the launcher itself, or a wrapper around it
+
+
+def launcher_config_file() -> str | None:
+    """The accelerate config file this process was launched with: `accelerate launch` exports no variable naming
+    it, so it is read from the launcher's command line (the rank's parent under torchrun's agent and the simple
+    launcher; an ancestor a few levels up under a wrapper), resolved against the launcher's working directory; a
+    launcher without --config_file reads accelerate's default config, if there is one. None when no ancestor is
+    `accelerate launch`."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        process = psutil.Process().parent()
+        for _ in range(LAUNCHER_DEPTH):
+            if process is None:
+                break
+            found = config_file_of(process.cmdline(), process.cwd())
+            if found is not None:
+                return found or None
+            process = process.parent()
+    return None
+
+
+def config_file_of(argv: list[str], cwd: str) -> str | None:
+    """The config file of an `accelerate launch` command line run in `cwd` ('' when the launcher reads none);
+    None for any other command line."""
+    names = [os.path.basename(arg) for arg in argv]
+    starts = [index + 1 for index, name in enumerate(names[:-1]) if name == "accelerate" and names[index + 1]
+              == "launch"] + [index for index, name in enumerate(names) if name in ("accelerate-launch",
+                                                                                 "accelerate.commands.launch")]
+    if not starts:
+        return None
+    options = argv[starts[0] + 1:]
+    for index, arg in enumerate(options):
+        if arg.startswith(("--config_file=", "--config-file=")):
+            return os.path.join(cwd, arg.split("=", 1)[1])
+        if arg in ("--config_file", "--config-file") and index + 1 < len(options):
+            return os.path.join(cwd, options[index + 1])
+        if arg.endswith(".py") or arg in ("-m", "--module"):  # the script: the rest are its own arguments
+            break
+    from accelerate.commands.config.config_args import default_config_file
+
+    cpu = "--cpu" in options
+    return default_config_file if os.path.isfile(default_config_file) and not cpu else ""

@@ -261,9 +261,14 @@ def _proc_status_bytes(field: str) -> int | None:
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
     """Peak allocated GPU memory on CUDA, the process's peak resident set size on CPU, since reset_phase_peak, in
-    GB (10^9 bytes, as the planner counts)."""
+    GB (10^9 bytes, as the planner counts). On CUDA also what decides whether a plan fits beside the allocated
+    peak: the caching allocator's reserved peak (its cache and fragmentation) and the device's memory in use now,
+    as the driver reports it (the CUDA context, NCCL's buffers and other processes too)."""
     if device.type == "cuda":
-        return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+        free, total = torch.cuda.mem_get_info(device)
+        return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+                "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
+                "device_used_gb": (total - free) / 1e9}
     return {"peak_rss_gb": peak_rss_bytes() / 1e9}
 
 

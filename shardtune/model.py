@@ -3,8 +3,10 @@ activation offloading."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,10 +56,35 @@ def load_model(recipe: Recipe, main_process: bool = True) -> PreTrainedModel:
         enable_gradient_checkpointing(model, recipe.gradient_checkpointing_interval,
                                       recipe.gradient_checkpointing_mode)
     if recipe.use_peft:
-        from peft import get_peft_model  # --use_peft only: importing peft costs every rank about 3 s
+        with bitsandbytes_kept_out(not recipe.load_in_4bit):
+            from peft import get_peft_model  # --use_peft only: importing peft costs every rank about 3 s
 
-        model = get_peft_model(model, lora_config(recipe), autocast_adapter_dtype=True)  # adapters in fp32
+            model = get_peft_model(model, lora_config(recipe), autocast_adapter_dtype=True)  # adapters in fp32
     return model
+
+
+@contextlib.contextmanager
+def bitsandbytes_kept_out(keep_out: bool) -> Iterator[None]:
+    """Inside, bitsandbytes cannot be imported (`keep_out`; not when 4-bit loading needs it). peft imports it wherever
+    it is installed (its LoRA dispatchers look for bitsandbytes layers), and TRL's activation offloader empties the
+    CUDA caching allocator at every forward while "bitsandbytes" is in sys.modules (its QLoRA workaround): a LoRA
+    model on a 16-bit base would pay that on every micro-batch. A None entry in sys.modules makes find_spec answer
+    None and an import fail. peft caches its answer to "is bitsandbytes installed": dropped on entry, so that each
+    model built asks again, and kept after, so that nothing in peft imports bitsandbytes later in the run. Where it
+    is imported already (a bitsandbytes optimizer), nothing is kept out."""
+    import_utils = sys.modules.get("peft.import_utils")
+    for name in ("is_bnb_available", "is_bnb_4bit_available"):
+        if hasattr(import_utils, name):
+            getattr(import_utils, name).cache_clear()
+    if not keep_out or "bitsandbytes" in sys.modules:
+        yield
+        return
+    sys.modules["bitsandbytes"] = None
+    try:
+        yield
+    finally:
+        if "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
+            del sys.modules["bitsandbytes"]
 
 
 def fsdp_loads_on_rank0() -> bool:

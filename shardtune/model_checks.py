@@ -1,8 +1,12 @@
-"""The recipe against the model's config.json, read without a weight: the model can be had, it has room for
+"""The recipe against the model's config.json, read without a weight: the model can be had and is of a family
+shardtune plans, a local model directory holds its weights and tokenizer, the model has room for
 --max_seq_length, --lora_target_modules name some of its layers, and --use_liger_kernel knows its family."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 from typing import TYPE_CHECKING
 
 from shardtune.config import ConfigError, Problems, Recipe, padded_length, token_multiple
@@ -12,11 +16,19 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
+# A Git LFS pointer file (a clone made without git-lfs) starts with this line instead of the weights.
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
 def check_model(recipe: Recipe) -> None:
-    """What the model's config.json (no weights) can tell: it exists and can be read, it has room for
+    """What the model's config.json and its directory's listing (no weights read) can tell: it exists, can be
+    read and is of a supported family, a local directory holds whole weights and a tokenizer, it has room for
     --max_seq_length, and --lora_target_modules name some of its layers."""
     config = read_model_config(recipe.model_name_or_path)
     problems = Problems()
+    if os.path.isdir(recipe.model_name_or_path):  # a Hub id's files are fetched, and judged, when it loads
+        problems.check(check_weights, recipe.model_name_or_path, config)
+        problems.check(check_tokenizer_files, recipe.model_name_or_path)
     problems.check(check_context_length, recipe, config)
     problems.check(check_lora_targets, recipe, config)
     problems.check(check_liger_model, recipe, config)
@@ -31,6 +43,89 @@ def read_model_config(name: str) -> PretrainedConfig:
         return read_config(name)
     except ModelError as error:
         raise ConfigError(str(error)) from None
+
+
+def check_weights(directory: str, config: PretrainedConfig) -> None:
+    """The weights file that `from_pretrained` would pick (transformers' order: the config's own
+    `transformers_weights`, else safetensors, a safetensors index, pytorch_model.bin, its index), every shard an
+    index names, and each safetensors file whole: its header read, not its tensors."""
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    explicit = getattr(config, "transformers_weights", None)
+    names = [explicit] if explicit else [SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME]
+    found = next((name for name in names if os.path.isfile(os.path.join(directory, name))), None)
+    if found is None:
+        raise ConfigError(f"--model_name_or_path {directory!r} has a config.json but no weights ({' or '.join(names)}):"
+                          " save the model there (model.save_pretrained), or download it whole "
+                          "(hf download MODEL_ID --local-dir DIR).")
+    files = [found]
+    if found.endswith(".index.json"):
+        files = index_shards(directory, found)
+        missing = [name for name in files if not os.path.isfile(os.path.join(directory, name))]
+        if missing:
+            raise ConfigError(f"{os.path.join(directory, found)} names {len(missing)} of its {len(files)} shard(s) "
+                              f"that are not in the directory, first {missing[0]!r}: the download stopped part way. "
+                              "Download the model again (hf download MODEL_ID --local-dir DIR).")
+    for name in files:
+        check_weights_file(os.path.join(directory, name))
+
+
+def index_shards(directory: str, index: str) -> list[str]:
+    """The shard files a `*.index.json` maps the weights to, in order."""
+    path = os.path.join(directory, index)
+    try:
+        with open(path, encoding="utf-8") as file:
+            weight_map = json.load(file)["weight_map"]
+        return sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ConfigError(f"{path} is not a weights index ({type(error).__name__}: {error}): download the model "
+                          "again (hf download MODEL_ID --local-dir DIR).") from None
+
+
+def check_weights_file(path: str) -> None:
+    """A weights file that holds weights: not a Git LFS pointer, and for safetensors a header that safetensors
+    reads and a file as long as the header says (a cut-off download fails here, not minutes into loading)."""
+    with open(path, "rb") as file:
+        start = file.read(len(LFS_POINTER))
+    if start == LFS_POINTER:
+        raise ConfigError(f"{path} is a Git LFS pointer, not the weights: the model was cloned without git-lfs. Run "
+                          f"`git lfs pull` in {os.path.dirname(path)!r}, or download it with hf download.")
+    if not path.endswith(".safetensors"):
+        return
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+    except (SafetensorError, OSError) as error:
+        raise ConfigError(f"{path} is not whole safetensors weights ({error}): the file is damaged or cut short. "
+                          "Download it again.") from None
+
+
+def check_tokenizer_files(directory: str) -> None:
+    """The files AutoTokenizer builds a tokenizer from: tokenizer.json (every supported family ships it), a BPE
+    vocab.json with merges.txt, or a SentencePiece tokenizer.model, which needs sentencepiece and protobuf."""
+    names = set(os.listdir(directory))
+    if "tokenizer.json" in names or {"vocab.json", "merges.txt"} <= names:
+        return
+    if "tokenizer.model" in names:
+        missing = [package for package, module in (("sentencepiece", "sentencepiece"), ("protobuf", "google.protobuf"))
+                   if not installed(module)]
+        if missing:
+            raise ConfigError(f"--model_name_or_path {directory!r} has its tokenizer as tokenizer.model (SentencePiece)"
+                              f" without tokenizer.json, and reading it needs {' and '.join(missing)}: pip install "
+                              f"{' '.join(missing)}, or add the model's tokenizer.json.")
+        return
+    raise ConfigError(f"--model_name_or_path {directory!r} has no tokenizer (tokenizer.json, or vocab.json and "
+                      "merges.txt, or tokenizer.model): save it there (tokenizer.save_pretrained), or copy those files "
+                      "from the model it was fine-tuned from.")
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package of a dotted name is missing
+        return False
 
 
 def check_context_length(recipe: Recipe, config: PretrainedConfig) -> None:
@@ -49,8 +144,12 @@ def check_lora_targets(recipe: Recipe, config: PretrainedConfig) -> None:
     if not recipe.use_peft or recipe.lora_target_modules.strip() == "all-linear":
         return
     import torch
-    from peft import LoraConfig
-    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from shardtune.model import bitsandbytes_kept_out
+
+    with bitsandbytes_kept_out(not recipe.load_in_4bit):  # the first import of peft would import it (see there)
+        from peft import LoraConfig
+        from peft.tuners.tuners_utils import check_target_module_exists
 
     layers = model_layers(config)
     unknown = []

@@ -11,11 +11,12 @@ from shardtune.config import ConfigError, Recipe
 from shardtune.launch import LaunchDescription
 
 
-def check_nvme_path(recipe: Recipe, nvme_offloaded: Sequence[str]) -> None:
+def check_nvme_path(recipe: Recipe, nvme_offloaded: Sequence[str], on_this_machine: bool = True) -> None:
     """NVMe offload needs --offload_nvme_path, and the flag needs NVMe offload: accelerate launch does not pass a
     YAML's nvme paths to the script, so DeepSpeed would write its swap files to ./none; the shipped JSON's
     nvme_path is "auto", which accelerate fills from the path the trainer sets. `nvme_offloaded`: the states the
-    launch offloads to NVMe without a directory of their own (LaunchDescription.nvme_offloaded)."""
+    launch offloads to NVMe without a directory of their own (LaunchDescription.nvme_offloaded);
+    `on_this_machine` false (a --dry_run): the directory is the training machine's, not looked for here."""
     path = recipe.offload_nvme_path
     if nvme_offloaded and not path:
         raise ConfigError(f"The accelerate config offloads the {' and '.join(nvme_offloaded)} states to NVMe: pass "
@@ -23,7 +24,7 @@ def check_nvme_path(recipe: Recipe, nvme_offloaded: Sequence[str]) -> None:
     if path and not nvme_offloaded:
         raise ConfigError("--offload_nvme_path is used only with NVMe offload (ds_zero3_nvme_offload.yaml): drop it "
                           "or launch with that config.")
-    if path and not os.path.isdir(path):
+    if on_this_machine and path and not os.path.isdir(path):
         raise ConfigError(f"--offload_nvme_path {path!r} is not a directory: create it on a local NVMe disk.")
 
 

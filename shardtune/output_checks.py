@@ -9,6 +9,7 @@ import os
 
 from shardtune.config import SAVE_DTYPES, ConfigError, Recipe
 from shardtune.launch import LaunchDescription
+from shardtune.output_dir import in_use, in_use_message, is_rank_zero
 
 
 def check_checkpoints(recipe: Recipe) -> None:
@@ -19,7 +20,10 @@ def check_checkpoints(recipe: Recipe) -> None:
     if recipe.save_only_model and recipe.use_peft:
         raise ConfigError("--save_only_model true is for full fine-tuning; a LoRA checkpoint's optimizer states are "
                           "small: drop --save_only_model true.")
-    if resume and resume != "auto" and recipe.overwrite_output_dir:  # `auto` with it: resume, else start afresh
+    if resume == "auto" and recipe.overwrite_output_dir:
+        raise ConfigError("--resume_from_checkpoint auto resumes the run in --output_dir and --overwrite_output_dir "
+                          "true deletes it: drop one of them.")
+    if resume and recipe.overwrite_output_dir:
         raise ConfigError(f"--overwrite_output_dir true would be ignored: a run resumed from {resume!r} keeps "
                           "--output_dir as it is. Drop one of them.")
     if resume and resume != "auto" and not os.path.isdir(resume):
@@ -31,6 +35,9 @@ def check_output_dir(recipe: Recipe) -> None:
     output_dir = recipe.resolved_output_dir
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ConfigError(f"--output_dir {output_dir!r} is a file; give a directory.")
+    holder = in_use(output_dir) if is_rank_zero() else None  # rank 0 holds the lock (shardtune.output_dir)
+    if holder:
+        raise ConfigError(in_use_message(output_dir, holder, recipe.overwrite_output_dir))
     occupied = os.path.isdir(output_dir) and any(not name.startswith(".") for name in os.listdir(output_dir))
     if occupied and not (recipe.resume_from_checkpoint or recipe.overwrite_output_dir):
         raise ConfigError(

@@ -72,3 +72,11 @@ def make_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe, max_steps: 
 
     return get_scheduler(recipe.lr_scheduler_type, optimizer, num_warmup_steps=recipe.warmup_steps_for(max_steps),
                          num_training_steps=max_steps, scheduler_specific_kwargs=scheduler_kwargs(recipe))
+
+
+def learning_rate_at(recipe: Recipe, max_steps: int, step: int) -> float:
+    """The learning rate the step after `step` uses, on the recipe's schedule over `max_steps` steps."""
+    import torch
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=recipe.learning_rate)
+    return recipe.learning_rate * make_scheduler(optimizer, recipe, max_steps).lr_lambdas[0](step)

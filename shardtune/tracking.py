@@ -14,6 +14,7 @@ from accelerate.utils import DistributedType
 from shardtune.config import Recipe
 from shardtune.data_sources import dataset_sources
 from shardtune.launch import LaunchDescription
+from shardtune.output_dir import METRICS_FILE
 
 RUN_CONFIG = "run_config.json"
 SAMPLES = "samples.jsonl"
@@ -124,7 +125,7 @@ def memory_plan(recipe: Recipe, launch: LaunchDescription) -> tuple[dict | None,
 
 def truncate_metrics(output_dir: str, after_step: int) -> None:
     """Drop metrics and samples logged after `after_step`: a resumed run logs those steps again."""
-    for name in ("metrics.jsonl", SAMPLES):
+    for name in (METRICS_FILE, SAMPLES):
         path = os.path.join(output_dir, name)
         if not os.path.isfile(path):
             continue
@@ -138,7 +139,7 @@ def log_metrics(accelerator: Accelerator, output_dir: str, step: int, metrics: d
     """One JSON object per call in metrics.jsonl (main process), and the same values to the trackers."""
     accelerator.log(metrics, step=step)
     if accelerator.is_main_process:
-        with open(os.path.join(output_dir, "metrics.jsonl"), "a") as file:
+        with open(os.path.join(output_dir, METRICS_FILE), "a") as file:
             file.write(json.dumps({"step": step, **metrics}) + "\n")
 
 

@@ -9,7 +9,6 @@ fp32 logits; `save_hf_model` (shardtune.export) writes the trained model.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import NoReturn
@@ -23,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from shardtune.batches import counted_steps, global_batches, make_collator
 from shardtune.checkpoint.nvme_resume import load_state
+from shardtune.checkpoint.run_settings import ResumePoint, check_resumed_length, run_settings
 from shardtune.checkpoint.saver import Checkpointer
 from shardtune.compilation import compile_decoder_layers, compile_figures, eager_calls
 from shardtune.config import BatchSizes, ConfigError, Recipe, token_multiple
@@ -37,7 +37,7 @@ from shardtune.distributed import (
 )
 from shardtune.evaluation import evaluate
 from shardtune.export import add_model_files, export_dtype, save_hf_model
-from shardtune.float8 import convert_linears, precompute_scales_after_step, rewrap_loaded_shards
+from shardtune.float8 import convert_linears, precompute_scales_after_step, rewrap_loaded_shards, unfused_fp8_warning
 from shardtune.flops import ModelShape, shape_from_config
 from shardtune.generation import HeldOutPrompts, generate_samples, held_out_prompts
 from shardtune.hardware import peak_flops
@@ -56,6 +56,7 @@ from shardtune.memory import (
 from shardtune.metrics import MAX_SKIPPED_IN_A_ROW, StepSummary, TrainMetrics
 from shardtune.model import enable_activation_offloading, load_model, load_tokenizer
 from shardtune.optimizers import make_optimizer
+from shardtune.output_dir import clear_output_dir
 from shardtune.packing import pack_rows
 from shardtune.plan.planned_run import recipe_peft
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
@@ -72,19 +73,18 @@ from shardtune.step import train_step
 from shardtune.tracking import log_metrics, log_samples, start_tracking, truncate_metrics
 
 
-def train(recipe: Recipe, batching: BatchSizes, launch: LaunchDescription, resume_path: str | None,
-          start_step: int) -> NoReturn:
-    """Train `recipe` (already checked by shardtune.cli), from `resume_path` at `start_step` if given. Every rank
+def train(recipe: Recipe, batching: BatchSizes, launch: LaunchDescription, resume: ResumePoint) -> NoReturn:
+    """Train `recipe` (already checked by shardtune.cli), from the checkpoint `resume` names if any. Every rank
     first checks that all ranks were launched alike, then trains watched by the others. Ends the process with the
     trainer's code: 0, or that of an early stop (non-finite loss, stop signal)."""
     stop = StopRequest()  # from the start: a signal during start-up still ends in a checkpoint and code 75
     accelerator = make_accelerator(recipe, batching, launch, log_with="wandb" if recipe.report_to == "wandb" else None)
-    machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, batching, launch, start_step))
+    machines = check_ranks_agree(accelerator, launch_fingerprint(accelerator, recipe, batching, launch, resume.step))
     # within the start-up collective timeout, so that every rank reaches the verdicts' all-gather
     check_output_dir_shared(recipe.resolved_output_dir, machines,
                             min(SHARED_DIR_PATIENCE_S, recipe.startup_timeout_minutes * 60 / 2))
     with watch_ranks(accelerator, recipe, machines), profile_memory(accelerator.process_index):
-        exit_code = train_loop(accelerator, recipe, batching, launch, resume_path, start_step, stop)
+        exit_code = train_loop(accelerator, recipe, batching, launch, resume, stop)
     shut_down(accelerator)  # the wrappers, then the trackers and the process groups, once no rank watches
     exit_process(exit_code)
 
@@ -107,7 +107,8 @@ class Run:
     save_dtype: torch.dtype | None  # of the Hugging Face export; None: as trained
 
 
-def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes) -> Run:
+def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume: ResumePoint | None = None
+          ) -> Run:
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe)
     with accelerator.local_main_process_first():  # once per node: nodes need not share the datasets cache
@@ -120,6 +121,8 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes) -> Run
             "Add data or lower --global_batch_size."
         )
     max_steps = recipe.max_steps if recipe.max_steps > 0 else steps_per_epoch * recipe.num_train_epochs
+    if resume and resume.path:  # before the weights load: a run's length from its epochs follows the data's
+        check_resumed_length(resume.path, resume.saved, max_steps)
 
     rss_before = rss_bytes()
     reset_peak_rss()  # so that the peaks read below are the loading's own
@@ -180,12 +183,14 @@ class BackwardHooks:
 
 
 def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch: LaunchDescription,
-               resume_path: str | None, start_step: int, stop: StopRequest) -> int:
-    run = build(accelerator, recipe, batching)
+               resume: ResumePoint, stop: StopRequest) -> int:
+    run = build(accelerator, recipe, batching, resume)
+    start_step = resume.step
     model, output_dir = run.model, recipe.resolved_output_dir
-    start(accelerator, recipe, batching, launch, run, resume_path, start_step)
+    start(accelerator, recipe, batching, launch, run, resume)
     checkpointer = Checkpointer(accelerator, recipe,
-                                lambda path: add_model_files(accelerator, model, run.tokenizer, run.save_dtype, path))
+                                lambda path: add_model_files(accelerator, model, run.tokenizer, run.save_dtype, path),
+                                {**run_settings(recipe, launch, batching), "max_steps": run.max_steps})
     peft = recipe_peft(recipe)
     metrics = TrainMetrics(accelerator, batching, run.steps_per_epoch, run.shape, device_peak_flops(accelerator),
                            # a DeepSpeed JSON's own fp16 setting wins over the recipe's precision
@@ -233,28 +238,31 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
 
 
 def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch: LaunchDescription, run: Run,
-          resume_path: str | None, start_step: int) -> None:
+          resume: ResumePoint) -> None:
     """Restore a checkpoint or clear an earlier run, lower the collective timeout, start tracking."""
     output_dir = recipe.resolved_output_dir
-    if resume_path:
+    if resume.path:
         started = time.perf_counter()
-        load_state(accelerator, resume_path)
-        accelerator.print(f"shardtune: resumed from {resume_path} at step {start_step} "
-                          f"(state loaded in {time.perf_counter() - started:.1f}s)")
+        load_state(accelerator, resume.path)
+        accelerator.print(f"shardtune: resumed from {resume.path} at step {resume.step} "
+                          f"(state loaded in {time.perf_counter() - started:.1f}s)"
+                          + "".join(f"; {note}" for note in resume.notes))
     elif recipe.overwrite_output_dir and accelerator.is_main_process:
-        shutil.rmtree(output_dir, ignore_errors=True)
+        clear_output_dir(output_dir)  # all but the lock this run holds
     accelerator.wait_for_everyone()
     set_collective_timeout(recipe.collective_timeout_minutes)  # start-up is over: a long wait now is a hang
     os.makedirs(output_dir, exist_ok=True)
     if accelerator.is_main_process:
-        truncate_metrics(output_dir, after_step=start_step)  # a killed run may have logged past its checkpoint
-    start_tracking(accelerator, recipe, launch, resumed=resume_path is not None)
+        truncate_metrics(output_dir, after_step=resume.step)  # a killed run may have logged past its checkpoint
+    start_tracking(accelerator, recipe, launch, resumed=resume.path is not None)
     accelerator.print(
         f"shardtune: {recipe.name} | {launch.description} | "
         f"global batch {batching.global_batch} = {batching.micro_batch} x {batching.accumulation} accumulation x "
         f"{batching.world_size} ranks | {run.max_steps} steps | precision {recipe.mixed_precision} "
         f"{reduction_dtypes(run.model)}".rstrip()
     )
+    if warning := unfused_fp8_warning(recipe):
+        accelerator.print(warning)
 
 
 def device_peak_flops(accelerator: Accelerator) -> float | None:

@@ -15,9 +15,11 @@ import sys
 from shardtune.checkpoint.durable import fsync_path
 from shardtune.config import ConfigError
 from shardtune.local_rank import first_on_machine
+from shardtune.output_dir import LOCK_FILE, METRICS_FILE
 
 MARKER = "checkpoint_complete.json"
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+SCRATCH_NAME = re.compile(r"^\.checkpoint-(\d+)\.tmp$")  # a save being written (saver.py)
 CHECKSUM_MAX_BYTES = 1 << 20  # small files (configs, RNG and scheduler states) are cheap to checksum
 
 
@@ -123,21 +125,50 @@ def newest_usable(output_dir: str) -> str | None:
     return None
 
 
+def holds_a_run(output_dir: str) -> bool:
+    """A run was started in `output_dir`: it took the directory's lock, logged metrics or began a checkpoint."""
+    if not os.path.isdir(output_dir):
+        return False
+    return any(name in (LOCK_FILE, METRICS_FILE) or CHECKPOINT_NAME.match(name) or SCRATCH_NAME.match(name)
+               for name in os.listdir(output_dir))
+
+
+def not_a_checkpoint(path: str) -> str:
+    """Why `path`, a directory without a marker, cannot be resumed from, and what to give instead."""
+    name = os.path.basename(os.path.normpath(path))
+    if CHECKPOINT_NAME.match(name) or SCRATCH_NAME.match(name):
+        return (f"--resume_from_checkpoint {path!r} is not a complete checkpoint (no {MARKER}): its save did not "
+                "finish. Give an earlier checkpoint, or `auto` for the newest complete one.")
+    inside = complete_checkpoints(path)
+    if inside or holds_a_run(path):
+        newest = f" (the newest complete one is {inside[-1]})" if inside else ""
+        return (f"--resume_from_checkpoint {path!r} is a run's output directory, not a checkpoint: give one of its "
+                f"checkpoint-<step> directories{newest}, or `auto` with --output_dir {path}.")
+    return (f"--resume_from_checkpoint {path!r} is not a checkpoint (no {MARKER}, not named checkpoint-<step>): "
+            "give <output_dir>/checkpoint-<step>, or `auto` for the newest complete one in --output_dir.")
+
+
 def resolve_resume(resume_from: str, output_dir: str, world_size: int) -> tuple[str | None, int]:
-    """(checkpoint path, step) to resume from; (None, 0) to start fresh. Raises ConfigError before any loading."""
+    """(checkpoint path, step) to resume from; (None, 0) to start fresh. Raises ConfigError before any loading.
+    `auto` where a run was started but saved no checkpoint starts it again from step 0, said in a line (a
+    requeued job that had not saved yet); where no run was ever started, it is refused (a mistyped --output_dir)."""
     if not resume_from:
         return None, 0
     if resume_from == "auto":
         checkpoint = newest_usable(output_dir)
         if checkpoint is None:
+            if not holds_a_run(output_dir):
+                where = "does not exist" if not os.path.exists(output_dir) else "holds no run"
+                raise ConfigError(f"--resume_from_checkpoint auto found nothing to resume: --output_dir {output_dir!r} "
+                                  f"{where}. Check the path, or drop --resume_from_checkpoint to start a new run.")
+            if not complete_checkpoints(output_dir):
+                warn(f"--resume_from_checkpoint auto: the run in {output_dir} saved no checkpoint: starting it again "
+                     "from step 0.")
             return None, 0
     else:
         checkpoint = resume_from
         if not os.path.isfile(os.path.join(checkpoint, MARKER)):
-            raise ConfigError(
-                f"--resume_from_checkpoint {checkpoint!r} is not a complete checkpoint (no {MARKER}): "
-                "its save did not finish. Give an earlier checkpoint, or `auto` for the newest complete one."
-            )
+            raise ConfigError(not_a_checkpoint(checkpoint))
         problem = damage(checkpoint)
         if problem:
             raise ConfigError(f"--resume_from_checkpoint {checkpoint!r} is damaged: {problem}. Give an earlier "

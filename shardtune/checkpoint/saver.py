@@ -38,8 +38,10 @@ class Checkpointer:
     every optimizer step, `save` on a stop signal, and `wait` before it exits, so that nothing it reports as
     saved is still being written."""
 
-    def __init__(self, accelerator: Accelerator, recipe: Recipe, extra_files: Callable[[str], None]) -> None:
+    def __init__(self, accelerator: Accelerator, recipe: Recipe, extra_files: Callable[[str], None],
+                 settings: dict | None = None) -> None:
         self.accelerator, self.recipe, self.extra_files = accelerator, recipe, extra_files
+        self.settings = settings or {}  # what each marker records of the run (checkpoint.run_settings)
         self.pending: PendingSave | None = None
         self.kind = strategy_kind(accelerator)
         self.async_save = recipe.async_save and self.async_supported()
@@ -158,7 +160,7 @@ class Checkpointer:
             if not_done:
                 return
             if self.accelerator.is_main_process:  # the others wait while rank 0 renames, marks and prunes
-                publish(pending, self.recipe, self.accelerator.num_processes, self.kind)
+                publish(pending, self.recipe, self.accelerator.num_processes, self.kind, self.settings)
             self.accelerator.wait_for_everyone()
         self.pending = None
         stall = f"; training waited {pending.staged_s:.2f}s of it" if self.async_save else ""
@@ -189,13 +191,14 @@ class Checkpointer:
             set_group_timeouts(background, self.recipe.startup_timeout_minutes)
 
 
-def publish(pending: PendingSave, recipe: Recipe, world_size: int, kind: str) -> None:
+def publish(pending: PendingSave, recipe: Recipe, world_size: int, kind: str, settings: dict) -> None:
     """On rank 0, once every rank's files are durable: rename, mark, and only then delete older checkpoints."""
     output_dir = recipe.resolved_output_dir
     os.rename(pending.scratch, pending.final)
     fsync_path(output_dir)  # the rename is durable before the marker says the checkpoint is complete
     write_marker(pending.final, {"step": pending.step, "world_size": world_size, "strategy": kind,
-                                 "model_only": recipe.save_only_model, "files": describe_files(pending.final)})
+                                 "model_only": recipe.save_only_model, "run": settings,
+                                 "files": describe_files(pending.final)})
     keep = recipe.save_total_limit
     # Checkpoints of later steps are from a run that was resumed from further back: they are reached again.
     earlier = [path for path in complete_checkpoints(output_dir) if checkpoint_step(path) <= pending.step]

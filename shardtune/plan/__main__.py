@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -20,8 +21,9 @@ import typing
 
 from shardtune.checks import batch_sizes
 from shardtune.config import FIELD_CHOICES, ConfigError, Recipe, below_lowest
-from shardtune.flops import ModelError, recipe_fields, resolve_config, shape_from_config
+from shardtune.flops import BUILTIN_MODELS, ModelError, builtin_name, recipe_fields, resolve_config, shape_from_config
 from shardtune.hardware import HardwareError, parse_hardware
+from shardtune.hub import is_hub_id, probe_hub
 from shardtune.plan.planned_run import (
     MODEL_DEFAULTS,
     check_planned,
@@ -126,7 +128,8 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> list[str]:
     """Every impossible value and every flag that would not act, one line each, before anything is planned."""
-    problems = below_lowest((f"--{name}", getattr(args, name)) for name in
+    problems = model_name_problems(args.model)
+    problems += below_lowest((f"--{name}", getattr(args, name)) for name in
                             ("per_device_train_batch_size", "per_device_eval_batch_size", "global_batch_size",
                              "max_seq_length", "pad_to_multiple_of", "lora_r"))
     if args.num_machines is not None and args.num_machines < 1:
@@ -158,6 +161,20 @@ def check_args(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def model_name_problems(model: str) -> list[str]:
+    """--model that is no recipe, file or directory here, no built-in shape and no Hub id (owner/name): refused at
+    once with the nearest built-in name, instead of asking the Hub for it."""
+    if os.path.exists(model) or builtin_name(model) or is_hub_id(model):
+        return []
+    if model.endswith((".py", ".json")) or os.sep in model.strip(os.sep):
+        return [f"--model {model!r} does not exist: give a recipe file, a model directory or its config.json, a "
+                f"built-in name ({', '.join(BUILTIN_MODELS)}) or a Hub model id (owner/name)."]
+    nearest = difflib.get_close_matches(model.lower(), BUILTIN_MODELS, n=1, cutoff=0.5)
+    hint = f"did you mean {nearest[0]}? " if nearest else ""
+    return [f"--model {model!r} is no built-in name, local directory or Hub model id (owner/name): {hint}The "
+            f"built-in shapes: {', '.join(BUILTIN_MODELS)}."]
+
+
 def _uses_peft(args: argparse.Namespace) -> bool:
     """--use_peft as given, else the recipe's."""
     if args.use_peft is not None:
@@ -178,6 +195,8 @@ def planned_hardware(args: argparse.Namespace):
 
 def _run(args: argparse.Namespace) -> int:
     hardware = planned_hardware(args)
+    if is_hub_id(args.model) and not builtin_name(args.model) and not os.path.exists(args.model):
+        probe_hub()  # out of reach: the lookup below fails at once instead of after huggingface_hub's retries
     name, model_config = resolve_config(args.model)
     shape = shape_from_config(model_config, name)
     recipe = planned_recipe(args.model, {flag: getattr(args, flag) for flag in RUN_FLAGS})

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -35,6 +37,7 @@ OPTIMIZER_LADDER = (("adamw_torch", False), ("adamw_torch_8bit", False), ("adamw
                     ("adamw_torch_4bit", True))
 MAX_NODES = 64  # how far "nothing fits" looks for a node count that does
 MAX_MICRO_BATCH = 64  # the largest micro-batch searched (powers of two)
+PROGRESS_EVERY_S = 5.0  # a search over node counts says where it is on stderr at most this often
 
 
 def config_paths(configs_dir: str = CONFIGS_DIR) -> list[str]:
@@ -237,8 +240,14 @@ def fewest_nodes(shape: ModelShape, hardware: Hardware, search: Search,
                  gpu_only: bool = False) -> tuple[int, Recommendation] | None:
     """The smallest number of `hardware`'s nodes, from `hardware.nodes` up to MAX_NODES, on which some config
     (GPU-only ones if `gpu_only`) fits while keeping the global batch, and the fastest plan there; None when no
-    count does."""
+    count does. A search that takes more than PROGRESS_EVERY_S says how far it got on stderr."""
+    said = time.monotonic()
     for nodes in range(hardware.nodes, MAX_NODES + 1):
+        if nodes > hardware.nodes and time.monotonic() - said > PROGRESS_EVERY_S:
+            print(f"planning {shape.name}: nothing {'GPU-only ' if gpu_only else ''}fits {nodes - 1} nodes of "
+                  f"{hardware.with_nodes(1).name}; trying {nodes} (up to {MAX_NODES})...", file=sys.stderr,
+                  flush=True)
+            said = time.monotonic()
         bigger = hardware.with_nodes(nodes)
         if not micro_batches(search.global_batch, bigger.world_size, search.micro_batch):
             continue  # the global batch does not divide over these GPUs

@@ -134,6 +134,8 @@ def test_kill_and_resume_equals_uninterrupted_run(config, reference_run, tiny_as
     wait_all(resumed, timeout=600)
     log = machine_log(killed, 0) if machines > 1 else (tmp_path / "killed.log").read_text()
     assert [launcher.returncode for launcher in resumed] == [0] * machines, log[-4000:]
+    if machines == 1:  # rank 0 was killed holding the directory's lock: the resume takes it over with a line
+        assert "was held by a run that ended without closing" in log, log[-4000:]
     assert f"resumed from {killed}/checkpoint-{resume_step} at step {resume_step}" in log, log[-4000:]
     assert resume_step < 8
 
@@ -188,9 +190,15 @@ def test_crash_during_save_resumes_from_previous_checkpoint(reference_run, tiny_
 
 
 def test_sigterm_saves_and_exits_with_documented_code(tiny_assets, tmp_path):
+    """Also: while the run is live, a second run into its directory is refused, --overwrite_output_dir too, and
+    its files are untouched."""
     output_dir = tmp_path / "out"
     process = start_recipe(output_dir, tiny_assets, "--max_steps", "500", "--save_steps", "0")
     wait_for_step(process, output_dir, 2)
+    second = run_recipe(output_dir, tiny_assets, "--max_steps", "2", "--overwrite_output_dir", "true", check=False)
+    assert second.returncode == 2 and second.stderr.count("shardtune: error: ") == 1, second.stderr[-3000:]
+    assert f"is in use by a live run (pid {process.pid} on " in second.stderr
+    assert (output_dir / "metrics.jsonl").exists() and process.poll() is None
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == PREEMPTED_EXIT_CODE
     checkpoints = [path for path in output_dir.glob("checkpoint-*") if (path / "checkpoint_complete.json").exists()]

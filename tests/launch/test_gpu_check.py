@@ -1,18 +1,21 @@
 """`make gpu-check` without a GPU: one line saying so and exit code 2, before anything is built. Its runner kills an
 overrunning launch whole (the launcher's process group and the ranks torchrun starts in sessions of their own), and
-the case becomes a FAILED row of the table. (On a GPU it trains a 1.2B model in six configurations; that run is
-what its closing table reports.)"""
+the case becomes a FAILED row of the table; SIGTERM or SIGINT to the check does the same to the running case and
+removes the temporary files. (On a GPU it trains a 1.2B model in ten cases; that run is what its closing table
+reports.)"""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 
-from tests.conftest import CONFIGS, ENV, REPO, free_port, load_script
+from tests.conftest import CONFIGS, ENV, REPO, free_port, load_script, popen
 
 
 def gone(pid: int) -> bool:
@@ -29,12 +32,15 @@ def wait_for_pids(folder: Path, count: int, timeout: float) -> list[int]:
     return [int(path.read_text()) for path in folder.glob("*.pid")]
 
 
-def test_gpu_check_refuses_without_cuda():
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py")], capture_output=True,
-                            text=True, env=ENV, timeout=120)
+def test_gpu_check_refuses_without_cuda(tmp_path):
+    """As `make gpu-check` runs it, a subset of cases and a results file included: one line, nothing written."""
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--cases",
+                             "ddp-padded-x1,ds_zero3-packed-x1", "--out", str(tmp_path / "results.jsonl")],
+                            capture_output=True, text=True, env=ENV, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "gpu_check: error: no CUDA device is visible; run `make gpu-check` on a GPU machine."]
+    assert not (tmp_path / "results.jsonl").exists()
 
 
 # A launcher stand-in: one child in its own group, one in a session of its own (as torchrun starts ranks), then it
@@ -90,3 +96,90 @@ def test_a_hanging_accelerate_launch_loses_its_ranks_too(tmp_path):
     pids = wait_for_pids(tmp_path / "pids", 2, 0)
     assert len(pids) == 2, (tmp_path / "launch.log").read_text()[-3000:]
     assert all(gone(pid) for pid in pids)
+
+
+# gpu_check's own way out of a signal: a scratch directory with a file in it (the model, in a real run), a hanging
+# case in it; exits 128 + the signal, as gpu_check does.
+STOPPED = """
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("gpu_check", sys.argv[3])
+gpu_check = importlib.util.module_from_spec(spec)
+sys.modules["gpu_check"] = gpu_check
+spec.loader.exec_module(gpu_check)
+pids = sys.argv[1]
+
+def work(root):
+    (root / "model.safetensors").write_text("weights")
+    gpu_check.run_killing_group([sys.executable, "-c", sys.argv[2], pids], 600, root / "case.log", dict(os.environ))
+
+stopped = gpu_check.in_scratch(work)
+sys.exit(128 + stopped if stopped else 0)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_the_running_case_whole_and_removes_the_temporary_files(sig, tmp_path):
+    (tmp_path / "pids").mkdir()
+    (tmp_path / "tmp").mkdir()
+    check = popen([sys.executable, "-c", STOPPED, str(tmp_path / "pids"), HANGING,
+                   str(REPO / "scripts" / "gpu_check.py")], cwd=REPO,
+                  env={**ENV, "TMPDIR": str(tmp_path / "tmp"), "PYTHONPATH": str(REPO)},
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = wait_for_pids(tmp_path / "pids", 3, 60)
+    assert len(pids) == 3 and list((tmp_path / "tmp").iterdir()), "the case did not start"
+    check.send_signal(sig)
+    _, stderr = check.communicate(timeout=2 * 10 + 20)
+    assert check.returncode == 128 + sig, stderr[-3000:]
+    assert all(gone(pid) for pid in pids), [psutil.Process(pid).cmdline() for pid in pids if not gone(pid)]
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+# What the check's processes import that the GPU machine lacks: the trainer (datasets through shardtune.data),
+# DeepSpeed (ZeRO-3 cases), torchao (the levers, fp8) and Liger's kernels; accelerate's launcher as gpu_check runs it.
+CHECK_IMPORTS = ("import shardtune.trainer, shardtune.gpu_check_figures, deepspeed, datasets, torchao.float8, "
+                 "torchao.optim, liger_kernel.transformers, accelerate.commands.launch; "
+                 "from deepspeed.runtime.engine import DeepSpeedEngine; print('imported')")
+
+
+def device_site(root: Path) -> Path:
+    """A folder holding what the GPU machine has installed, taken from this virtualenv: the distributions
+    scripts/gpu_wheels.py's DEVICE_HAS require, transitively, linked file by top-level entry."""
+    import importlib.metadata
+
+    wheels = load_script("gpu_wheels")
+    site = root / "device-site"
+    site.mkdir()
+    for name in wheels.closure(wheels.DEVICE_HAS):
+        distribution = importlib.metadata.distribution(name)
+        base = Path(distribution.locate_file(""))
+        for entry in {Path(str(file)).parts[0] for file in distribution.files or []}:
+            if (base / entry).exists() and not (site / entry).exists() and entry not in ("..", "__pycache__"):
+                (site / entry).symlink_to(base / entry)
+    return site
+
+
+def test_the_wheel_set_installs_alone_and_imports_what_the_check_imports(tmp_path):
+    """`make gpu-wheels`'s .whl/ (or the folder SHARDTUNE_GPU_WHEELS names) for this Python: a clean virtualenv
+    that has only the GPU machine's packages installs it with --no-index --no-deps, as the device command does, and
+    imports what the check imports; the set is under its size limit. Skips where no set for this Python was built
+    (it is downloaded: `python scripts/gpu_wheels.py --dest DIR --python_version 3.11` here)."""
+    import json
+    import os
+
+    wheels_dir = Path(os.environ.get("SHARDTUNE_GPU_WHEELS", REPO / ".whl"))
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    manifest = wheels_dir / "manifest.json"
+    if not manifest.is_file() or json.loads(manifest.read_text())["python_version"] != version:
+        pytest.skip(f"no wheel set for Python {version} in {wheels_dir} (scripts/gpu_wheels.py builds one)")
+    gpu_wheels = load_script("gpu_wheels")
+    files = sorted(wheels_dir.glob("*.whl"))
+    assert sum(path.stat().st_size for path in files) <= gpu_wheels.WHEELS_LIMIT_MIB * 2**20
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "clean")], check=True)
+    target = tmp_path / "target"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                              str(target), *map(str, files)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr[-3000:]
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(target), str(device_site(tmp_path)), str(REPO)])}
+    result = subprocess.run([str(tmp_path / "clean" / "bin" / "python"), "-c", CHECK_IMPORTS], capture_output=True,
+                            text=True, env=env, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.splitlines()[-1] == "imported", result.stderr[-3000:]

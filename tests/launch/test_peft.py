@@ -14,7 +14,7 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from shardtune.flops import resolve_model
 from shardtune.plan.states import Peft, peft_states
@@ -24,6 +24,7 @@ from tests.conftest import (
     LORA_STRATEGIES,
     REPO,
     grad_norms,
+    load_script,
     read_metrics,
     run_recipe,
     strategy_as_launched,
@@ -134,6 +135,30 @@ def test_adapter_round_trip_and_merge(lora_runs, tiny_assets, tmp_path):
         merged_logits = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)(input_ids).logits
     assert not torch.allclose(adapted_logits, base_logits, atol=1e-3), "the adapter changes nothing"
     torch.testing.assert_close(merged_logits, adapted_logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", STRATEGIES)
+def test_lora_checkpoint_exports_as_the_merged_model(config, lora_runs, tiny_assets, tmp_path):
+    """export_hf.py on a LoRA run's checkpoint (the peft model under peft's names, as each strategy saves it) writes
+    the merged model: it loads whole as the base's class and gives the logits of the base with the run's own
+    adapter export; with --adapter it writes that adapter. The checkpoint is the run's last step's."""
+    output_dir = lora_runs[config]
+    checkpoint = output_dir / "checkpoint-4"
+    export_hf = load_script("export_hf")  # in this process: the libraries are imported already
+    export_hf.main([str(checkpoint), str(tmp_path / "merged")])
+    export_hf.main([str(checkpoint), str(tmp_path / "adapter"), "--adapter"])
+    base = AutoModelForCausalLM.from_pretrained(tiny_assets[0], dtype=torch.float32)
+    input_ids = torch.randint(4, base.config.vocab_size, (2, 16))
+    merged, info = LlamaForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
+                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        adapted_logits = PeftModel.from_pretrained(base, output_dir).eval()(input_ids).logits
+        merged_logits = merged.eval()(input_ids).logits
+        fresh = AutoModelForCausalLM.from_pretrained(tiny_assets[0], dtype=torch.float32)
+        exported_adapter_logits = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()(input_ids).logits
+    torch.testing.assert_close(merged_logits, adapted_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(exported_adapter_logits, adapted_logits, rtol=0, atol=1e-5)
 
 
 def test_planned_lora_states_equal_the_bytes_each_rank_holds(lora_runs, tiny_assets):

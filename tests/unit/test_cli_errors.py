@@ -135,3 +135,25 @@ def test_a_config_flag_is_pointed_at_the_launcher_not_the_recipe_s_config_file(a
     assert len(problems) == 1 and "did you mean" not in problems[0], problems
     assert "is read by the launcher: accelerate launch --config_file x.yaml " in problems[0], problems[0]
     assert problems[0].endswith("(a recipe's own --config_file only plans it, with --dry_run).")
+
+
+# TrainingArguments' and SFTConfig's flags shardtune does not take: refused as theirs, not as the recipe flag
+# nearest in spelling (each of these named one that means something else).
+NOT_TAKEN = {
+    "--logging_dir": ("a TrainingArguments flag shardtune does not take: metrics go to output_dir/metrics.jsonl",
+                      "--logging_steps sets how often"),
+    "--dataloader_num_workers": ("a TrainingArguments flag shardtune does not take: the data is tokenized before "
+                                 "training (--dataset_num_proc processes", "no loader workers"),
+    "--dataset_text_field": ("a SFTConfig flag shardtune does not take: each --dataset source's format is read from "
+                             "its columns", "--dataset_format text"),
+    "--tf32": ("a TrainingArguments flag shardtune does not take: see --help for the recipe's flags.", ""),
+}
+
+
+@pytest.mark.parametrize("flag", NOT_TAKEN)
+def test_library_flags_it_does_not_take_are_refused_as_theirs(flag):
+    _, problems = parse_flags(Recipe(), [flag, "1"])
+    start, end = NOT_TAKEN[flag]
+    assert len(problems) == 1 and problems[0].startswith(f"Unknown argument {flag}: {start}"), problems
+    assert end in problems[0] and "did you mean" not in problems[0], problems
+

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from shardtune.batches import COUNTS
+from shardtune.checkpoint.run_settings import ResumePoint
 from shardtune.checks import batch_sizes
 from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.data import load_splits
@@ -117,7 +118,7 @@ def one_rank(tiny_assets, data_file, tmp_path_factory):
         try:
             startup_timeout = gloo_timeout()
             run = build(accelerator, recipe, batching)
-            start(accelerator, recipe, batching, launch, run, resume_path=None, start_step=0)
+            start(accelerator, recipe, batching, launch, run, ResumePoint())
             yield SimpleNamespace(recipe=recipe, accelerator=accelerator, run=run, startup_timeout=startup_timeout,
                                   collective_timeout=gloo_timeout(), tracker=accelerator.get_tracker("wandb",
                                                                                                      unwrap=True))

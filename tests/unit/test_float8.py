@@ -165,14 +165,17 @@ def test_gpu_check_runs_fp8_on_float8_tensor_cores_and_against_its_bf16_run():
     name = gpu_check.case_name(config, accumulation, packing, levers)
     reference = gpu_check.case_name(config, accumulation, packing, {})
     assert name == f"{reference} fp8"
-    measured = {"warmup_s": 1.0, **{f"{phase}_error": 0.0 for phase, _ in gpu_check.MEASURED_PHASES}}
-    close = [{"case": reference, "losses": [11.0, 10.0], **measured},
-             {"case": name, "losses": [11.1, 10.05], **measured}]
-    assert gpu_check.loss_gaps(close) == {name: pytest.approx(0.1 / 11.0)}
-    assert gpu_check.failed_cases(close) == []
-    far = [close[0], {"case": name, "losses": [11.0, 10.5], **measured}]
-    assert gpu_check.loss_gaps(far) == {name: pytest.approx(0.05)}
-    assert gpu_check.failed_cases(far) == [name]  # beyond the fp8 tolerance, 2%
+    from shardtune.gpu_check_figures import MEASURED_PHASES, comparison
+
+    measured = {f"{phase}_error": 0.0 for phase, _ in MEASURED_PHASES}
+    plain = {"case": reference, "first_grad_norm": 2.0, "losses": [11.0, 10.0], **measured}
+    close = {"case": name, "first_grad_norm": 2.02, "losses": [11.1, 10.05], **measured}
+    found = comparison(close, plain)  # (the hidden states: tests/unit/test_gpu_check_compare.py)
+    assert found["gaps"] == {"grad_norm": pytest.approx(0.01), "loss": pytest.approx(0.1 / 11.0)}
+    assert found["failed"] == ["hidden"]  # not probed: the comparison fails
+    assert gpu_check.failed_cases([plain, close], [found]) == [name]
+    far = {**close, "losses": [11.0, 10.5]}
+    assert comparison(far, plain)["failed"] == ["hidden", "loss"]  # the losses beyond the fp8 tolerance, 2%
 
 
 def test_the_float8_lever_needs_cuda_float8_tensor_cores_and_no_deepspeed():

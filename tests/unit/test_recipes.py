@@ -90,7 +90,9 @@ def test_header_plan_is_the_recipes_dry_run(path, tmp_path, monkeypatch):
     claimed = HEADER_PLAN.search(" ".join(text.split()))
     assert claimed, f"{path.name}: no 'Plan on ...' figures in its header (scripts/plan_table.py --write)"
     hardware = parse_hardware(claimed["hardware"])
-    code, printed = run([f"recipes/{path.name}", "--dry_run", "--hardware", claimed["hardware"]], tmp_path)
+    nvme = re.search(r"--offload_nvme_path \S+", text)  # the launch line's: a dry run checks it as the launch does
+    code, printed = run([f"recipes/{path.name}", "--dry_run", "--hardware", claimed["hardware"],
+                         *(nvme.group(0).split() if nvme else [])], tmp_path)
     assert code == 0, f"{path.name} --dry_run --hardware {claimed['hardware']} exits {code}:\n{printed}"
     wrong = []
     for name, pattern in DRY_RUN_FIGURES.items():

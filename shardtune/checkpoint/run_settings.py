@@ -1,0 +1,139 @@
+"""What a checkpoint was trained with, and the check that a resume trains the same run.
+
+Each checkpoint's marker records the run's settings (`run_settings`). A resumed run loads the optimizer's and the
+schedule's state from the checkpoint, which silently replaces what the command line asks for (torch's
+`Optimizer.load_state_dict` restores every hyper-parameter; the schedule's `base_lrs` too, and its length comes from
+the new --max_steps), and it continues the data order of the checkpoint's seed, data and global batch. So a resume
+whose settings differ from the checkpoint's is refused, one line per difference naming both values and how to
+proceed, unless the difference is carried over exactly (a micro-batch and accumulation that make the same global
+batch; a longer or shorter run on the constant schedule), which the start-up line then says.
+
+Standard library only: the command line checks a resume before anything heavy is imported."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass, field, fields
+
+from shardtune.checkpoint.markers import read_marker, resolve_resume
+from shardtune.config import BatchSizes, ConfigError, Recipe
+from shardtune.launch import LaunchDescription
+
+# The recipe fields a resumed run must share with its checkpoint, by what holds them there. Any other field takes
+# effect as given (logging, saving, eval, speed levers that compute the same numbers).
+HELD_BY = {
+    "its weights depend on it": ("model_name_or_path", "mixed_precision", "use_peft", "lora_r", "lora_alpha",
+                                 "lora_dropout", "lora_target_modules", "load_in_4bit"),
+    "its optimizer state holds it": ("optim", "bf16_stochastic_round", "learning_rate", "weight_decay", "adam_beta1",
+                            "adam_beta2", "adam_epsilon"),
+    "its learning-rate schedule follows it": ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio", "warmup_steps",
+                                   "num_train_epochs"),
+    "the order of the rows it continues follows it": ("dataset", "dataset_weights", "dataset_split", "eval_split",
+                                           "eval_fraction", "dataset_format", "chat_template", "completion_only_loss",
+                                           "truncation", "packing", "packing_strategy", "max_seq_length", "seed"),
+}
+HELD_FIELDS = {name for names in HELD_BY.values() for name in names}
+assert HELD_FIELDS <= {f.name for f in fields(Recipe)}, HELD_FIELDS - {f.name for f in fields(Recipe)}
+
+
+def run_settings(recipe: Recipe, launch: LaunchDescription, batching: BatchSizes) -> dict:
+    """The settings a checkpoint of this run records in its marker (`max_steps`, resolved from the data's length,
+    is added by the trainer)."""
+    settings = {name: getattr(recipe, name) for name in sorted(HELD_FIELDS)}
+    if os.path.isdir(recipe.model_name_or_path):  # the same directory, from wherever the run is launched
+        settings["model_name_or_path"] = os.path.abspath(recipe.model_name_or_path)
+    return {**settings, "explicit_max_steps": recipe.max_steps, "global_batch": batching.global_batch,
+            "micro_batch": batching.micro_batch, "accumulation": batching.accumulation, "strategy": launch.kind,
+            "zero_stage": launch.deepspeed_settings.get("stage") if launch.uses_deepspeed else None}
+
+
+def flag(name: str, value: object) -> str:
+    return f"--{name} {shlex.quote(str(value).lower() if isinstance(value, bool) else str(value))}"
+
+
+def check_resume_settings(checkpoint: str, step: int, saved: dict, current: dict) -> list[str]:
+    """Raise one ConfigError listing every setting in which `current` (run_settings of this launch) differs from
+    `saved` (a checkpoint's) in a way the resume cannot carry over; return the lines that say what is carried
+    over. Markers written before settings were recorded (`saved` empty) are trusted as they are."""
+    if not saved:
+        return []
+    fresh = f"or start a new run from its weights (scripts/export_hf.py {checkpoint})"
+    problems, notes = [], []
+    if saved["strategy"] != current["strategy"] or saved["zero_stage"] != current["zero_stage"]:
+        def name(settings: dict) -> str:
+            return {"deepspeed": f"DeepSpeed ZeRO-{settings['zero_stage']}", "fsdp": "FSDP2"}.get(
+                settings["strategy"], "DDP or one process")
+        problems.append(f"{checkpoint} was saved under {name(saved)} and this launch is {name(current)}: each "
+                        f"writes its states in its own layout. Resume under the accelerate config it was saved "
+                        f"with, {fresh}.")
+    for held_by, names in HELD_BY.items():
+        for key in names:
+            if key in saved and saved[key] != current[key]:
+                problems.append(f"{flag(key, current[key])} differs from the checkpoint's {saved[key]!r} ({held_by}): "
+                                f"resume with {flag(key, saved[key])}, {fresh}.")
+    if saved["global_batch"] != current["global_batch"]:
+        problems.append(f"this launch's global batch is {current['global_batch']} and {checkpoint} was trained with "
+                        f"{saved['global_batch']} (the order of the rows it continues follows it): resume with "
+                        f"--global_batch_size {saved['global_batch']}, {fresh}.")
+    elif (saved["micro_batch"], saved["accumulation"]) != (current["micro_batch"], current["accumulation"]):
+        notes.append(f"micro-batch {current['micro_batch']} x {current['accumulation']} accumulation where the "
+                     f"checkpoint had {saved['micro_batch']} x {saved['accumulation']}: the same global batch of "
+                     f"{current['global_batch']}, the same losses")
+    explicit = current["explicit_max_steps"]
+    if explicit > 0 and explicit != saved["max_steps"]:
+        if step > explicit:
+            problems.append(f"{checkpoint} is at step {step}, past --max_steps {explicit}: nothing would train. Resume "
+                            f"with --max_steps {saved['max_steps']} (the run's length), or export it "
+                            f"(scripts/export_hf.py {checkpoint}).")
+        elif current["lr_scheduler_type"] == "constant":
+            notes.append(f"training to step {explicit} where the checkpoint's run went to {saved['max_steps']} (the "
+                         "constant schedule is the same)")
+        else:
+            problems.append(f"--max_steps {explicit} differs from the checkpoint's run of {saved['max_steps']} steps, "
+                            f"over which its {current['lr_scheduler_type']} schedule runs"
+                            f"{lr_jump(saved, explicit, step)}: resume with --max_steps "
+                            f"{saved['max_steps']}, {fresh}.")
+    if problems:
+        raise ConfigError(problems)
+    return notes
+
+
+def check_resumed_length(checkpoint: str, saved: dict, max_steps: int) -> None:
+    """Where the run's length comes from its epochs: the data must give the checkpoint's run its length again."""
+    if saved and saved["explicit_max_steps"] <= 0 and max_steps != saved["max_steps"]:
+        raise ConfigError(f"{checkpoint} was trained for {saved['max_steps']} steps and this run's data makes "
+                          f"{max_steps}: the data changed. Resume with the data it was trained on, or start a new run "
+                          f"from its weights (scripts/export_hf.py {checkpoint}).")
+
+
+def lr_jump(saved: dict, steps: int, at: int) -> str:
+    """", so the learning rate after step N would be X instead of Y": the checkpoint's schedule over `steps` and
+    over its own length, from transformers' own schedule functions."""
+    from shardtune.schedule import learning_rate_at
+
+    recipe = Recipe(**{key: saved[key] for key in ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs",
+                                                    "warmup_ratio", "warmup_steps")})
+    return (f", so the learning rate after step {at} would be {learning_rate_at(recipe, steps, at):.3g} instead of "
+            f"{learning_rate_at(recipe, saved['max_steps'], at):.3g}")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run starts: a checkpoint (`path`, its `step`, the settings its marker records) or step 0, and the
+    lines that say what the resume carries over."""
+
+    path: str | None = None
+    step: int = 0
+    saved: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+def resume_point(recipe: Recipe, launch: LaunchDescription, batching: BatchSizes) -> ResumePoint:
+    """--resume_from_checkpoint resolved and checked against this launch; raises ConfigError before any loading."""
+    path, step = resolve_resume(recipe.resume_from_checkpoint, recipe.resolved_output_dir, launch.world_size)
+    if path is None:
+        return ResumePoint()
+    saved = read_marker(path).get("run", {})
+    notes = check_resume_settings(path, step, saved, run_settings(recipe, launch, batching))
+    return ResumePoint(path, step, saved, tuple(notes))

@@ -1,0 +1,243 @@
+"""gpu_check's figures, apart from its runner (scripts/gpu_check.py) so that both stay readable and the arithmetic is
+tested on CPU: a case's figures from its metrics.jsonl, the planner's reserves against what was reserved, the
+comparison of a Liger or fp8 case with its plain case, and the closing table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+# The first steps, logged apart as the warm-up (CUDA start-up, compilation, autotuning): rates and training peaks are
+# the later steps' (the timed windows).
+WARMUP_STEPS = 2
+TOLERANCE = 0.10  # a planned peak against the measured one, relative
+# A compared case against its plain case (the same name without the suffix), relative. Liger: bf16 kernels that
+# round differently (fused norm, SwiGLU, RoPE and loss), about 1e-2. fp8: e4m3 keeps 3 mantissa bits, so each matmul's
+# output moves by about 3.5% (rms) and the final hidden states by several percent; the gradient norm and the loss,
+# sums over millions of terms, average that out. A decoder scaled by 50 or replaced by noise moves the hidden
+# states by far more than either (tests/unit/test_gpu_check_compare.py).
+COMPARED = {" liger": {"grad_norm": 0.01, "hidden": 0.01, "loss": 0.01},
+            " fp8": {"grad_norm": 0.02, "hidden": 0.10, "loss": 0.02}}
+MEASURED_PHASES = (("train", "peak_memory_gb"), ("save", "save_peak_memory_gb"), ("eval", "eval_peak_memory_gb"))
+
+
+def summarize(rows: list[dict], planned: dict[str, float], gpu_memory_gb: float | None = None) -> dict:
+    """A case's figures from its metrics.jsonl rows: the first WARMUP_STEPS steps apart (warm-up), the later ones
+    timed; the training peaks over the timed steps only. `gpu_memory_gb`: the device's, for the planner's reserve
+    assumptions (shardtune.plan.planner: fragmentation within GPU_HEADROOM_FRACTION of it, the CUDA context and
+    what else sits outside the allocator within GPU_FIXED_RESERVE)."""
+    windows = [row for row in rows if "loss" in row]
+    warmup = [row for row in windows if row["step"] <= WARMUP_STEPS]
+    timed = [row for row in windows if row["step"] > WARMUP_STEPS]
+    if not warmup or not timed:
+        return {"error": "metrics.jsonl holds no warm-up or no timed window"}
+    steps = [row["step"] for row in windows]
+    result = {"losses": [row["loss"] for row in windows],
+              "first_grad_norm": windows[0].get("grad_norm", math.nan) if steps[0] == 1 else math.nan,
+              "warmup_s": sum(row["step_time_s"] * (row["step"] - before) for row, before in
+                              zip(warmup, [0, *steps], strict=False)),
+              "tokens_per_second_per_gpu": statistics.mean(row["tokens_per_second_per_device"] for row in timed),
+              "mfu": statistics.mean(row.get("mfu", math.nan) for row in timed),
+              "step_time_s": statistics.median(row["step_time_s"] for row in timed)}
+    for phase, key in MEASURED_PHASES:
+        values = [row[key] for row in (timed if phase == "train" else rows) if key in row]
+        if not values:
+            return {**result, "error": f"metrics.jsonl has no {key}"}
+        measured = max(values)  # GB, as metrics.jsonl logs them and the planner counts
+        result[f"{phase}_gb"], result[f"{phase}_planned_gb"] = measured, planned[phase]
+        result[f"{phase}_error"] = planned[phase] / measured - 1
+    for key in ("peak_reserved_gb", "device_used_gb"):
+        result[f"train_{key.removeprefix('peak_').removesuffix('_gb')}_gb"] = max(
+            (row[key] for row in timed if key in row), default=math.nan)
+    result.update(reserve_against_plan(result["train_gb"], result["train_reserved_gb"], result["train_device_used_gb"],
+                                       gpu_memory_gb))
+    return result
+
+
+def reserve_against_plan(allocated: float, reserved: float, used: float, gpu_memory_gb: float | None) -> dict:
+    """The planner's two reserves against the timed windows: fragmentation (reserved - allocated peak) against
+    GPU_HEADROOM_FRACTION of the GPU, and memory outside the caching allocator (device in use - reserved: the CUDA
+    context, cuBLAS and NCCL workspaces) against GPU_FIXED_RESERVE; GB. NaN where not measured."""
+    from shardtune.plan.planner import GPU_FIXED_RESERVE, GPU_HEADROOM_FRACTION
+
+    headroom = GPU_HEADROOM_FRACTION * gpu_memory_gb if gpu_memory_gb else math.nan
+    return {"fragmentation_gb": reserved - allocated, "fragmentation_planned_gb": headroom,
+            "outside_allocator_gb": used - reserved, "outside_allocator_planned_gb": GPU_FIXED_RESERVE / 1e9}
+
+
+def reserve_misses(row: dict) -> list[str]:
+    return [name for name in ("fragmentation", "outside_allocator")
+            if row.get(f"{name}_gb", math.nan) > row.get(f"{name}_planned_gb", math.nan)]
+
+
+def case_name(config: str, accumulation: int, packing: bool, levers: dict) -> str:
+    suffix = " liger" if levers.get("use_liger_kernel") else " fp8" if levers.get("mixed_precision") == "fp8" \
+        else " levers" if levers else ""
+    return f"{config} {'packed' if packing else 'padded'} x{accumulation}{suffix}"
+
+
+def compared_suffix(case: str) -> str:
+    """The suffix of a case compared with its plain case (a COMPARED key), else ''."""
+    return next((suffix for suffix in COMPARED if case.endswith(suffix)), "")
+
+
+def relative_gaps(mine: dict, theirs: dict) -> dict[str, float]:
+    """A compared case's figures against its plain case's, each relative to the plain one, for the figures both
+    have: "grad_norm" (the first step's), "hidden" (tensors: the final hidden states of the fixed batch; the norm of
+    the difference over the plain one's) and "losses" (the largest gap of the logged losses; NaN where their counts
+    differ)."""
+    gaps = {}
+    if mine.get("grad_norm") is not None and theirs.get("grad_norm") is not None:
+        gaps["grad_norm"] = abs(mine["grad_norm"] / theirs["grad_norm"] - 1)
+    if mine.get("hidden") is not None and theirs.get("hidden") is not None:
+        difference = (mine["hidden"].float() - theirs["hidden"].float()).norm()
+        gaps["hidden"] = float(difference / theirs["hidden"].float().norm())
+    if mine.get("losses") and theirs.get("losses"):
+        gaps["loss"] = max(abs(a / b - 1) for a, b in zip(mine["losses"], theirs["losses"], strict=False)) \
+            if len(mine["losses"]) == len(theirs["losses"]) else math.nan
+    return gaps
+
+
+def over_tolerance(gaps: dict[str, float], tolerance: dict[str, float]) -> list[str]:
+    """The figures of `tolerance` whose gap is over it, NaN or missing (a comparison that did not happen fails)."""
+    return [name for name, limit in tolerance.items() if not gaps.get(name, math.nan) <= limit]
+
+
+def comparison(row: dict, plain: dict) -> dict:
+    """A compared case's trained row against its plain case's (rows as gpu_check writes them; "hidden_file": the
+    saved final hidden states, read on the host)."""
+    suffix = compared_suffix(row["case"])
+    figures = []
+    for each in (row, plain):
+        figures.append({"grad_norm": each.get("first_grad_norm"), "losses": each.get("losses")})
+        if each.get("hidden_file") and Path(each["hidden_file"]).is_file():
+            import torch
+
+            figures[-1]["hidden"] = torch.load(each["hidden_file"], map_location="cpu")
+    gaps = relative_gaps(*figures)
+    return {"comparison": row["case"], "plain": plain["case"], "tolerance": COMPARED[suffix], "gaps": gaps,
+            "failed": over_tolerance(gaps, COMPARED[suffix])}
+
+
+def final_hidden_states(model_dir: str, suffix: str, ids):
+    """The final hidden states (after the last norm) of the fixed batch `ids` through the exported model at
+    `model_dir`, on the GPU in bf16, with the compared case's kernels: Liger's norm, SwiGLU and RoPE, or float8
+    linears; float32 on the host."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if suffix == " liger":
+        from shardtune.liger import apply_liger_kernels
+
+        apply_liger_kernels(model)
+    elif suffix == " fp8":
+        from shardtune.float8 import convert_linears
+
+        convert_linears(model, all_gather=False)
+    return last_hidden_states(model.cuda(), ids)
+
+
+def last_hidden_states(model, ids):
+    """The decoder's output after its final norm (what the LM head reads) for token ids `ids`, float32 on the host."""
+    import torch
+
+    with torch.no_grad():
+        return model.model(input_ids=ids.to(model.device)).last_hidden_state.float().cpu()
+
+
+# --- records: --out's JSON lines ---------------------------------------------------------------------------
+
+
+def as_json(value):
+    """`value` with NaN and infinities as null: each line of --out stays JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: as_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [as_json(item) for item in value]
+    return value
+
+
+def append_jsonl(path: str | None, record: dict) -> None:
+    if path:
+        with open(path, "a") as file:
+            file.write(json.dumps(as_json(record)) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+
+
+def earlier_records(path: str | None) -> list[dict]:
+    """The rows and comparisons an earlier command appended to --out (none without one)."""
+    if not path or not Path(path).is_file():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def not_run(cases: list, records: list[dict]) -> list:
+    """--rest: the cases without a row in `records`, or whose row says the budget did not let them start."""
+    ran = {record["case"] for record in records if "case" in record and
+           not str(record.get("error", "")).startswith("not started")}
+    return [case for case in cases if case_name(*case) not in ran]
+
+
+def new_comparisons(rows: dict[str, dict], done: set[str]) -> list[dict]:
+    """The comparisons `rows` (the latest row of each case, trained or not) allow that are not in `done`."""
+    found = []
+    for name, row in rows.items():
+        plain = rows.get(name.removesuffix(compared_suffix(name)))
+        if compared_suffix(name) and name not in done and plain and "error" not in row and "error" not in plain:
+            found.append(comparison(row, plain))
+    return found
+
+
+# --- the table -------------------------------------------------------------------------------------------------
+
+
+def print_table(rows: list[dict], comparisons: list[dict] = ()) -> None:
+    phases = "".join(f"{phase + ' GB':>10}{'plan':>7}" for phase, _ in MEASURED_PHASES)
+    print(f"{'case':<34}{'warm-up s':>10}{'tok/s/GPU':>11}{'MFU':>7}{'step s':>8}{phases}{'worst':>8}"
+          f"{'reserved':>10}{'used':>7}")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['case']:<34} FAILED: {row['error']}")
+            continue
+        figures = "".join(f"{row[f'{phase}_gb']:>10.1f}{row[f'{phase}_planned_gb']:>7.1f}" for phase, _ in
+                          MEASURED_PHASES)
+        print(f"{row['case']:<34}{row['warmup_s']:>10.1f}{row['tokens_per_second_per_gpu']:>11,.0f}"
+              f"{row['mfu']:>7.1%}{row['step_time_s']:>8.2f}{figures}{worst_error(row):>+8.1%}"
+              f"{row.get('train_reserved_gb', math.nan):>10.1f}{row.get('train_device_used_gb', math.nan):>7.1f}")
+    for row in rows:
+        if "error" not in row and "fragmentation_gb" in row:
+            print(f"{row['case']}: reserved - allocated {row['fragmentation_gb']:.2f} GB (planned headroom "
+                  f"{row['fragmentation_planned_gb']:.2f}), outside the allocator {row['outside_allocator_gb']:.2f} "
+                  f"GB (planned {row['outside_allocator_planned_gb']:.2f})")
+    for comparison in comparisons:
+        gaps = ", ".join(f"{name} {comparison['gaps'].get(name, math.nan):.2%} (tolerance {limit:.0%})"
+                         for name, limit in comparison["tolerance"].items())
+        verdict = f"FAILED: {', '.join(comparison['failed'])}" if comparison["failed"] else "ok"
+        note = f"; {comparison['error']}" if "error" in comparison else ""
+        print(f"{comparison['comparison']} against {comparison['plain']}: {gaps}: {verdict}{note}")
+
+
+def worst_error(row: dict) -> float:
+    return max((row[f"{phase}_error"] for phase, _ in MEASURED_PHASES), key=abs)
+
+
+def failed_cases(rows: list[dict], comparisons: list[dict] = ()) -> list[str]:
+    """Cases that failed, missed a planned peak by more than TOLERANCE or a planned reserve, or (compared cases)
+    whose comparison failed or did not happen."""
+    compared = {comparison["comparison"]: comparison for comparison in comparisons}
+    failed = []
+    for row in rows:
+        name = row["case"]
+        if "error" in row or abs(worst_error(row)) > TOLERANCE or reserve_misses(row) or \
+                (compared_suffix(name) and compared.get(name, {"failed": ["missing"]})["failed"]):
+            failed.append(name)
+    return failed
+
+

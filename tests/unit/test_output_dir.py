@@ -1,0 +1,134 @@
+"""An output directory belongs to one live run: the lock rank 0 holds (shardtune.output_dir) against a second run,
+taken over with a line once its holder is gone, and kept by --overwrite_output_dir's clearing; and `auto` or a
+path that cannot be resumed from is refused with what to give instead (shardtune.checkpoint.markers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from shardtune.checkpoint.markers import resolve_resume, write_marker
+from shardtune.config import ConfigError, Recipe
+from shardtune.output_checks import check_checkpoints, check_output_dir
+from shardtune.output_dir import LOCK_FILE, OutputDirLock, clear_output_dir, in_use
+
+HOLD = "import sys, time; from shardtune.output_dir import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(False); " \
+       "print('held', flush=True); time.sleep(600)"
+
+
+def hold(output_dir) -> subprocess.Popen:
+    """Another run's rank 0: a real process holding the lock until it is killed."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(output_dir)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_live_run_keeps_its_directory_and_a_dead_one_is_taken_over(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    output_dir = tmp_path / "out"
+    holder = hold(output_dir)
+    try:
+        (output_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+        assert f"pid {holder.pid} on " in in_use(str(output_dir))
+        for overwrite in (False, True):  # both refused by the check every launch runs, before anything loads
+            with pytest.raises(ConfigError, match=f"is in use by a live run \\(pid {holder.pid} on .*-c") as error:
+                check_output_dir(Recipe(output_dir=str(output_dir), overwrite_output_dir=overwrite,
+                                        resume_from_checkpoint="" if overwrite else "auto"))
+            assert ("never touches a live run's files" in str(error.value)) == overwrite
+        with pytest.raises(ConfigError, match="is in use by a live run"):  # the lock itself, should a check race
+            OutputDirLock(str(output_dir)).acquire(overwrite=True)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert in_use(str(output_dir)) is None
+    lock = OutputDirLock(str(output_dir))
+    note = lock.acquire(overwrite=False)
+    assert f"was held by a run that ended without closing (pid {holder.pid} on " in note and "taking it over" in note
+    assert json.loads((output_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
+    clear_output_dir(str(output_dir))  # --overwrite_output_dir: the earlier run's files go, the lock stays
+    assert os.listdir(output_dir) == [LOCK_FILE]
+    lock.release()
+    assert (output_dir / LOCK_FILE).read_text() == ""  # a clean end: the next run takes it without a word
+    assert OutputDirLock(str(output_dir)).acquire(overwrite=False) is None
+
+
+def test_two_runs_started_together_one_is_refused(tmp_path):
+    """Two launches into one new directory at the same moment: exactly one holds it."""
+    output_dir = tmp_path / "out"
+    code = ("import sys, time; from shardtune.config import ConfigError; from shardtune.output_dir import OutputDirLock"
+            "\ntry:\n    OutputDirLock(sys.argv[1]).acquire(False); print('held', flush=True); time.sleep(3)"
+            "\nexcept ConfigError as error:\n    print(error, flush=True)")
+    runs = [subprocess.Popen([sys.executable, "-c", code, str(output_dir)], stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    outputs = sorted(run.communicate(timeout=60)[0].strip() for run in runs)
+    assert outputs[1] == "held" and "is in use by a live run" in outputs[0], outputs
+
+
+def test_resume_paths_that_are_no_checkpoint_say_what_to_give(tmp_path):
+    output_dir = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"auto found nothing to resume: --output_dir .*/out' does not exist"):
+        resolve_resume("auto", str(output_dir), 1)
+    output_dir.mkdir()
+    (output_dir / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"auto found nothing to resume: --output_dir .* holds no run"):
+        resolve_resume("auto", str(output_dir), 1)
+    (output_dir / LOCK_FILE).write_text("")  # a run was started here and saved nothing: it starts again
+    assert resolve_resume("auto", str(output_dir), 1) == (None, 0)
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"'.*/data' is not a checkpoint \(no checkpoint_complete.json"):
+        resolve_resume(str(data), str(output_dir), 1)
+    unfinished = output_dir / "checkpoint-6"
+    unfinished.mkdir()
+    with pytest.raises(ConfigError, match="is not a complete checkpoint .*its save did not finish"):
+        resolve_resume(str(unfinished), str(output_dir), 1)
+    complete = output_dir / "checkpoint-4"
+    complete.mkdir()
+    write_marker(str(complete), {"step": 4, "world_size": 1, "files": {}})
+    with pytest.raises(ConfigError, match=r"is a run's output directory, not a checkpoint: give one of its checkpoint-"
+                                          r"<step> directories \(the newest complete one is .*checkpoint-4\)"):
+        resolve_resume(str(output_dir), str(output_dir), 1)
+    assert resolve_resume(str(complete), str(output_dir), 1) == (str(complete), 4)
+
+
+def test_auto_with_overwrite_is_refused():
+    with pytest.raises(ConfigError, match="auto resumes the run in --output_dir and --overwrite_output_dir true "
+                                          "deletes it"):
+        check_checkpoints(Recipe(resume_from_checkpoint="auto", overwrite_output_dir=True))
+
+
+def test_a_checkpoint_resumes_only_under_its_own_sharding_and_length():
+    """The strategy and ZeRO stage a checkpoint was written under (each writes its own layout), and a run's
+    length: carried over on the constant schedule, refused past the checkpoint's step; from epochs, the data must
+    give the same length again."""
+    from shardtune.checkpoint.run_settings import check_resume_settings, check_resumed_length, run_settings
+    from shardtune.config import BatchSizes
+    from shardtune.launch import LaunchDescription
+
+    batching = BatchSizes(micro_batch=2, accumulation=2, world_size=2)
+    fsdp = LaunchDescription(world_size=2, uses_fsdp=True)
+    zero3 = LaunchDescription(world_size=2, uses_deepspeed=True, deepspeed_settings={"stage": 3})
+    zero2 = LaunchDescription(world_size=2, uses_deepspeed=True, deepspeed_settings={"stage": 2})
+    recipe = Recipe(max_steps=10, lr_scheduler_type="constant", warmup_ratio=0)
+    saved = {**run_settings(recipe, fsdp, batching), "max_steps": 10}
+    with pytest.raises(ConfigError, match="saved under FSDP2 and this launch is DeepSpeed ZeRO-3"):
+        check_resume_settings("ckpt", 4, saved, run_settings(recipe, zero3, batching))
+    saved_zero3 = {**run_settings(recipe, zero3, batching), "max_steps": 10}
+    with pytest.raises(ConfigError, match="saved under DeepSpeed ZeRO-3 and this launch is DeepSpeed ZeRO-2"):
+        check_resume_settings("ckpt", 4, saved_zero3, run_settings(recipe, zero2, batching))
+    longer = Recipe(max_steps=20, lr_scheduler_type="constant", warmup_ratio=0)
+    assert check_resume_settings("ckpt", 4, saved, run_settings(longer, fsdp, batching)) == [
+        "training to step 20 where the checkpoint's run went to 10 (the constant schedule is the same)"]
+    assert check_resume_settings("ckpt", 4, {}, run_settings(longer, zero3, batching)) == []  # an older marker
+
+    by_epochs = {**run_settings(Recipe(), fsdp, batching), "max_steps": 30}
+    check_resumed_length("ckpt", by_epochs, 30)
+    with pytest.raises(ConfigError, match="trained for 30 steps and this run's data makes 28: the data changed"):
+        check_resumed_length("ckpt", by_epochs, 28)
