@@ -158,7 +158,8 @@ def benchmark_source(rows: int, path: str, scratch: str) -> str:
 def baseline_texts(raw, tokenizer, recipe: Recipe) -> list[tuple[list[str], bool]]:
     """The texts the tokenizer itself is timed on, each list with its add_special_tokens: the same prompt and
     target strings as ours, or the rendered conversations for chat rows (rendered before the clock starts)."""
-    from shardtune.data import alpaca_messages, detect_format, has_chat_template, prompt_and_target, row_messages
+    from shardtune.data import alpaca_messages, has_chat_template, prompt_and_target, row_messages
+    from shardtune.data_sources import detect_format
 
     data_format = detect_format(raw.column_names, recipe.dataset_format)
     rows = raw.to_list()

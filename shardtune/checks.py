@@ -299,25 +299,6 @@ def check_loss_scaler(recipe: Recipe, on_gpu: bool, uses_deepspeed: bool) -> Non
         )
 
 
-def check_deepspeed_fp16(recipe: Recipe, launch: LaunchDescription) -> None:
-    """fp16 under DeepSpeed where its accelerator has none: DeepSpeed's engine asks get_accelerator()
-    .is_fp16_supported() (on CPU, oneDNN's fp16 kernels: Intel's AVX512-FP16 or AMX-FP16; AMD processors have
-    none) and raises "Type fp16 is not supported on your device" only after the model has loaded. The same question,
-    before anything loads; deepspeed is imported only for an fp16 DeepSpeed launch, which imports it anyway."""
-    from_json = launch.deepspeed_settings.get("mixed_precision")
-    if not launch.uses_deepspeed or (from_json or recipe.mixed_precision) != "fp16":
-        return
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    if not accelerator.is_fp16_supported():
-        fix = ('set "fp16": {"enabled": false} (or "auto") in the DeepSpeed JSON' if from_json else
-               "use --mixed_precision bf16 or no")
-        raise ConfigError(f"fp16 under DeepSpeed needs fp16 support on the device, and DeepSpeed's "
-                          f"{accelerator.device_name()} accelerator reports none here (on CPU: oneDNN's fp16 kernels, "
-                          f"Intel AVX512-FP16 or AMX-FP16): {fix}.")
-
-
 def check_numbers(recipe: Recipe) -> None:
     """Hyper-parameters, step counts and timeouts within their ranges; every one out of range is reported."""
     problems = Problems()
@@ -492,7 +473,8 @@ def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: Lau
     problems.check(check_device, recipe, has_gpu)
     on_gpu = has_gpu and not recipe.use_cpu
     check_on_device(recipe, problems, launch, on_gpu, gpu_capability(recipe, on_gpu))
-    problems.check(check_deepspeed_fp16, recipe, launch)  # this machine's DeepSpeed accelerator
+    from shardtune.distributed import check_deepspeed_fp16  # torch is imported by now (cli.checked_launch)
+    problems.check(check_deepspeed_fp16, recipe, launch)
     if offloads_to_nvme(launch):
         problems.check(check_async_io, AsyncIOReadiness.of_this_machine(has_gpu))
 

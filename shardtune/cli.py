@@ -32,6 +32,7 @@ from shardtune.launch import (
 )
 from shardtune.local_rank import first_on_machine
 from shardtune.model_checks import check_model
+from shardtune.output_checks import check_not_occupied
 from shardtune.output_dir import OutputDirLock, is_rank_zero
 
 
@@ -45,6 +46,7 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
             taken_over = OutputDirLock(recipe.resolved_output_dir).acquire(recipe.overwrite_output_dir)
             if taken_over:
                 print(f"shardtune: warning: {taken_over}", file=sys.stderr, flush=True)
+            check_not_occupied(recipe)  # a run started beside this one may have written there since its checks
         # DeepSpeed still calls these collectives by their old names, once per layer and step.
         warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
         from shardtune.trainer import train

@@ -25,7 +25,6 @@ from shardtune.data_sources import (
     check_text_encoding,
     dataset_sources,
     dataset_weights,
-    detect_format,  # noqa: F401 (its home is data_sources; scripts/prepare_data.py imports it from here)
     json_problem,
     only_whitespace,
     source_format,
@@ -400,6 +399,9 @@ def tokenize(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, n
                           f"{source!r}: pass --chat_template (a Jinja file or one of "
                           f"{', '.join(bundled_chat_templates())}), or use a chat (instruct) tokenizer.")
     chat = data_format in CHAT_FORMATS or (data_format == "alpaca" and has_chat_template(tokenizer))
+    if recipe.chat_template and not chat:  # as TRL, which renders plain prompt/completion and text rows as they are
+        logger.warning("--chat_template %s is not applied to the `%s` rows of %s (only messages, sharegpt and alpaca "
+                       "rows are): drop it, or give the data as messages.", recipe.chat_template, data_format, source)
     processes = tokenize_processes(recipe, len(raw))
     tokenized = raw.map(
         tokenize_batch, batched=True, with_indices=True, num_proc=processes,

@@ -109,6 +109,9 @@ def check_dataset_path(dataset: str) -> None:
     if os.path.isdir(dataset):
         markers = ("dataset_info.json", "dataset_dict.json")
         if not any(os.path.exists(os.path.join(dataset, marker)) for marker in markers):
+            if os.path.isfile(os.path.join(dataset, "config.json")):  # its JSON files are the model's, not data
+                raise ConfigError(f"--dataset {dataset!r} is a model directory (it holds config.json): give --dataset "
+                                  "the data's file(s), and the model to --model_name_or_path.")
             files = sorted(name for name in os.listdir(dataset)
                            if os.path.splitext(name)[1].lower() in DATA_FILE_TYPES)
             listed = (f" It holds {len(files)} data file(s): give them comma-separated, --dataset "

@@ -30,6 +30,25 @@ from shardtune.plan.host import PINNED_MAX_CACHED_MB
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def check_deepspeed_fp16(recipe: Recipe, launch: LaunchDescription) -> None:
+    """fp16 under DeepSpeed where its accelerator has none: DeepSpeed's engine asks get_accelerator()
+    .is_fp16_supported() (on CPU, oneDNN's fp16 kernels: Intel's AVX512-FP16 or AMX-FP16; AMD processors have
+    none) and raises "Type fp16 is not supported on your device" only after the model has loaded. The same question,
+    before anything loads; deepspeed is imported only for an fp16 DeepSpeed launch, which imports it anyway."""
+    from_json = launch.deepspeed_settings.get("mixed_precision")
+    if not launch.uses_deepspeed or (from_json or recipe.mixed_precision) != "fp16":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        fix = ('set "fp16": {"enabled": false} (or "auto") in the DeepSpeed JSON' if from_json else
+               "use --mixed_precision bf16 or no")
+        raise ConfigError(f"fp16 under DeepSpeed needs fp16 support on the device, and DeepSpeed's "
+                          f"{accelerator.device_name()} accelerator reports none here (on CPU: oneDNN's fp16 kernels, "
+                          f"Intel AVX512-FP16 or AMX-FP16): {fix}.")
+
+
 def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescription, log_with: str | None
                      ) -> Accelerator:
     world_size, uses_deepspeed, uses_fsdp = launch.world_size, launch.uses_deepspeed, launch.uses_fsdp

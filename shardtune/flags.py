@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -79,8 +80,8 @@ def parse_flags(recipe: Recipe, argv: list[str] | None = None) -> tuple[Recipe, 
     args = sys.argv[1:] if argv is None else argv
     overridden, aliases, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
     problems = unknown_argument_problems(unknown)
-    for apply in (apply_precision_alias, apply_warmup_steps, apply_constant_schedule, apply_accumulation_steps,
-                  check_checkpointing_kwargs, check_given_flags_act):
+    for apply in (expand_home, apply_precision_alias, apply_warmup_steps, apply_constant_schedule,
+                  apply_accumulation_steps, check_checkpointing_kwargs, check_given_flags_act):
         try:
             overridden = apply(overridden, aliases, args) or overridden
         except ConfigError as error:
@@ -127,6 +128,20 @@ def unknown_argument_problems(unknown: Sequence[str]) -> list[str]:
             problems.append(f"Unexpected value {token!r} on the command line: every value follows its flag "
                             "(--name value); see --help.")
     return problems
+
+
+# The flags that name local paths, each comma-separated part of them one path.
+PATH_FLAGS = ("model_name_or_path", "dataset", "eval_split", "chat_template", "output_dir", "resume_from_checkpoint",
+              "offload_nvme_path", "config_file")
+
+
+def expand_home(recipe: Recipe, aliases: argparse.Namespace, args: Sequence[str]) -> Recipe | None:
+    """`~/runs/x` as the home directory's, as TrainingArguments expands --output_dir: the shell leaves a `~` after
+    `=` (--output_dir=~/runs/x) as it is, and the run would make a directory named `~` in the working directory."""
+    expanded = {name: ",".join(os.path.expanduser(part.strip()) if part.strip().startswith("~") else part
+                               for part in getattr(recipe, name).split(","))
+                for name in PATH_FLAGS if "~" in getattr(recipe, name)}
+    return dataclasses.replace(recipe, **expanded) if expanded else None
 
 
 def apply_precision_alias(recipe: Recipe, aliases: argparse.Namespace, args: Sequence[str]) -> Recipe | None:

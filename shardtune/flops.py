@@ -224,6 +224,16 @@ def read_config(name: str) -> PretrainedConfig:
     from shardtune.hub import first_line, hub_problem, looks_like_path
 
     if os.path.isdir(name):
+        adapter = os.path.isfile(os.path.join(name, "adapter_config.json"))
+        if adapter and not os.path.isfile(os.path.join(name, "config.json")):
+            raise ModelError(f"--model_name_or_path {name!r} is a LoRA adapter (adapter_config.json), not a model: "
+                             f"merge it into its base (python scripts/merge_lora.py {name} MERGED_DIR) and give "
+                             "MERGED_DIR.")
+        if adapter:  # transformers would load the adapter's files beside the model's, which a checkpoint lacks
+            raise ModelError(f"--model_name_or_path {name!r} is a LoRA run's checkpoint (adapter_config.json, the "
+                             f"base and adapters under peft's names): export it merged (python scripts/export_hf.py "
+                             f"{name} MERGED_DIR) and give MERGED_DIR, or resume its run with "
+                             f"--resume_from_checkpoint {name}.")
         if not os.path.isfile(os.path.join(name, "config.json")):
             raise ModelError(f"--model_name_or_path {name!r} is a directory without config.json: give a model "
                               "directory written by save_pretrained, or a Hub model id.")

@@ -272,6 +272,10 @@ def check_hpz(hpz_partition: int, world_size: int) -> None:
 SECTION_PREFIXES = {"fsdp_config": "fsdp_", "fp8_config": "fp8_", "dynamo_config": "dynamo_"}
 # Top-level keys accelerate still reads and converts (BaseConfig.process_config).
 LEGACY_KEYS = ("fp16", "dynamo_backend")
+# Keys of a DeepSpeed JSON config, which accelerate reads only through an accelerate config's
+# deepspeed_config_file: a file that sets them at its top is that JSON given in the YAML's place.
+DEEPSPEED_JSON_KEYS = frozenset({"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
+                                 "gradient_clipping", "optimizer", "scheduler", "bf16", "wall_clock_breakdown"})
 
 
 def accelerate_config_keys(compute_environment: str) -> tuple[frozenset[str], frozenset[str]]:
@@ -304,6 +308,11 @@ def accelerate_config_problems(path: str) -> list[str]:
     if not isinstance(config, dict):
         return [f"The accelerate config {path} is not a mapping of keys to values: write it as `accelerate config` "
                 "does (accelerate_configs/*.yaml are examples)."]
+    deepspeed_keys = sorted(DEEPSPEED_JSON_KEYS & set(map(str, config)))
+    if deepspeed_keys and "distributed_type" not in config:  # every key would be refused, none with the cause
+        return [f"{path} is a DeepSpeed config (it sets {', '.join(deepspeed_keys)}), not an accelerate config: give "
+                "the accelerate YAML that names it as deepspeed_config_file (as accelerate_configs/ds_zero3.yaml "
+                "names deepspeed/zero3.json)."]
     fields, arguments = accelerate_config_keys(str(config.get("compute_environment", "LOCAL_MACHINE")))
     problems = [unknown_key(path, str(key), None, sorted(fields)) for key in config if str(key) not in fields]
     for section, values in config.items():

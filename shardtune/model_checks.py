@@ -68,6 +68,8 @@ def check_weights(directory: str, config: PretrainedConfig) -> None:
                               "Download the model again (hf download MODEL_ID --local-dir DIR).")
     for name in files:
         check_weights_file(os.path.join(directory, name))
+    if all(name.endswith(".safetensors") for name in files) and not getattr(config, "quantization_config", None):
+        check_weight_shapes(directory, files, config)
 
 
 def index_shards(directory: str, index: str) -> list[str]:
@@ -100,6 +102,36 @@ def check_weights_file(path: str) -> None:
     except (SafetensorError, OSError) as error:
         raise ConfigError(f"{path} is not whole safetensors weights ({error}): the file is damaged or cut short. "
                           "Download it again.") from None
+
+
+def safetensors_shapes(path: str) -> dict[str, list[int]]:
+    """Each tensor's shape from a safetensors file's header (8 bytes of its length, then JSON): no tensor read."""
+    with open(path, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(length))
+    return {name: entry["shape"] for name, entry in header.items() if name != "__metadata__"}
+
+
+def check_weight_shapes(directory: str, files: list[str], config: PretrainedConfig) -> None:
+    """The weights' shapes against the model config.json describes (built on the meta device): a config.json of
+    another size (a copied or edited one) would load only to fail in transformers' loading report, after the data
+    was tokenized. Names the weights file and the model do not share are left to the loading."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
+    differing = [(name, file, shape, expected[name]) for file in files
+                 for name, shape in safetensors_shapes(os.path.join(directory, file)).items()
+                 if name in expected and shape != expected[name]]
+    if differing:
+        name, file, shape, wanted = differing[0]
+        sizes = ", ".join(f"{key} {getattr(config, key)}" for key in ("vocab_size", "hidden_size", "intermediate_size",
+                                                                     "num_attention_heads", "num_key_value_heads"))
+        raise ConfigError(f"{os.path.join(directory, 'config.json')} does not describe the weights beside it: "
+                          f"{len(differing)} tensor(s) differ in shape, first {name} ({shape} in {file}, {wanted} "
+                          f"for {sizes}). Use the config.json that came with these weights.")
 
 
 def check_tokenizer_files(directory: str) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 
+from shardtune.checkpoint.markers import MARKER, holds_a_run
 from shardtune.config import SAVE_DTYPES, ConfigError, Recipe
+from shardtune.data_sources import dataset_sources
 from shardtune.launch import LaunchDescription
 from shardtune.output_dir import in_use, in_use_message, is_rank_zero
 
@@ -35,11 +37,29 @@ def check_output_dir(recipe: Recipe) -> None:
     output_dir = recipe.resolved_output_dir
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ConfigError(f"--output_dir {output_dir!r} is a file; give a directory.")
+    inputs = [("--model_name_or_path", recipe.model_name_or_path), ("--chat_template", recipe.chat_template),
+              ("--eval_split", recipe.eval_split), *(("--dataset", part) for part in dataset_sources(recipe.dataset))]
+    overlaps = overlap_problems(output_dir, [(flag, path) for flag, path in inputs if path and os.path.exists(path)])
+    if overlaps:
+        raise ConfigError(overlaps)
     holder = in_use(output_dir) if is_rank_zero() else None  # rank 0 holds the lock (shardtune.output_dir)
     if holder:
         raise ConfigError(in_use_message(output_dir, holder, recipe.overwrite_output_dir))
-    occupied = os.path.isdir(output_dir) and any(not name.startswith(".") for name in os.listdir(output_dir))
-    if occupied and not (recipe.resume_from_checkpoint or recipe.overwrite_output_dir):
+    check_not_occupied(recipe)
+
+
+def check_not_occupied(recipe: Recipe) -> None:
+    """A new run (neither resumed nor overwriting) starts in an empty --output_dir. Checked with the flags, and again
+    once the run holds the directory's lock: a run started beside it may have written there in between."""
+    output_dir = recipe.resolved_output_dir
+    entries = sorted(name for name in os.listdir(output_dir) if not name.startswith(".")) \
+        if os.path.isdir(output_dir) else []
+    if entries and recipe.overwrite_output_dir and not holds_a_run(output_dir):
+        raise ConfigError(f"--overwrite_output_dir true empties --output_dir {output_dir!r}, which holds no run (no "
+                          f"metrics.jsonl, checkpoint or lock) but {len(entries)} other entries "
+                          f"({', '.join(entries[:3])}{', ...' * (len(entries) > 3)}): it would delete them. Give "
+                          "--output_dir a directory of its own.")
+    if entries and not (recipe.resume_from_checkpoint or recipe.overwrite_output_dir):
         raise ConfigError(
             f"--output_dir {output_dir!r} already holds files of another run. Resume it with "
             "--resume_from_checkpoint auto, replace it with --overwrite_output_dir true, or pick another directory."
@@ -78,3 +98,33 @@ def check_async_save(recipe: Recipe, launch: LaunchDescription) -> None:
             raise ConfigError(f"--async_save true writes DeepSpeed's checkpoint with torch's writer in the background, "
                               f"and {launch.deepspeed_config_file} chooses a writer of its own (checkpoint.writer or "
                               "datastates_ckpt): drop one of the two.")
+
+
+def overlap_problems(output_dir: str, inputs: list[tuple[str, str]]) -> list[str]:
+    """What makes `output_dir` unsafe to write into beside this run's inputs (`inputs`: flag, local path): an
+    output dir inside a checkpoint (the files would change the checkpoint, and its run's rotation or
+    --overwrite_output_dir would delete them) and an input inside the output dir (--overwrite_output_dir would
+    delete it; a model directory would be written over by the run's export). Paths compared resolved, so a relative
+    path or a symlink is seen for what it is."""
+    target = os.path.realpath(output_dir)
+    problems = []
+    ancestor = target
+    while True:
+        if os.path.isfile(os.path.join(ancestor, MARKER)):
+            where = "is the checkpoint" if ancestor == target else f"lies inside the checkpoint {ancestor!r}"
+            problems.append(f"--output_dir {output_dir!r} {where}: a new run's files would change it, and its own "
+                            "run's rotation would delete them. Give --output_dir a directory outside it (to resume "
+                            f"it: --output_dir {os.path.dirname(ancestor)} --resume_from_checkpoint {ancestor}).")
+            break
+        parent = os.path.dirname(ancestor)
+        if parent == ancestor:
+            break
+        ancestor = parent
+    for flag, path in inputs:
+        real = os.path.realpath(path)
+        if os.path.commonpath([target, real]) == target:
+            where = "is" if real == target else "lies inside"
+            problems.append(f"{flag} {path!r} {where} --output_dir {output_dir!r}, where the run writes its export and "
+                            "checkpoints (and which --overwrite_output_dir empties): give --output_dir a directory "
+                            "that holds none of the run's inputs.")
+    return problems

@@ -23,15 +23,16 @@ from shardtune.launch import LaunchDescription
 # The recipe fields a resumed run must share with its checkpoint, by what holds them there. Any other field takes
 # effect as given (logging, saving, eval, speed levers that compute the same numbers).
 HELD_BY = {
-    "its weights depend on it": ("model_name_or_path", "mixed_precision", "use_peft", "lora_r", "lora_alpha",
-                                 "lora_dropout", "lora_target_modules", "load_in_4bit"),
-    "its optimizer state holds it": ("optim", "bf16_stochastic_round", "learning_rate", "weight_decay", "adam_beta1",
-                            "adam_beta2", "adam_epsilon"),
-    "its learning-rate schedule follows it": ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio", "warmup_steps",
-                                   "num_train_epochs"),
-    "the order of the rows it continues follows it": ("dataset", "dataset_weights", "dataset_split", "eval_split",
-                                           "eval_fraction", "dataset_format", "chat_template", "completion_only_loss",
-                                           "truncation", "packing", "packing_strategy", "max_seq_length", "seed"),
+    "its weights depend on it": (
+        "model_name_or_path", "mixed_precision", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
+        "lora_target_modules", "load_in_4bit"),
+    "its optimizer state holds it": (
+        "optim", "bf16_stochastic_round", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"),
+    "its learning-rate schedule follows it": (
+        "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio", "warmup_steps", "num_train_epochs"),
+    "the order of the rows it continues follows it": (
+        "dataset", "dataset_weights", "dataset_split", "eval_split", "eval_fraction", "dataset_format",
+        "chat_template", "completion_only_loss", "truncation", "packing", "packing_strategy", "max_seq_length", "seed"),
 }
 HELD_FIELDS = {name for names in HELD_BY.values() for name in names}
 assert HELD_FIELDS <= {f.name for f in fields(Recipe)}, HELD_FIELDS - {f.name for f in fields(Recipe)}
@@ -40,16 +41,33 @@ assert HELD_FIELDS <= {f.name for f in fields(Recipe)}, HELD_FIELDS - {f.name fo
 def run_settings(recipe: Recipe, launch: LaunchDescription, batching: BatchSizes) -> dict:
     """The settings a checkpoint of this run records in its marker (`max_steps`, resolved from the data's length,
     is added by the trainer)."""
-    settings = {name: getattr(recipe, name) for name in sorted(HELD_FIELDS)}
-    if os.path.isdir(recipe.model_name_or_path):  # the same directory, from wherever the run is launched
-        settings["model_name_or_path"] = os.path.abspath(recipe.model_name_or_path)
+    settings = resolved_paths({name: getattr(recipe, name) for name in sorted(HELD_FIELDS)})
     return {**settings, "explicit_max_steps": recipe.max_steps, "global_batch": batching.global_batch,
             "micro_batch": batching.micro_batch, "accumulation": batching.accumulation, "strategy": launch.kind,
             "zero_stage": launch.deepspeed_settings.get("stage") if launch.uses_deepspeed else None}
 
 
+# The held settings that may name local files (eval_split: a file, or a split's name).
+PATH_FIELDS = ("model_name_or_path", "dataset", "chat_template", "eval_split")
+
+
+def resolved_paths(settings: dict) -> dict:
+    """The same files, from wherever the run is launched: each local path among PATH_FIELDS (each --dataset source)
+    absolute with symlinks followed, so that a relative path or a link to the same file is the same; Hub names,
+    bundled templates and split names as given."""
+    resolved = {key: ",".join(os.path.realpath(part.strip()) if part.strip() and os.path.exists(part.strip())
+                              else part for part in settings[key].split(","))
+                for key in PATH_FIELDS if isinstance(settings.get(key), str)}
+    return {**settings, **resolved}
+
+
 def flag(name: str, value: object) -> str:
     return f"--{name} {shlex.quote(str(value).lower() if isinstance(value, bool) else str(value))}"
+
+
+def shown(value: object) -> str:
+    """A recorded value as the command line writes it: `true`, not Python's `True`."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def check_resume_settings(checkpoint: str, step: int, saved: dict, current: dict) -> list[str]:
@@ -67,10 +85,12 @@ def check_resume_settings(checkpoint: str, step: int, saved: dict, current: dict
         problems.append(f"{checkpoint} was saved under {name(saved)} and this launch is {name(current)}: each "
                         f"writes its states in its own layout. Resume under the accelerate config it was saved "
                         f"with, {fresh}.")
+    compared = resolved_paths(saved)  # an older marker holds paths as they were given, or absolute
     for held_by, names in HELD_BY.items():
         for key in names:
-            if key in saved and saved[key] != current[key]:
-                problems.append(f"{flag(key, current[key])} differs from the checkpoint's {saved[key]!r} ({held_by}): "
+            if key in saved and compared[key] != current[key]:
+                problems.append(f"{flag(key, current[key])} differs from the checkpoint's {shown(saved[key])} "
+                                f"({held_by}): "
                                 f"resume with {flag(key, saved[key])}, {fresh}.")
     if saved["global_batch"] != current["global_batch"]:
         problems.append(f"this launch's global batch is {current['global_batch']} and {checkpoint} was trained with "

@@ -5,7 +5,7 @@ same way, through the same step vector (tests/unit/test_step.py).
 
 DeepSpeed trains fp16 on CPU only where its CPU accelerator reports fp16 (oneDNN's fp16 kernels: Intel's
 AVX512-FP16 or AMX-FP16; no AMD processor has them). There the runs train; elsewhere the same recipe is refused in
-one line before anything loads (checks.check_deepspeed_fp16), and the training test skips saying why, or fails
+one line before anything loads (distributed.check_deepspeed_fp16), and the training test skips saying why, or fails
 where SHARDTUNE_REQUIRE names cpu_fp16 (a CI runner known to have the feature)."""
 
 from __future__ import annotations

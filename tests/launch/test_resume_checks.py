@@ -31,7 +31,7 @@ def test_a_resume_that_would_train_another_run_is_refused(reference_run, tiny_as
     assert "--learning_rate 0.0003 differs from the checkpoint's 0.003 (its optimizer state holds it): resume " \
            "with --learning_rate 0.003, or start a new run from its weights (scripts/export_hf.py " in text
     assert "--seed 7 differs from the checkpoint's 42 (the order of the rows it continues follows it)" in text
-    assert "--use_peft true differs from the checkpoint's False (its weights depend on it)" in text
+    assert "--use_peft true differs from the checkpoint's false (its weights depend on it)" in text
     assert "global batch is 16 and" in text and "resume with --global_batch_size 32" in text
     # transformers' cosine after 4 of 8 steps is half the tiny recipe's rate of 3e-3; after 4 of 16, 85% of it
     assert "--max_steps 16 differs from the checkpoint's run of 8 steps" in text

@@ -213,6 +213,10 @@ def test_every_problem_reported_at_once(tiny_assets, tmp_path, capsys, monkeypat
         "--max_seq_length 4096 is above the model's max_position_embeddings 256"], stderr[-2000:]
 
 
+def reached_the_trainer(*args, **kwargs):
+    raise AssertionError("not refused: the run reached the trainer")
+
+
 def refused(spec: Case, tiny_assets, tmp_path: Path, capsys, monkeypatch) -> tuple[list[str], str]:
     """Run the tiny recipe's entry point with `spec` and assert the refusal: exit code 2, no traceback, no weights
     loaded, nothing under tmp_path created or changed. Returns the error lines and all of stderr."""
@@ -229,6 +233,9 @@ def refused(spec: Case, tiny_assets, tmp_path: Path, capsys, monkeypatch) -> tup
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(content)
     before = snapshot(tmp_path)
+    # A refusal that regressed would train, and the trainer ends its process with os._exit: pytest would stop there
+    # with exit code 0 and every later test unrun. Reaching the trainer fails the test instead.
+    monkeypatch.setattr("shardtune.trainer.train", reached_the_trainer)
     output_dir = tmp_path / "out"
     model_dir, data_file = tiny_assets
     argv = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),
