@@ -97,8 +97,15 @@ def merge(adapter_dir: str, base: str, scratch: str, dtype_name: str) -> None:
     from shardtune.export_checks import model_problem
 
     dtype = getattr(torch, DTYPES[dtype_name])
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()  # its loading report would stand above the one line that says why
+    transformers_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    except RuntimeError:  # transformers' report of weights whose shapes the config does not give
+        raise Refused(f"cannot load the base model {base} (its weights' shapes differ from those its config.json "
+                      "gives): give the base model's directory (or Hub id) with --base.") from None
     except (OSError, ValueError) as error:
         raise Refused(f"cannot load the base model {base} ({first_line(error)}): give the base model's directory "
                       "(or Hub id) with --base.") from None

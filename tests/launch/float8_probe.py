@@ -18,6 +18,7 @@ import os
 import torch
 
 from shardtune import trainer
+from shardtune.checkpoint.run_settings import resume_point
 from shardtune.cli import checked_launch
 from shardtune.config import FP8_DIM_MULTIPLE, Recipe
 from shardtune.distributed import make_accelerator, shut_down
@@ -78,7 +79,8 @@ def main() -> None:
         return built["run"]
 
     trainer.build = keep
-    code = trainer.train_loop(accelerator, recipe, batching, launch, None, 0, StopRequest())
+    code = trainer.train_loop(accelerator, recipe, batching, launch, resume_point(recipe, launch, batching),
+                              StopRequest())
     if FLOAT8:
         local = torch.tensor(float8_figures(accelerator.unwrap_model(built["run"].model),
                                                built["run"].optimizer, built["odd"][0]), dtype=torch.float64)

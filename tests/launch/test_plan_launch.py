@@ -10,9 +10,11 @@ from tests.conftest import ENV, REPO, run_recipe
 
 
 def test_70b_zero3_on_one_h100_node_refused_before_loading(tiny_assets, tmp_path):
+    """Under accelerate launch, on every rank, the plan of the launched config (ZeRO-3). A CPU run cannot stand for
+    the GPUs of --hardware (refused: tests/unit/test_checks_shared.py), so the launch plans them as a dry run."""
     output_dir = tmp_path / "out"
     result = run_recipe(output_dir, tiny_assets, "--model_name_or_path", "meta-llama/Llama-3.1-70B",
-                        "--hardware", "8xh100-80gb", config="ds_zero3", processes=2,
+                        "--hardware", "8xh100-80gb", "--dry_run", "true", config="ds_zero3", processes=2,
                         recipe=REPO / "recipes" / "llama70b.py", check=False)
     assert result.returncode != 0
     assert "with DeepSpeed ZeRO-3" in result.stdout and "DOES NOT FIT" in result.stdout
@@ -33,7 +35,7 @@ def test_dry_run_prints_the_plan_and_exits(tmp_path):
     assert fits.returncode == 0, fits.stderr[-2000:]
     assert "llama-3.2-1b (1,235,814,400 params) on 8xh100-80gb" in fits.stdout and "-> fits" in fits.stdout
     assert "with ddp," in fits.stdout  # outside accelerate launch: the config of the recipe's launch line
-    too_big = dry_run("llama405b.py", "8xh100-80gb")
+    too_big = dry_run("llama405b.py", "8xh100-80gb", "--offload_nvme_path", "/local_nvme")  # its launch line's
     assert too_big.returncode == 2 and "DOES NOT FIT" in too_big.stdout
     refused = dry_run("llama8b.py", "3x8xh100-80gb", "--mixed_precision", "fp4", "--lora_r", "0", "--use_peft",
                       "true")

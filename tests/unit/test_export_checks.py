@@ -271,10 +271,15 @@ def test_merge_lora_bad_input_is_one_line_with_the_fix(lora_run, tmp_path, capsy
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "a").write_text("")
+    broken = tmp_path / "broken"  # a base whose config.json does not describe its weights
+    shutil.copytree(lora_run["base"], broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     cases = {
+        (str(adapter), "merged", "--base", str(broken)): f"cannot load the base model {broken} (",
         (str(adapter), "merged"): "records its base as ./model, a path relative to the directory its run was started "
                                   "in, not found from",
         (str(adapter), "merged", "--base", "./nowhere"): "--base ./nowhere not found",
