@@ -2,13 +2,16 @@
 
 Launch (CPU, 2 processes, about a minute):
     accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --use_cpu true
-Hardware: any machine; tested on 2 CPU cores. The model and data are made locally under assets/tiny.
+Hardware: any machine; tested on 2 CPU cores. The model and data are made once, under the repository's assets/tiny
+(wherever the recipe is launched from).
 """
+
+from pathlib import Path
 
 from shardtune import Recipe, main
 from shardtune.tiny import ensure_tiny_assets
 
-MODEL_DIR, DATA_FILE = ensure_tiny_assets("assets/tiny")
+MODEL_DIR, DATA_FILE = ensure_tiny_assets(str(Path(__file__).resolve().parents[1] / "assets" / "tiny"))
 
 RECIPE = Recipe(
     name="tiny",

@@ -319,6 +319,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> tuple[str, str]:
+    # The tiny recipe's own (its module makes them when imported, as every launch does): once, not per launch.
+    ensure_tiny_assets(str(REPO / "assets" / "tiny"))
     return ensure_tiny_assets(str(tmp_path_factory.mktemp("assets") / "tiny"))
 
 
