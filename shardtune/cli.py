@@ -35,6 +35,10 @@ from shardtune.model_checks import check_model
 from shardtune.output_checks import check_not_occupied
 from shardtune.output_dir import OutputDirLock, is_rank_zero
 
+# A refused rank that does not print (shardtune.cli.reports_errors) waits this long before it exits, so that the rank
+# of its machine that prints the refusal is not stopped by the launcher first.
+SILENT_RANK_DELAY_S = 3.0
+
 
 def main(recipe: Recipe, argv: list[str] | None = None) -> None:
     """Parse overrides, check everything that needs no weights, train. Bad input: one line per problem on stderr
@@ -54,6 +58,8 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
         train(recipe, batching, launch, resume)
     except ConfigError as error:
         refuse(error.messages)
+        if not reports_errors():  # the launcher stops every rank once one exits: the rank that prints goes first
+            time.sleep(SILENT_RANK_DELAY_S)
         distributed = sys.modules.get("torch.distributed")  # a refusal before any import of it has no group
         if distributed is not None and distributed.is_initialized():
             distributed.destroy_process_group()
