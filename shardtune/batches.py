@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
 
 from shardtune.config import BatchSizes
@@ -23,7 +24,7 @@ FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
 def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False, attn_implementation: str = "sdpa",
-                  multiple: int = 1) -> CountingCollator:
+                  multiple: int = 1, unmasked: bool = False) -> CountingCollator:
     """Padded: each micro-batch padded to its longest row (padded labels IGNORE_INDEX). Packed (padding-free):
     the micro-batch's sequences concatenated into one row with position ids restarting at every sequence and
     the first label of each sequence masked. Flash attention gets the sequence boundaries from the collator
@@ -33,14 +34,17 @@ def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False, att
     micro-batch of them is packed the same way.
     `multiple` (shardtune.config.token_multiple): the padded length, or the packed row's, a multiple of it; a
     packed row is padded with one more sequence of pad tokens that carries no loss (its own positions, so it
-    attends to nothing else)."""
+    attends to nothing else). `unmasked`: for the sequence split (shardtune.parallel.sequence), padded rows carry
+    their position ids (0, 1, ... per row), which the split needs before it cuts the rows, and no attention mask:
+    Ulysses drops it, and without one transformers builds no dense mask of the whole sequence. Rows are padded on
+    the right, after every real token, which a causal kernel never lets them see. Packed rows carry no mask."""
     if packing:
         inner = DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX,
                                            return_flash_attn_kwargs=attn_implementation in FLASH_ATTENTION)
     else:
         inner = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX,
                                        return_tensors="pt", pad_to_multiple_of=multiple if multiple > 1 else None)
-    return CountingCollator(inner, tokenizer.pad_token_id if packing else None, multiple)
+    return CountingCollator(inner, tokenizer.pad_token_id if packing else None, multiple, unmasked and not packing)
 
 
 class CountingCollator:
@@ -50,14 +54,19 @@ class CountingCollator:
     tokens: sequence tokens (not padding); processed: tokens the model runs on; sequences: sequences before
     packing (several per row packed by shardtune.packing, whose rows are split into them here)."""
 
-    def __init__(self, inner, row_pad_id: int | None = None, multiple: int = 1) -> None:
+    def __init__(self, inner, row_pad_id: int | None = None, multiple: int = 1, unmasked: bool = False) -> None:
         self.inner = inner
         self.row_pad_id, self.multiple = row_pad_id, multiple  # row_pad_id: packing's, None when inner pads
+        self.unmasked = unmasked  # padded rows: position ids in place of the attention mask
 
     def __call__(self, features: list[dict]) -> dict:
         if SEQUENCE_LENGTHS in features[0]:
             features = split_rows(features)
         batch = self.inner(features + self.padding_sequence(features))
+        if self.unmasked:
+            rows, length = batch["input_ids"].shape
+            batch["position_ids"] = torch.arange(length).expand(rows, length).clone()
+            del batch["attention_mask"]
         lengths = [len(feature["input_ids"]) for feature in features]
         batch[COUNTS] = {
             "targets": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()),

@@ -39,6 +39,7 @@ from shardtune.launch import LaunchDescription
 from shardtune.liger import check_liger_device, check_liger_kernel
 from shardtune.nvme_checks import AsyncIOReadiness, check_async_io, check_nvme_path, offloads_to_nvme
 from shardtune.output_checks import check_async_save, check_checkpoints, check_exports, check_output_dir
+from shardtune.parallel.sequence import check_sequence_split
 from shardtune.schedule import check_schedule
 
 RECIPE_DEFAULTS = {item.name: item.default for item in dataclasses.fields(Recipe)}
@@ -465,6 +466,7 @@ def check_on_device(recipe: Recipe, problems: Problems, launch: LaunchDescriptio
     problems.check(check_compile_under, recipe, launch)
     problems.check(check_async_save, recipe, launch)
     problems.check(check_fp8, recipe, capability, launch.kind, launch.fsdp_offload_params)
+    problems.check(check_sequence_split, recipe, launch.sp_size, launch.deepspeed_settings)
 
 
 def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: LaunchDescription) -> None:

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from shardtune.config import BatchSizes, ConfigError, Recipe, compute_precision
 from shardtune.launch import LaunchDescription
+from shardtune.parallel.sequence import ulysses_parallelism
 from shardtune.plan.host import PINNED_MAX_CACHED_MB
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,13 +70,11 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
         # accelerate's AO backend would convert the linears again inside `prepare`, after FSDP2 sharded them.
         mixed_precision="no" if recipe.bf16_stochastic_round else precision,
         fsdp_plugin=plugin,
-        # The launch's (replicate, shard) mesh: accelerate builds it from the PARALLELISM_CONFIG_* variables, but
-        # refuses it on MULTI_CPU; on CPU it is set once the state is FSDP (enable_fsdp_on_cpu), and a config of
-        # size 1, which accelerate accepts there, stands in for it until then.
-        parallelism_config=ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, tp_size=1, cp_size=1, sp_size=1)
-        if hybrid_on_cpu else None,
+        parallelism_config=parallelism(recipe, launch, hybrid_on_cpu),
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=batching.accumulation, sync_with_dataloader=False,  # the trainer ends every cycle itself
+            # Under the sequence split each micro-batch runs as sp slices on every rank (shardtune.parallel.sequence)
+            num_steps=batching.accumulation * launch.sp_size,
+            sync_with_dataloader=False,  # the trainer ends every cycle itself
             # FSDP2 under no_sync keeps every layer's unsharded gradient until the last micro-batch (2 bytes x P
             # per GPU in bf16): reduce-scatter each micro-batch into the sharded fp32 gradient instead, as
             # torchtitan does. DDP holds full gradients either way, so it keeps no_sync and its saved traffic.
@@ -104,6 +103,18 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator.state.deepspeed_plugin.deepspeed_config, recipe)
     return accelerator
+
+
+def parallelism(recipe: Recipe, launch: LaunchDescription, hybrid_on_cpu: bool) -> ParallelismConfig | None:
+    """The ParallelismConfig the Accelerator gets: the sequence split's (Ulysses, under DeepSpeed), or for hybrid
+    sharding on CPU a config of size 1 (accelerate builds the launch's (replicate, shard) mesh from the
+    PARALLELISM_CONFIG_* variables but refuses it on MULTI_CPU; the mesh is set once the state is FSDP,
+    enable_fsdp_on_cpu); None: accelerate reads the launch's own."""
+    if launch.sp_size > 1:
+        return ulysses_parallelism(recipe, launch.world_size, launch.sp_size)
+    if hybrid_on_cpu:
+        return ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, tp_size=1, cp_size=1, sp_size=1)
+    return None
 
 
 def fsdp_plugin(mixed_precision: str, on_cpu: bool, pure_bf16: bool = False) -> FullyShardedDataParallelPlugin:

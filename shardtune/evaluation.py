@@ -20,32 +20,39 @@ from torch.utils.data import DataLoader
 from shardtune.batches import COUNTS
 from shardtune.config import EVAL_CHUNK_POSITIONS
 from shardtune.data import IGNORE_INDEX
-from shardtune.tiled_loss import forward_replaced
+from shardtune.parallel.sequence import sequence_group, sequence_shards
+from shardtune.tiled_loss import forward_replaced, shifted_labels
 
 
-def chunk_statistics(logits_of: Callable[[int, int, int], torch.Tensor], labels: torch.Tensor, positions: int,
+def chunk_statistics(logits_of: Callable[[int, int, int], torch.Tensor], targets: torch.Tensor, positions: int,
                      device: torch.device, chunk: int) -> torch.Tensor:
     """Per row: [sum of target-token losses, targets, correct next-token predictions], fp32, on `device`, from
-    `logits_of(row, start, end)`, the logits of positions start..end-1 of a row of `positions`. Position t
-    predicts label t + 1, as the causal LM loss compares them."""
+    `logits_of(row, start, end)`, the logits of positions start..end-1 of a row of `positions`, and `targets`,
+    each position's next-token label (labels shifted as the causal LM loss compares them: batch_targets)."""
     rows = []
-    for row, row_labels in enumerate(labels):
+    for row, row_targets in enumerate(targets):
         totals = torch.zeros(3, device=device)
-        for start in range(0, positions - 1, chunk):
-            end = min(start + chunk, positions - 1)
-            predicted, targets = logits_of(row, start, end).float(), row_labels[start + 1:end + 1]
-            mask = targets != IGNORE_INDEX
-            loss = F.cross_entropy(predicted, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-            correct = ((predicted.argmax(-1) == targets) & mask).sum()
+        for start in range(0, positions, chunk):
+            end = min(start + chunk, positions)
+            predicted, expected = logits_of(row, start, end).float(), row_targets[start:end]
+            mask = expected != IGNORE_INDEX
+            loss = F.cross_entropy(predicted, expected, ignore_index=IGNORE_INDEX, reduction="sum")
+            correct = ((predicted.argmax(-1) == expected) & mask).sum()
             totals += torch.stack([loss, mask.sum().float(), correct.float()])
         rows.append(totals)
     return torch.stack(rows)
 
 
+def batch_targets(batch: dict) -> torch.Tensor:
+    """Each position's next-token label: a slice of the sequence split carries them (`shift_labels`), else the
+    labels shifted by one."""
+    return batch["shift_labels"] if "shift_labels" in batch else shifted_labels(batch["labels"])
+
+
 def row_statistics(logits: torch.Tensor, labels: torch.Tensor, chunk: int = EVAL_CHUNK_POSITIONS) -> torch.Tensor:
-    """chunk_statistics of full (batch, positions, vocab) logits."""
-    return chunk_statistics(lambda row, start, end: logits[row, start:end], labels, logits.shape[1], logits.device,
-                            chunk)
+    """chunk_statistics of full (batch, positions, vocab) logits and their (unshifted) labels."""
+    return chunk_statistics(lambda row, start, end: logits[row, start:end], shifted_labels(labels), logits.shape[1],
+                            logits.device, chunk)
 
 
 def head_statistics(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict,
@@ -54,19 +61,31 @@ def head_statistics(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: d
     weight where each strategy gathers it and applies it to one chunk of positions at a time (under autocast, in
     the compute dtype, as the head's own forward would)."""
     head = unwrapped.get_output_embeddings()
+    targets = batch_targets(batch)
     computed = []
 
     def statistics_forward(hidden_states: torch.Tensor) -> torch.Tensor:
         def logits_of(row: int, start: int, end: int) -> torch.Tensor:
             return F.linear(hidden_states[row, start:end], head.weight, head.bias)
 
-        computed.append(chunk_statistics(logits_of, batch["labels"], hidden_states.shape[1], hidden_states.device,
-                                         chunk))
+        computed.append(chunk_statistics(logits_of, targets, hidden_states.shape[1], hidden_states.device, chunk))
         return computed[-1]
 
     with forward_replaced(head, statistics_forward):
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        model(**model_inputs(batch))
     return computed[0]  # not the forward's output: FSDP2's output cast would round it to bf16
+
+
+def logits_statistics(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """chunk_statistics from the model's full logits (a head that is not plain_head)."""
+    logits = model(**model_inputs(batch)).logits
+    return chunk_statistics(lambda row, start, end: logits[row, start:end], batch_targets(batch), logits.shape[1],
+                            logits.device, EVAL_CHUNK_POSITIONS)
+
+
+def model_inputs(batch: dict) -> dict:
+    """What the eval forward takes of a batch: the ids, and the mask or (under the sequence split) positions."""
+    return {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids") if key in batch}
 
 
 def plain_head(unwrapped: torch.nn.Module) -> bool:
@@ -81,20 +100,37 @@ def plain_head(unwrapped: torch.nn.Module) -> bool:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
     """Mean loss and next-token accuracy over every target token of the held-out split, all ranks together. A head
-    that is not plain_head runs its own forward: the statistics come from its full logits, a chunk at a time."""
+    that is not plain_head runs its own forward: the statistics come from its full logits, a chunk at a time.
+    Under the sequence split each batch runs split as in training (split_statistics)."""
     model.eval()
     unwrapped = accelerator.unwrap_model(model)
     in_head = plain_head(unwrapped)
+    split = accelerator.parallelism_config is not None and accelerator.parallelism_config.sp_enabled
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, targets, correct
     for batch in loader:
         batch.pop(COUNTS)
-        if in_head:
+        if split:
+            per_row = split_statistics(model, unwrapped, batch, accelerator.device)
+        elif in_head:
             per_row = head_statistics(model, unwrapped, batch)
         else:
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            per_row = row_statistics(logits, batch["labels"])
-            del logits
+            per_row = logits_statistics(model, unwrapped, batch)
         totals += accelerator.gather_for_metrics(per_row).sum(0)  # drops the rows padded in for even batches
     model.train()
     loss_sum, targets, correct = totals.tolist()
     return {"eval_loss": loss_sum / targets, "eval_accuracy": correct / targets}
+
+
+def split_statistics(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict, device: torch.device
+                     ) -> torch.Tensor:
+    """This rank's rows' statistics under the sequence split: each rank computes its slice of every batch of its
+    group (shardtune.parallel.sequence.sequence_shards, in the group's rank order), and a sum over the group
+    gives every batch's per-row statistics, of which this rank keeps its own (so that gather_for_metrics drops
+    the padded rows as without the split)."""
+    import torch.distributed as dist
+
+    group, rank = sequence_group()
+    statistics = head_statistics if plain_head(unwrapped) else logits_statistics
+    slices = torch.stack([statistics(model, unwrapped, shard) for shard in sequence_shards([batch], device)])
+    dist.all_reduce(slices, group=group)
+    return slices[rank]

@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from shardtune.data import IGNORE_INDEX
+from shardtune.parallel.sequence import unsplit
 
 MAX_NEW_TOKENS = 64
 
@@ -68,22 +69,35 @@ def generate_samples(accelerator: Accelerator, model: torch.nn.Module, tokenizer
                      held_out: HeldOutPrompts) -> list[dict[str, str]]:
     """Greedy answers to the held-out prompts, up to eos or MAX_NEW_TOKENS (fewer where max_length ends first),
     on every rank together. The KV cache is on for this call only: the model's config keeps use_cache False for
-    training. Returns {prompt, completion, reference} per prompt, decoded without special tokens."""
-    batch = left_padded(held_out.prompts, tokenizer.pad_token_id, accelerator.device)
-    width = batch["input_ids"].shape[1]
-    config = GenerationConfig(
-        max_new_tokens=max(1, min(MAX_NEW_TOKENS, held_out.max_length - width)), do_sample=False, use_cache=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
+    training. Returns {prompt, completion, reference} per prompt, decoded without special tokens. Under the
+    sequence split without it, one prompt at a time: Ulysses drops the attention mask that left padding needs
+    (shardtune.parallel.sequence)."""
+    split = accelerator.parallelism_config is not None and accelerator.parallelism_config.sp_enabled
+    batches = [[prompt] for prompt in held_out.prompts] if split else [held_out.prompts]
+    attention = accelerator.unwrap_model(model).config._attn_implementation if split else None
     was_training = model.training
     model.eval()
     try:
-        generated = accelerator.unwrap_model(model).generate(
-            **batch, generation_config=config, synced_gpus=accelerator.num_processes > 1)
+        with unsplit(attention):  # every rank runs the same prompts whole
+            completions = [completion for prompts in batches for completion in
+                           greedy_completions(accelerator, model, tokenizer, prompts, held_out.max_length)]
     finally:
         model.train(was_training)
-    completions = tokenizer.batch_decode(generated[:, width:].tolist(), skip_special_tokens=True)
     return [{"prompt": tokenizer.decode(prompt, skip_special_tokens=True), "completion": completion,
              "reference": tokenizer.decode(reference, skip_special_tokens=True)}
             for prompt, completion, reference in zip(held_out.prompts, completions, held_out.references,
                                                      strict=True)]
+
+
+def greedy_completions(accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                       prompts: list[list[int]], max_length: int) -> list[str]:
+    """The decoded greedy completions of one left-padded batch of prompts."""
+    batch = left_padded(prompts, tokenizer.pad_token_id, accelerator.device)
+    width = batch["input_ids"].shape[1]
+    config = GenerationConfig(
+        max_new_tokens=max(1, min(MAX_NEW_TOKENS, max_length - width)), do_sample=False, use_cache=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    generated = accelerator.unwrap_model(model).generate(
+        **batch, generation_config=config, synced_gpus=accelerator.num_processes > 1)
+    return tokenizer.batch_decode(generated[:, width:].tolist(), skip_special_tokens=True)

@@ -5,6 +5,7 @@ checks, the Accelerator, the launch-time memory plan and the cross-rank fingerpr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import importlib.util
 import logging
@@ -48,6 +49,9 @@ class LaunchDescription:
     # dp_replicate_size times; 0 where the launch has none (sharded over every rank).
     dp_shard_size: int = 0
     dp_replicate_size: int = 0
+    # accelerate's ParallelismConfig sp_size under DeepSpeed: every sequence split over this many ranks (Ulysses,
+    # shardtune.parallel.sequence); 1 without the split.
+    sp_size: int = 1
 
     @classmethod
     def from_env(cls) -> LaunchDescription:
@@ -62,7 +66,7 @@ class LaunchDescription:
         check_hpz(settings.get("hpz_partition", 1), world_size)
         if uses_fsdp:
             check_fsdp_env()
-        dp_shard, dp_replicate = checked_parallelism(world_size, uses_fsdp)
+        dp_shard, dp_replicate, sp_size = checked_parallelism(world_size, uses_fsdp, uses_deepspeed)
         config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if uses_deepspeed else None
         return cls(
             world_size=world_size, local_world_size=env_int("LOCAL_WORLD_SIZE", 1), uses_deepspeed=uses_deepspeed,
@@ -73,7 +77,7 @@ class LaunchDescription:
             fsdp_reshard_after_forward=env_flag("FSDP_RESHARD_AFTER_FORWARD", ON),
             fsdp_offload_params=env_flag("FSDP_OFFLOAD_PARAMS", "false"),
             fsdp_cpu_ram_efficient_loading=env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"),
-            dp_shard_size=dp_shard, dp_replicate_size=dp_replicate,
+            dp_shard_size=dp_shard, dp_replicate_size=dp_replicate, sp_size=sp_size,
         )
 
     @property
@@ -89,13 +93,19 @@ class LaunchDescription:
             offloaded = [f"{states} offloaded to {device}" for kind, states in (("optimizer", "optimizer"),
                                                                                ("param", "parameters"))
                          if (device := self.deepspeed_settings.get(f"offload_{kind}", "none")) != "none"]
-            return ", ".join([f"DeepSpeed ZeRO-{self.deepspeed_settings.get('stage')}", *offloaded])
+            split = [f"sequences split over {self.sp_size} ranks (Ulysses)"] if self.sp_size > 1 else []
+            return ", ".join([f"DeepSpeed ZeRO-{self.deepspeed_settings.get('stage')}", *offloaded, *split])
         if self.uses_fsdp:  # FSDP2's reshard-after-forward is FSDP1's FULL_SHARD; without it, SHARD_GRAD_OP
             sharding = "FULL_SHARD" if self.fsdp_reshard_after_forward else "SHARD_GRAD_OP"
             if self.hybrid_shard:
                 sharding += f" over {self.dp_shard_size} ranks, replicated x{self.dp_replicate_size}"
             return f"FSDP2 {sharding}" + (", parameters offloaded to cpu" if self.fsdp_offload_params else "")
         return "DDP" if self.world_size > 1 else "one process"
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks that train on different rows at once: the world over the sequence split."""
+        return self.world_size // self.sp_size
 
     @property
     def deepspeed_offloads(self) -> bool:
@@ -128,7 +138,8 @@ class LaunchDescription:
         if self.kind == "deepspeed":
             settings = dict(self.deepspeed_settings)
             precision = settings.pop("mixed_precision") or mixed_precision
-            return deepspeed_strategy(f"DeepSpeed ZeRO-{settings['stage']}", settings, self.zero3_init, precision)
+            strategy = deepspeed_strategy(f"DeepSpeed ZeRO-{settings['stage']}", settings, self.zero3_init, precision)
+            return dataclasses.replace(strategy, sequence_split=self.sp_size)
         if self.kind == "fsdp":
             reshard = self.fsdp_reshard_after_forward
             offload = "cpu" if self.fsdp_offload_params else "none"
@@ -233,26 +244,54 @@ def check_fsdp_env() -> None:
                           "fully shard): remove it, and set fsdp_reshard_after_forward: false for SHARD_GRAD_OP.")
 
 
-def checked_parallelism(world_size: int, uses_fsdp: bool) -> tuple[int, int]:
-    """(dp_shard_size, dp_replicate_size) of the accelerate config's parallelism_config, as `accelerate launch`
-    exports them, or (0, 0) without one. Only data-parallel sizes: shardtune's trainer has no tensor, context or
-    sequence parallel path, and the sizes must cover the ranks (accelerate checks that only after the process
-    group is up)."""
+def checked_parallelism(world_size: int, uses_fsdp: bool, uses_deepspeed: bool = False) -> tuple[int, int, int]:
+    """(dp_shard_size, dp_replicate_size, sp_size) of the accelerate config's parallelism_config, as `accelerate
+    launch` exports them, or (0, 0, 1) without one: data-parallel sizes under FSDP2 (hybrid sharding), or the
+    sequence split under DeepSpeed (Ulysses); no tensor or context parallel path. The sizes must cover the ranks
+    (accelerate checks that only after the process group is up)."""
     if not env_flag("ACCELERATE_USE_PARALLELISM_CONFIG", "false"):
-        return 0, 0
+        return 0, 0, 1
     sizes = {name: env_int(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", 1)
              for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
-    others = [f"{name}_size {size}" for name, size in sizes.items() if name in ("tp", "cp", "sp") and size != 1]
+    if sizes["cp"] != 1:
+        raise ConfigError(f"The accelerate config's parallelism_config sets cp_size {sizes['cp']}: torch's context "
+                          "parallelism is not wired into shardtune's trainer; split sequences with DeepSpeed's "
+                          "Ulysses instead (accelerate_configs/ds_zero3_ulysses.yaml, parallelism_config_sp_size).")
+    if sizes["sp"] != 1:
+        return 0, 0, checked_sequence_split(sizes, world_size, uses_deepspeed)
+    others = [f"{name}_size {size}" for name, size in sizes.items() if name == "tp" and size != 1]
     if others or not uses_fsdp:
         raise ConfigError(f"The accelerate config's parallelism_config sets {', '.join(others) or 'sizes'} and "
                           "shardtune trains data-parallel FSDP2 only: keep parallelism_config_dp_replicate_size and "
-                          "parallelism_config_dp_shard_size (with distributed_type FSDP), or remove the section.")
+                          "parallelism_config_dp_shard_size (with distributed_type FSDP), or "
+                          "parallelism_config_sp_size (with DeepSpeed), or remove the section.")
     if sizes["dp_replicate"] * sizes["dp_shard"] != world_size:
         raise ConfigError(f"parallelism_config_dp_replicate_size {sizes['dp_replicate']} x "
                           f"parallelism_config_dp_shard_size {sizes['dp_shard']} is not the {world_size} processes "
                           "launched: give accelerate launch --parallelism_config_dp_replicate_size <nodes> "
                           "--parallelism_config_dp_shard_size <processes per node>.")
-    return sizes["dp_shard"], sizes["dp_replicate"]
+    return sizes["dp_shard"], sizes["dp_replicate"], 1
+
+
+def checked_sequence_split(sizes: dict[str, int], world_size: int, uses_deepspeed: bool) -> int:
+    """The sequence split's sp_size: DeepSpeed's Ulysses (accelerate's sp_backend deepspeed, its only one), groups
+    of sp consecutive ranks that divide the world; the data-parallel sizes are DeepSpeed's own (world / sp)."""
+    sp = sizes["sp"]
+    backend = os.environ.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed").strip()
+    if not uses_deepspeed or backend != "deepspeed":
+        raise ConfigError(f"The accelerate config's parallelism_config sets sp_size {sp}: the sequence split runs "
+                          "through DeepSpeed's Ulysses: launch a DeepSpeed config with parallelism_config_sp_backend "
+                          "deepspeed (accelerate_configs/ds_zero3_ulysses.yaml).")
+    if sp < 1 or world_size % sp:
+        raise ConfigError(f"parallelism_config_sp_size {sp} does not divide the {world_size} processes launched "
+                          "into groups: give accelerate launch --parallelism_config_sp_size <a divisor of the "
+                          "processes> (the GPUs of a node, or fewer).")
+    data_sizes = [f"{name}_size {sizes[name]}" for name in ("dp_replicate", "dp_shard", "tp") if sizes[name] != 1]
+    if data_sizes:
+        raise ConfigError(f"The accelerate config's parallelism_config sets {', '.join(data_sizes)} beside sp_size "
+                          f"{sp}: under DeepSpeed the sequence split's data-parallel size is the processes / sp_size, "
+                          "set by DeepSpeed: remove them.")
+    return sp
 
 
 def check_hpz(hpz_partition: int, world_size: int) -> None:

@@ -19,7 +19,8 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 from shardtune.config import BatchSizes
-from shardtune.tiled_loss import chunked_token_loss
+from shardtune.parallel.sequence import SequenceSplit, sequence_shards
+from shardtune.tiled_loss import LABEL_KEYS, chunked_token_loss
 
 
 @dataclass
@@ -32,18 +33,26 @@ class StepOutput:
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                micro_batches: list[dict], targets: torch.Tensor, batching: BatchSizes, max_grad_norm: float,
                after_backward: Callable[[int], None] | None = None, *, chunked_cross_entropy: bool,
-               fused_loss: bool = False) -> StepOutput:
+               fused_loss: bool = False, sequence_split: SequenceSplit | None = None) -> StepOutput:
     """The loss of an update is (sum of all target-token losses of the global batch) / (their count), however
     the batch is split over micro-batches and ranks: `targets` is that count over every rank, on the device
     (shardtune.metrics.TrainMetrics.global_targets). `after_backward(i)` runs after the backward of micro-batch
     i (the memory probe, fault injection). `chunked_cross_entropy`: the loss over tiles of positions
     (shardtune.tiled_loss) instead of over the micro-batch's full logits; with `fused_loss` (--use_liger_kernel),
-    Liger's fused linear cross-entropy in the tiles' place."""
+    Liger's fused linear cross-entropy in the tiles' place. `sequence_split`: this rank runs its slice of every
+    micro-batch of its group instead (shardtune.parallel.sequence): sp x as many micro-batches, each 1/sp long,
+    whose losses over `targets` still add up, over the ranks, to the global batch's mean."""
+    # accelerate (DeepSpeed's engine) divides by the accumulation steps and the ranks average gradients: the loss is
+    # scaled by both, so that the update's gradient is the global batch's. Under the split the engine's steps are
+    # sp x the accumulation and it averages over world / sp ranks (x reduction_factor): the same product, times that.
+    scale = batching.accumulation * batching.world_size * (sequence_split.reduction_factor if sequence_split else 1)
     device = accelerator.device
     unwrapped = accelerator.unwrap_model(model)
     # Read before anything steps the scheduler: afterwards it holds the next step's rate.
     lr = float(scheduler.get_last_lr()[0])  # torchao's optimizers keep it as a host tensor: no sync
     loss_sum = torch.zeros((), device=device)
+    if sequence_split is not None:
+        micro_batches = sequence_shards(micro_batches, device)
     for index, batch in enumerate(micro_batches):
         with accelerator.accumulate(model):
             if chunked_cross_entropy:  # this micro-batch's share of the mean
@@ -51,8 +60,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
             else:
                 loss = token_loss(model, unwrapped, batch, targets)
             loss_sum += loss.detach()
-            # accelerate divides by the accumulation steps and the ranks average gradients: undo both.
-            accelerator.backward(loss * batching.accumulation * batching.world_size)
+            accelerator.backward(loss * scale)
             # The spent graph would outlive the loop into the optimizer step: under LoRA with recomputation its
             # leaves include the embedding output (made to require grad by peft) and that output's gradient.
             del loss
@@ -73,9 +81,11 @@ def token_loss(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict, 
     returned would pass through FSDP2's output cast (MixedPrecisionPolicy.output_dtype, bf16 here so that eval's
     logits stay bf16), which casts every floating output of the root module: the loss would come back rounded to
     bf16 (up to 0.4%). The logits lose nothing in that cast: they are computed in bf16."""
-    logits = model(**{key: value for key, value in batch.items() if key != "labels"}).logits
-    return unwrapped.loss_function(logits=logits, labels=batch["labels"], vocab_size=unwrapped.config.vocab_size,
-                                   num_items_in_batch=targets)
+    logits = model(**{key: value for key, value in batch.items() if key not in LABEL_KEYS}).logits
+    # A slice of the sequence split carries its labels already shifted (its last position's label is the next
+    # slice's first token).
+    return unwrapped.loss_function(logits=logits, labels=batch.get("labels"), shift_labels=batch.get("shift_labels"),
+                                   vocab_size=unwrapped.config.vocab_size, num_items_in_batch=targets)
 
 
 def global_grad_norm(accelerator: Accelerator, model: torch.nn.Module, max_grad_norm: float

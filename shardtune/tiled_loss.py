@@ -32,6 +32,9 @@ from torch.utils.checkpoint import checkpoint
 from shardtune.config import LOSS_TILE_POSITIONS
 from shardtune.data import IGNORE_INDEX
 
+# A batch's labels, which the loss reads and the model must not see: plain, or shifted before a sequence split.
+LABEL_KEYS = ("labels", "shift_labels")
+
 
 def tile_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The summed cross-entropy of one tile of positions: its logits in the compute dtype (autocast's, where on),
@@ -88,7 +91,8 @@ def chunked_token_loss(model: torch.nn.Module, unwrapped: torch.nn.Module, batch
     """The micro-batch's summed target-token loss over `targets`, in fp32, without its full logits: the model's
     forward runs with the tiled loss (`fused`: Liger's fused loss) as its LM head's forward, and returns it in
     place of the logits."""
-    labels = shifted_labels(batch["labels"])
+    # A slice of the sequence split carries its labels shifted before the cut (shardtune.parallel.sequence).
+    labels = batch["shift_labels"] if "shift_labels" in batch else shifted_labels(batch["labels"])
     head = unwrapped.get_output_embeddings()
     computed = []
 
@@ -99,7 +103,7 @@ def chunked_token_loss(model: torch.nn.Module, unwrapped: torch.nn.Module, batch
         return loss
 
     with forward_replaced(head, loss_forward):
-        returned = model(**{key: value for key, value in batch.items() if key != "labels"}).logits
+        returned = model(**{key: value for key, value in batch.items() if key not in LABEL_KEYS}).logits
     # FSDP2's output cast (MixedPrecisionPolicy.output_dtype) rounds the root's outputs to bf16, after it hooked
     # its pre-backward on the fp32 tensor the head returned: that one is the loss. Elsewhere the returned tensor is
     # the one to differentiate: ZeRO-3 hooks the head's backward onto a copy of its output.

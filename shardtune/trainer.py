@@ -8,6 +8,7 @@ fp32 logits; `save_hf_model` (shardtune.export) writes the trained model.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from shardtune.model import enable_activation_offloading, load_model, load_token
 from shardtune.optimizers import make_optimizer
 from shardtune.output_dir import clear_output_dir
 from shardtune.packing import pack_rows
+from shardtune.parallel.sequence import check_right_padding, plain_loader, sequence_split, split_in_eval
 from shardtune.plan.planned_run import recipe_peft
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.profiling import begin_phase, end_phase, phase, profile_memory, start_phases
@@ -107,10 +109,12 @@ class Run:
     save_dtype: torch.dtype | None  # of the Hugging Face export; None: as trained
 
 
-def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume: ResumePoint | None = None
-          ) -> Run:
+def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume: ResumePoint | None = None,
+          sp_size: int = 1) -> Run:
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe)
+    if sp_size > 1:
+        check_right_padding(tokenizer)
     with accelerator.local_main_process_first():  # once per node: nodes need not share the datasets cache
         train_set, eval_set = load_splits(recipe, tokenizer)
         train_set = pack_rows(train_set, recipe)  # here, not in load_splits: prepare_data.py saves sequences
@@ -149,17 +153,23 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume
         precompute_scales_after_step(optimizer, model)
     if recipe.torch_compile:  # in place: the wrappers `prepare` adds find the layers' hooks where they were
         compile_decoder_layers(model, recipe)
+    # Under the sequence split every rank takes an equal slice of each micro-batch's length, by position, and no
+    # attention mask reaches a kernel (shardtune.parallel.sequence).
+    multiple, split = math.lcm(token_multiple(recipe), sp_size), sp_size > 1
     train_loader = DataLoader(train_set, batch_size=batching.micro_batch, shuffle=True, drop_last=True,
                               collate_fn=make_collator(tokenizer, recipe.packing, recipe.attn_implementation,
-                                                       token_multiple(recipe)))
+                                                       multiple, unmasked=split))
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_eval_batch_size,
-                             collate_fn=make_collator(tokenizer, multiple=token_multiple(recipe)))
+                             collate_fn=make_collator(tokenizer, multiple=multiple, unmasked=split))
     stepped = optimizer_parameter_names(optimizer, model)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
     if fsdp:
         repoint_optimizer_parameters(optimizer, model, stepped)
+    if split:  # accelerate wrapped both loaders in DeepSpeed's adapter: the step cuts its micro-batches itself
+        train_loader, eval_loader = plain_loader(train_loader), plain_loader(eval_loader)
+        split_in_eval(recipe.attn_implementation)
     loaded["peak_rss_bytes"] = peak_rss_bytes()  # loading and sharding: FSDP reads rank 0's copy only now
     if recipe.activation_offloading:  # on the prepared model: TRL's manager skips its (sharded) parameters
         enable_activation_offloading(model)
@@ -184,7 +194,7 @@ class BackwardHooks:
 
 def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch: LaunchDescription,
                resume: ResumePoint, stop: StopRequest) -> int:
-    run = build(accelerator, recipe, batching, resume)
+    run = build(accelerator, recipe, batching, resume, launch.sp_size)
     start_step = resume.step
     model, output_dir = run.model, recipe.resolved_output_dir
     start(accelerator, recipe, batching, launch, run, resume)
@@ -196,6 +206,7 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
                            # a DeepSpeed JSON's own fp16 setting wins over the recipe's precision
                            loss_scaled=launch.strategy(recipe.mixed_precision).mixed_precision == "fp16",
                            adapters=peft.trainable_params(run.shape) if peft else None)
+    split = sequence_split(launch.sp_size, launch.deepspeed_settings)
     hooks = BackwardHooks(ModelStateProbe(model, run.optimizer), Fault.from_env(accelerator.process_index))
     start_phases(model, run.optimizer)  # SHARDTUNE_PROFILE_MEMORY: peaks per phase (shardtune.profiling)
 
@@ -208,7 +219,8 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
         begin_phase("forward_backward")
         out = train_step(accelerator, model, run.optimizer, run.scheduler, batch.micro_batches,
                          metrics.global_targets(batch), batching, recipe.max_grad_norm, hooks.after_backward,
-                         chunked_cross_entropy=recipe.chunked_cross_entropy, fused_loss=recipe.use_liger_kernel)
+                         chunked_cross_entropy=recipe.chunked_cross_entropy, fused_loss=recipe.use_liger_kernel,
+                         sequence_split=split)
         end_phase()
         summary = metrics.after_step(out, batch, stop.requested)  # every rank's verdict reaches every rank
         if summary.non_finite:

@@ -479,12 +479,25 @@ def tiny_deepspeed_json(config: str) -> Path:
     return path
 
 
-def strategy_as_launched(config: str, mixed_precision: str = "no"):
-    """The planner's Strategy for `config` as the tests launch it (DeepSpeed: with tiny_deepspeed_json)."""
+def splits_sequences(config: str) -> bool:
+    """A shipped config with the sequence split (parallelism_config_sp_size): the tests split over every process
+    they launch (its YAML says 8, a node's GPUs)."""
+    import yaml
+
+    parallelism = yaml.safe_load((CONFIGS / f"{config}.yaml").read_text()).get("parallelism_config") or {}
+    return "parallelism_config_sp_size" in parallelism
+
+
+def strategy_as_launched(config: str, mixed_precision: str = "no", processes: int = 2):
+    """The planner's Strategy for `config` as the tests launch it (DeepSpeed: with tiny_deepspeed_json; a sequence
+    split over the `processes`)."""
+    from dataclasses import replace
+
     from shardtune.plan.strategy import read_accelerate_config
 
     json_file = str(tiny_deepspeed_json(config)) if config.startswith("ds_") else None
-    return read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision, json_file)
+    strategy = read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision, json_file)
+    return replace(strategy, sequence_split=processes) if splits_sequences(config) else strategy
 
 
 def recipe_command(
@@ -495,6 +508,8 @@ def recipe_command(
     (DeepSpeed configs with tiny_deepspeed_json unless `launch_args` names a JSON of its own)."""
     if config and config.startswith("ds_") and "--deepspeed_config_file" not in launch_args:
         launch_args = (*launch_args, "--deepspeed_config_file", str(tiny_deepspeed_json(config)))
+    if config and splits_sequences(config) and "--parallelism_config_sp_size" not in launch_args:
+        launch_args = (*launch_args, "--parallelism_config_sp_size", str(processes))
     model_dir, data_file = assets
     # No generated samples unless a test asks (tests/launch/test_outputs.py): they cost every launch's final eval time.
     recipe_args = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),

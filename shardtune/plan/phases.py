@@ -170,7 +170,9 @@ def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backw
                       "step": max(optimizer_step_bytes(strategy, shape, world, peft, foreach, optim, stochastic),
                                   persistent)},
         "eval": {**kept, "gathered": eval_gather_bytes(strategy, shape) + autocast_cache,
-                 "activations": eval_activation_bytes(shape, eval_batch, seq, mode, attn != "flash",
+                 # under the sequence split each GPU runs its slice of the rows, without a mask
+                 "activations": eval_activation_bytes(shape, eval_batch, seq // strategy.sequence_split, mode,
+                                                      attn != "flash" and strategy.sequence_split == 1,
                                                       peft is not None and "up_proj" in peft.target_names())},
         "save": {**kept, "gathered": gathered},
     }

@@ -3,7 +3,7 @@ hardware leaves usable. All sizes are bytes; GB in output is 1e9 bytes."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from shardtune.config import LOSS_TILE_POSITIONS, OFFLOADING_NEEDS_RECOMPUTATION, OFFLOADING_UNDER_DEEPSPEED_OFFLOAD
 from shardtune.flops import ModelShape
@@ -104,6 +104,31 @@ class MemoryPlan:
         return {**asdict(self), "fits": self.fits}
 
 
+def sequence_split(shape: ModelShape, length: int, masked: bool, split: int) -> tuple[ModelShape, int, bool]:
+    """(shape, tokens per row, masked) of one GPU's activations under a sequence split over `split` GPUs (Ulysses,
+    shardtune.parallel.sequence): each holds 1/split of every row's positions; around attention, the whole row
+    for 1/split of the heads, which is as many bytes per head and position, except the key/value heads, replicated
+    up to `split` where there are fewer (DeepSpeed's kv_replication_factor); and no dense mask reaches the kernel
+    (Ulysses drops it). The parameters are the model's: only the activation terms take the returned shape."""
+    if split == 1:
+        return shape, length, masked
+    return replace(shape, kv_heads=max(shape.kv_heads, split)), length // split, False
+
+
+def with_output_copies(acts: dict[str, int], shape: ModelShape, rows: int, length: int, mode: str,
+                       checkpointing: bool, recomputed: int) -> dict[str, int]:
+    """`acts` with what the sequence split adds per layer: o_proj's input is the attention output exchanged back
+    to this GPU's positions (a copy, c·n·heads·head_dim), saved beside SDPA's own output, which unsplit o_proj
+    reads in place. Saved by every layer that is not recomputed, and by the one being recomputed."""
+    compute, _ = dtype_bytes(mode)
+    copy = compute * rows * length * shape.heads * shape.head_dim
+    saved = copy * (shape.layers - recomputed if checkpointing else shape.layers)
+    transient = copy if checkpointing else 0
+    return {**acts, "saved": acts["saved"] + saved, "layer": acts["layer"] + transient,
+            "transient": max(acts["loss"], acts["layer"] + transient),
+            "total": acts["saved"] + saved + max(acts["loss"], acts["layer"] + transient)}
+
+
 def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch: int = 1, seq: int = 4096,
          checkpointing: bool = True, attn: str = "sdpa", peft: Peft | None = None,
          packing: bool = False, async_save: bool = False, save_only_model: bool = False, eval_batch: int = 8,
@@ -164,13 +189,17 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         states.weights += secondary
     rows, length = (1, micro_batch * seq) if packing else (micro_batch, seq)
     masked = attn != "flash"  # SDPA and eager get a dense mask: a padded batch's, or a packed row's block-diagonal
+    # Activations are those of this GPU's tokens, with the model's shape as its attention sees them (sequence_split).
+    seen, length, masked = sequence_split(shape, length, masked, strategy.sequence_split)
     lora = (peft.rank, tuple(peft.target_names())) if peft else (0, ())
     selective = checkpointing and checkpointing_mode == "selective"
     loss_tile = LOSS_TILE_POSITIONS if chunked_cross_entropy else None
     recomputed = recomputed_layers(shape.layers, checkpointing_interval)
-    acts = activation_bytes(shape, rows, length, mode, checkpointing, attn, masked, peft is not None, selective,
+    acts = activation_bytes(seen, rows, length, mode, checkpointing, attn, masked, peft is not None, selective,
                             *lora, offloading=activation_offloading, loss_tile=loss_tile, liger=use_liger_kernel,
                             recomputed=recomputed)
+    if strategy.sequence_split > 1:
+        acts = with_output_copies(acts, seen, rows, length, mode, checkpointing, recomputed)
     buffer = buffers(strategy, shape, params, world, mode, peft, bf16_stochastic_round)
     buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked, peft,
                                           bf16_stochastic_round, use_liger_kernel)
@@ -178,7 +207,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
                "activations": float(acts["total"]), "buffers": float(buffer)}
     cache = buffer if strategy.kind == "ddp" else 0.0  # DDP's buffers are autocast's weight copies alone
     fresh = gradients_fresh_each_micro_batch(strategy.kind, world, gradient_accumulation_steps)
-    peak_moment = forward_backward_parts(shape, rows, length, mode, checkpointing, acts, states.gradients, cache,
+    peak_moment = forward_backward_parts(seen, rows, length, mode, checkpointing, acts, states.gradients, cache,
                                          buffer - cache, fresh, attn, masked, peft, selective, loss_tile,
                                          use_liger_kernel, recomputed)
     # With recomputation peft makes the embedding output require grad (enable_input_require_grads): a leaf of the

@@ -22,11 +22,13 @@ from shardtune.plan.strategy import CONFIGS_DIR, Strategy, read_accelerate_confi
 # Fastest first: least sharding, then offload. On several nodes hybrid sharding (the states sharded within a node:
 # only the gradients' all-reduce crosses nodes) comes before ZeRO++ hpZ (the layers gathered within the node from a
 # second copy of the weights), and both before sharding over every GPU; on one node they are skipped (the same as
-# fsdp_full_shard, and ds_zero3 with a second copy). Among offloads DeepSpeed's SIMD CPU Adam is faster than FSDP's
+# fsdp_full_shard, and ds_zero3 with a second copy). The sequence split (Ulysses) comes after ZeRO-3 alone: it adds
+# two all-to-alls of q, k, v and the attention output per layer, and is planned where the rows are too long for
+# one GPU's activations. Among offloads DeepSpeed's SIMD CPU Adam is faster than FSDP's
 # CPU-side torch AdamW step, and NVMe is slowest.
 SPEED_ORDER = (
     "ddp", "ds_zero1", "fsdp_shard_grad_op", "ds_zero2", "fsdp_hybrid_shard", "ds_zero3_hpz", "fsdp_full_shard",
-    "ds_zero3",
+    "ds_zero3", "ds_zero3_ulysses",
     "ds_zero3_offload_optimizer", "ds_zero3_cpu_offload", "fsdp_full_shard_cpu_offload", "ds_zero3_nvme_offload",
 )
 # The optimizers the search steps down before it offloads, (--optim, --bf16_stochastic_round): each trades precision
@@ -141,7 +143,7 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
         for optim, stochastic in search.optimizers():
             for checkpointing, mode in search.recomputations():
                 for strategy in group:
-                    if not runs_under(strategy, hardware, search, optim, stochastic):
+                    if not runs_under(strategy, hardware, search, optim, stochastic, shape):
                         continue
                     for micro, accumulation in pairs:
                         yield (plan(shape, hardware, strategy, micro, search.seq, checkpointing, search.attn,
@@ -154,11 +156,15 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
                                accumulation, offload)
 
 
-def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: str, stochastic: bool) -> bool:
+def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: str, stochastic: bool,
+               shape: ModelShape | None = None) -> bool:
     """Whether the trainer runs this optimizer under `strategy` (shardtune.checks.check_optimizer refuses the
     rest): DeepSpeed with torch's AdamW alone; the rounding over bf16 full fine-tuning, under FSDP2 sharded
-    over every GPU or one process (replicas would round apart: DDP's, hybrid sharding's); and activation offloading
-    not beside DeepSpeed's offload (checks.check_activation_offloading)."""
+    over every GPU or one process (replicas would round apart: DDP's, hybrid sharding's); activation offloading
+    not beside DeepSpeed's offload (checks.check_activation_offloading); and a sequence split where the trainer
+    runs one (split_runs)."""
+    if strategy.sequence_split > 1 and not split_runs(strategy.sequence_split, hardware, search, shape):
+        return False
     if strategy.float8 and (not strategy.takes_float8 or search.peft is not None):
         return False  # --mixed_precision fp8: full fine-tuning under FSDP2 without offload or DDP (check_fp8)
     if search.activation_offloading and strategy.kind == "deepspeed" and strategy.offloads:
@@ -170,6 +176,16 @@ def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: st
         return search.mixed_precision == "bf16" and search.peft is None and (
             unreplicated or hardware.world_size == 1)
     return True
+
+
+def split_runs(split: int, hardware: Hardware, search: Search, shape: ModelShape | None) -> bool:
+    """Whether a sequence split over `split` GPUs trains here (shardtune.parallel.sequence refuses the rest): it
+    divides the GPUs, the length and the model's heads, and it meets no packed row under SDPA (whose dropped
+    mask would let the row's sequences attend to each other)."""
+    heads_divide = shape is None or (shape.heads % split == 0 and (shape.kv_heads % split == 0
+                                                                    or split % shape.kv_heads == 0))
+    return hardware.world_size % split == 0 and search.seq % split == 0 and heads_divide and \
+        search.attn in ("sdpa", "flash") and not (search.packing and search.attn != "flash")
 
 
 def recommend(shape: ModelShape, hardware: Hardware, search: Search | None = None) -> Recommendation:

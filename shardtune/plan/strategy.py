@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import yaml
 
@@ -61,6 +61,9 @@ class Strategy:
     # many GPUs (a node) that the layers are gathered from, beside the partitions over all of them.
     shard_group: int = 0
     hpz_partition: int = 1
+    # The sequence split (accelerate's parallelism_config_sp_size under DeepSpeed: Ulysses): each sequence over
+    # this many GPUs, 1 for none (shardtune.parallel.sequence).
+    sequence_split: int = 1
 
     @property
     def multi_node_layout(self) -> bool:
@@ -73,13 +76,16 @@ class Strategy:
 
     def layout(self, world: int) -> str:
         """How the states lie over `world` GPUs, in words: "replicated", "sharded over N GPUs", "sharded over
-        N GPUs, replicated xR", or ZeRO++'s "sharded over N GPUs, a copy of the weights sharded over H"."""
+        N GPUs, replicated xR", or ZeRO++'s "sharded over N GPUs, a copy of the weights sharded over H"; and the
+        sequence split's ", each sequence split over S GPUs"."""
         if self.kind == "ddp" or (self.kind == "deepspeed" and self.shard == 0):
             return "replicated"
         shard = self.sharded_over(world)
         text = f"sharded over {shard} GPUs" + (f", replicated x{world // shard}" if shard < world else "")
         if self.kind == "deepspeed" and self.shard >= 3 and self.hpz_partition > 1:
             text += f", a copy of the weights sharded over {min(self.hpz_partition, world)}"
+        if self.sequence_split > 1:
+            text += f", each sequence split over {self.sequence_split} GPUs"
         return text
 
     @property
@@ -129,7 +135,9 @@ def read_accelerate_config(path: str, mixed_precision: str | None = None,
             settings = deepspeed_yaml_settings(ds)
         # A JSON's bf16/fp16 "auto" takes the run's precision: the recipe's, bf16 unless it says otherwise.
         precision = settings.pop("mixed_precision") or mixed_precision or config.get("mixed_precision") or "bf16"
-        return deepspeed_strategy(name, settings, bool(ds.get("zero3_init_flag", False)), _precision(path, precision))
+        strategy = deepspeed_strategy(name, settings, bool(ds.get("zero3_init_flag", False)),
+                                      _precision(path, precision))
+        return replace(strategy, sequence_split=sequence_split_size(path, config.get("parallelism_config") or {}))
     precision = _precision(path, mixed_precision or config.get("mixed_precision") or "no")
     if kind == "FSDP":
         fsdp = config.get("fsdp_config") or {}
@@ -153,6 +161,14 @@ def hybrid_shard_size(path: str, parallelism: dict) -> int:
     except (TypeError, ValueError) as error:
         raise PlanError(f"{path}: parallelism_config sizes must be whole numbers ({error}).") from error
     return shard if replicate > 1 else 0
+
+
+def sequence_split_size(path: str, parallelism: dict) -> int:
+    """The sp_size of a DeepSpeed YAML's parallelism_config: the sequence split (Ulysses), 1 without one."""
+    try:
+        return int(parallelism.get("parallelism_config_sp_size", 1))
+    except (TypeError, ValueError) as error:
+        raise PlanError(f"{path}: parallelism_config_sp_size must be a whole number ({error}).") from error
 
 
 def _precision(path: str, precision: str) -> str:
@@ -224,6 +240,9 @@ def deepspeed_settings(path: str) -> dict:
         "nvme_optimizer_buffers": int(offload_optimizer.get("buffer_count", DS_NVME_OPTIMIZER_BUFFERS)),
         "nvme_max_in_cpu": int(float(offload_param.get("max_in_cpu", DS_NVME_MAX_IN_CPU))),
         "hpz_partition": int(zero.get("zero_hpz_partition_size", 1)),
+        # ZeRO-3 reduce-scatters every gradient bucket (DeepSpeed's default), which averages over all ranks: the
+        # sequence split's gradient scale depends on it (shardtune.parallel.sequence).
+        "reduce_scatter": bool(zero.get("reduce_scatter", True)),
     }
 
 

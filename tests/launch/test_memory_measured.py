@@ -12,7 +12,7 @@ import pytest
 from shardtune.flops import resolve_model
 from shardtune.memory import COMPONENTS
 from shardtune.plan.buffers import buffers
-from shardtune.plan.states import deepspeed_sizes, largest_sub_group, model_states
+from shardtune.plan.states import deepspeed_sizes, largest_sub_group, model_states, persistent_elements
 from shardtune.plan.strategy import Strategy
 from tests.conftest import THREE_RANK_CONFIGS, THREE_RANKS, read_metrics, strategy_as_launched
 from tests.launch.test_strategies import CONFIG_NAMES
@@ -82,7 +82,12 @@ def measurable_buffers(strategy: Strategy, shape, world: int) -> float:
     (gathered layers, persistent parameters) is planned from DeepSpeed's code, not measured here."""
     if strategy.shard < 3:
         return buffers(strategy, shape, shape.params, world, "fp32")
-    return deepspeed_sizes(strategy, shape)["reduce_bucket"] * (2 if strategy.mixed_precision != "no" else 4)
+    bucket = deepspeed_sizes(strategy, shape)["reduce_bucket"] * (2 if strategy.mixed_precision != "no" else 4)
+    # The sequence split's first step runs sp x the micro-batches: by the third, DeepSpeed has traced the module
+    # order and keeps the persistent parameters gathered (partitioned_param_coordinator.py releases only those
+    # without ds_persist once the trace is complete).
+    persistent = strategy.compute_bytes * persistent_elements(strategy, shape)
+    return bucket + (persistent if strategy.sequence_split > 1 else 0)
 
 
 @pytest.mark.parametrize("config", THREE_RANK_CONFIGS)

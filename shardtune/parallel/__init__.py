@@ -1,0 +1,1 @@
+"""Parallel axes beyond data parallelism: the sequence split (DeepSpeed Ulysses, shardtune.parallel.sequence)."""
