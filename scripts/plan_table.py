@@ -12,7 +12,7 @@ import re
 import textwrap
 from pathlib import Path
 
-from shardtune.flops import resolve_model
+from shardtune.flops import resolve_config, resolve_model
 from shardtune.hardware import parse_hardware
 from shardtune.plan.planned_run import HELD_OPTIMIZER, planned_recipe, recipe_search
 from shardtune.plan.planner import MemoryPlan
@@ -55,11 +55,48 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def doc_with_table(doc: str) -> str:
-    """The page with the generated table between its markers replaced by the current one."""
-    start, end = "<!-- plan-table -->\n", "<!-- /plan-table -->"
+# The longest rows on one node: lengths doubling from SEQ up to the model's own limit (max_position_embeddings),
+# one row per GPU a step (the micro-batch 1, no accumulation: the length alone decides).
+LONG_NODE = "8xh100-80gb"
+
+
+def longest(model: str, split: bool) -> tuple[int, Recommendation] | None:
+    """The longest length whose fastest plan on one LONG_NODE node needs no sequence split (`split` False), or
+    that fits at all, the split allowed (the search tries it once nothing unsplit fits), with that plan."""
+    shape, hardware = resolve_model(model), parse_hardware(LONG_NODE)
+    found, length = None, SEQ
+    while length <= resolve_config(model)[1].max_position_embeddings:
+        chosen = recommend(shape, hardware, Search(hardware.world_size, length))
+        if chosen.plan is None or (not split and "split" in chosen.plan.layout):
+            break
+        found, length = (length, chosen), length * 2
+    return found
+
+
+def longest_table() -> str:
+    header = ("model", "longest without a split", "its plan", "longest with the split allowed", "its plan")
+    rows = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for model in MODELS:
+        cells = [model]
+        for split in (False, True):
+            found = longest(model, split)
+            cells += [f"{found[0]:,}", f"{describe_plan(found[1].plan, found[1].accumulation)}, "
+                      f"{found[1].plan.per_gpu['total'] / 1e9:.1f} GB"] if found else ["-", "nothing fits"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def with_block(doc: str, name: str, content: str) -> str:
+    """`doc` with the generated block between <!-- name --> and <!-- /name --> replaced by `content`."""
+    start, end = f"<!-- {name} -->\n", f"<!-- /{name} -->"
     head, rest = doc.split(start)
-    return head + start + table() + "\n" + end + rest.split(end)[1]
+    return head + start + content + "\n" + end + rest.split(end)[1]
+
+
+def doc_with_table(doc: str) -> str:
+    """The page with its generated tables (the fastest plans; the longest rows on one node) replaced by the
+    current ones."""
+    return with_block(with_block(doc, "plan-table", table()), "longest-table", longest_table())
 
 
 def recipe_plan(path: Path) -> tuple[int, Recommendation]:

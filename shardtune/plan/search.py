@@ -29,7 +29,8 @@ from shardtune.plan.strategy import CONFIGS_DIR, Strategy, read_accelerate_confi
 SPEED_ORDER = (
     "ddp", "ds_zero1", "fsdp_shard_grad_op", "ds_zero2", "fsdp_hybrid_shard", "ds_zero3_hpz", "fsdp_full_shard",
     "ds_zero3", "ds_zero3_ulysses",
-    "ds_zero3_offload_optimizer", "ds_zero3_cpu_offload", "fsdp_full_shard_cpu_offload", "ds_zero3_nvme_offload",
+    "ds_zero3_offload_optimizer", "ds_zero3_offload_optimizer_ulysses", "ds_zero3_cpu_offload",
+    "fsdp_full_shard_cpu_offload", "ds_zero3_nvme_offload",
 )
 # The optimizers the search steps down before it offloads, (--optim, --bf16_stochastic_round): each trades precision
 # for memory, so a run takes the first that fits. torch's AdamW over the fp32 master; torchao's 8-bit states over
@@ -129,7 +130,8 @@ def micro_batches(global_batch: int | None, world: int, fixed: int | None = None
 
 def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterator[tuple[MemoryPlan, int, bool]]:
     """(plan, accumulation, offloads) for every config, checkpointing and micro-batch, fastest first: GPU-only
-    configs before offload; within each, no recomputation, then selective, then full (Search.recomputations),
+    configs before offload, each without the sequence split before with it; within each, no recomputation, then selective,
+    then full (Search.recomputations),
     configs in SPEED_ORDER, then the largest micro-batch that keeps the global batch (accumulation derived; it
     must divide). A micro-batch or checkpointing the search fixes is the only one tried."""
     pairs = micro_batches(search.global_batch, hardware.world_size, search.micro_batch)
@@ -137,9 +139,11 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
                                             for path in config_paths(search.configs_dir))
                   if hardware.nodes > 1 or not strategy.multi_node_layout]
     # Recomputation (selective a few per cent more compute, full ~1/3 more) costs more than sharding on NVLink,
-    # offload more than both. Precision is traded (the optimizer ladder) only where no exact run fits.
-    for offload in (False, True):
-        group = [s for s in strategies if s.offloads == offload]
+    # offload more than both. Precision is traded (the optimizer ladder) only where no exact run fits. The sequence
+    # split is for rows too long for one GPU: tried once nothing else fits, GPU-only before offload.
+    groups = [([s for s in strategies if s.offloads == offload and (s.sequence_split > 1) == split], offload)
+              for offload in (False, True) for split in (False, True)]
+    for group, offload in groups:
         for optim, stochastic in search.optimizers():
             for checkpointing, mode in search.recomputations():
                 for strategy in group:
