@@ -1,7 +1,7 @@
 """Checkpoints survive anything: a rank killed or frozen at a fixed step (one inside an accumulation cycle) and
-a resume give the uninterrupted run's losses, gradient norms and final weights bit for bit (DDP, FSDP, ZeRO-3);
-a crash during a save leaves the previous checkpoint in use; SIGTERM saves and exits with the documented code;
-a non-finite loss stops without saving; exports equal the trained model."""
+a resume give the uninterrupted run's losses, gradient norms and final weights bit for bit (DDP, FSDP, ZeRO-3,
+ZeRO-3 with the sequence split); a crash during a save leaves the previous checkpoint in use; SIGTERM saves and
+exits with the documented code; a non-finite loss stops without saving; exports equal the trained model."""
 
 from __future__ import annotations
 
@@ -75,6 +75,8 @@ KILLS = {  # config: (machines, fault step, micro-batch, signal)
     "ddp": (1, 5, 0, "SIGKILL"),
     "fsdp_full_shard": (2, 3, 1, "SIGSTOP"),
     "ds_zero3": (2, 6, 0, "SIGKILL"),
+    # Under the sequence split a step is 2 x 2 micro-batches of half-rows: the fault lands inside the cycle.
+    "ds_zero3_ulysses": (1, 5, 2, "SIGKILL"),
 }
 RANK_TIMEOUT_S = 10
 
