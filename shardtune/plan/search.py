@@ -130,7 +130,8 @@ def micro_batches(global_batch: int | None, world: int, fixed: int | None = None
 
 def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterator[tuple[MemoryPlan, int, bool]]:
     """(plan, accumulation, offloads) for every config, checkpointing and micro-batch, fastest first: GPU-only
-    configs before offload, each without the sequence split before with it; within each, no recomputation, then selective,
+    configs before offload; within each, by optimizer (Search.optimizers), the configs without a sequence split
+    before those with one; within each, no recomputation, then selective,
     then full (Search.recomputations),
     configs in SPEED_ORDER, then the largest micro-batch that keeps the global batch (accumulation derived; it
     must divide). A micro-batch or checkpointing the search fixes is the only one tried."""
@@ -139,25 +140,33 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
                                             for path in config_paths(search.configs_dir))
                   if hardware.nodes > 1 or not strategy.multi_node_layout]
     # Recomputation (selective a few per cent more compute, full ~1/3 more) costs more than sharding on NVLink,
-    # offload more than both. Precision is traded (the optimizer ladder) only where no exact run fits. The sequence
-    # split is for rows too long for one GPU: tried once nothing else fits, GPU-only before offload.
-    groups = [([s for s in strategies if s.offloads == offload and (s.sequence_split > 1) == split], offload)
-              for offload in (False, True) for split in (False, True)]
-    for group, offload in groups:
+    # offload more than both. The sequence split is for rows too long for one GPU: tried once nothing unsplit fits
+    # under the same optimizer. Precision is traded (the optimizer ladder) only where no exact run fits.
+    for offload in (False, True):
         for optim, stochastic in search.optimizers():
-            for checkpointing, mode in search.recomputations():
-                for strategy in group:
-                    if not runs_under(strategy, hardware, search, optim, stochastic, shape):
-                        continue
-                    for micro, accumulation in pairs:
-                        yield (plan(shape, hardware, strategy, micro, search.seq, checkpointing, search.attn,
-                                    search.peft, search.packing, async_save=search.async_save,
-                                    save_only_model=search.save_only_model, eval_batch=search.eval_batch,
-                                    checkpointing_mode=mode, activation_offloading=search.activation_offloading,
-                                    chunked_cross_entropy=search.chunked_cross_entropy, optim=optim,
-                                    bf16_stochastic_round=stochastic, use_liger_kernel=search.use_liger_kernel,
-                                    checkpointing_interval=search.checkpointing_interval),
-                               accumulation, offload)
+            for split in (False, True):
+                group = [s for s in strategies if s.offloads == offload and (s.sequence_split > 1) == split]
+                yield from planned_group(shape, hardware, search, group, pairs, optim, stochastic, offload)
+
+
+def planned_group(shape: ModelShape, hardware: Hardware, search: Search, group: list[Strategy],
+                  pairs: list[tuple[int, int]], optim: str, stochastic: bool, offload: bool
+                  ) -> Iterator[tuple[MemoryPlan, int, bool]]:
+    """candidates' plans of one group of configs under one optimizer: no recomputation, then selective, then full,
+    the configs in SPEED_ORDER, the largest micro-batch first."""
+    for checkpointing, mode in search.recomputations():
+        for strategy in group:
+            if not runs_under(strategy, hardware, search, optim, stochastic, shape):
+                continue
+            for micro, accumulation in pairs:
+                yield (plan(shape, hardware, strategy, micro, search.seq, checkpointing, search.attn, search.peft,
+                            search.packing, async_save=search.async_save, save_only_model=search.save_only_model,
+                            eval_batch=search.eval_batch, checkpointing_mode=mode,
+                            activation_offloading=search.activation_offloading,
+                            chunked_cross_entropy=search.chunked_cross_entropy, optim=optim,
+                            bf16_stochastic_round=stochastic, use_liger_kernel=search.use_liger_kernel,
+                            checkpointing_interval=search.checkpointing_interval),
+                       accumulation, offload)
 
 
 def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: str, stochastic: bool,
