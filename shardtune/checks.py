@@ -453,10 +453,9 @@ def check_recipe(recipe: Recipe, problems: Problems, launch: LaunchDescription |
 def check_on_device(recipe: Recipe, problems: Problems, launch: LaunchDescription, on_gpu: bool,
                     capability: tuple[int, int] | None, loads: bool = True) -> None:
     """The checks of the recipe on its devices under the launch: the attention kernel, 4-bit quantization,
-    activation offloading, Liger, fp16's loss scaler, the optimizer, compilation, async saves and fp8's float8
-    tensor cores. A launch passes this machine's (`on_gpu`: a CUDA GPU in use; `capability`: its compute
-    capability where fp8 needs it); a --dry_run the planned GPUs', with `loads` false (the packages a run loads
-    are this machine's)."""
+    activation offloading, Liger, fp16's loss scaler, the optimizer, compilation, async saves, fp8's float8 tensor
+    cores and the sequence split. A launch passes this machine's (`on_gpu`: a CUDA GPU in use; `capability`: its
+    compute capability where fp8 needs it); a --dry_run the planned GPUs', with `loads` false."""
     problems.check(check_attention, recipe, on_gpu, loads)
     problems.check(check_quantization, recipe, on_gpu, loads)
     problems.check(check_activation_offloading, recipe, on_gpu, launch.deepspeed_offloads)

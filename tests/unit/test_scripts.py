@@ -67,7 +67,8 @@ def test_build_deepspeed_ops_builds_what_the_shipped_configs_need():
         sorted(CONFIGS.glob("*.yaml")))}
     deepspeed = {path.stem for path in CONFIGS.glob("ds_*.yaml")}
     assert ops == {"ShareMemCommBuilder": deepspeed,
-                   "CPUAdamBuilder": {"ds_zero3_cpu_offload", "ds_zero3_nvme_offload", "ds_zero3_offload_optimizer"},
+                   "CPUAdamBuilder": {"ds_zero3_cpu_offload", "ds_zero3_nvme_offload", "ds_zero3_offload_optimizer",
+                                      "ds_zero3_offload_optimizer_ulysses"},
                    "AsyncIOBuilder": {"ds_zero3_nvme_offload"}}
 
 
