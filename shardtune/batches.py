@@ -39,8 +39,11 @@ def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False, att
     Ulysses drops it, and without one transformers builds no dense mask of the whole sequence. Rows are padded on
     the right, after every real token, which a causal kernel never lets them see. Packed rows carry no mask."""
     if packing:
+        # Under the sequence split flash attention finds the boundaries in the position ids Ulysses gathers whole:
+        # the collator's would be those of the unsplit row.
         inner = DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX,
-                                           return_flash_attn_kwargs=attn_implementation in FLASH_ATTENTION)
+                                           return_flash_attn_kwargs=attn_implementation in FLASH_ATTENTION
+                                           and not unmasked)
     else:
         inner = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX,
                                        return_tensors="pt", pad_to_multiple_of=multiple if multiple > 1 else None)

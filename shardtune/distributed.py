@@ -25,6 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from shardtune.config import BatchSizes, ConfigError, Recipe, compute_precision
 from shardtune.launch import LaunchDescription
+from shardtune.memory import fsdp_param_groups
 from shardtune.parallel.sequence import ulysses_parallelism
 from shardtune.plan.host import PINNED_MAX_CACHED_MB
 
@@ -191,7 +192,7 @@ def reduction_dtypes(model: torch.nn.Module) -> str:
     dtypes = {str(group.mp_policy.reduce_dtype or group.mp_policy.param_dtype or param.sharded_param.dtype
                   ).removeprefix("torch.")
               for module in model.modules() if isinstance(module, FSDPModule)
-              for group in module._get_fsdp_state()._fsdp_param_groups for param in group.fsdp_params}
+              for group in fsdp_param_groups(module) for param in group.fsdp_params}
     if dtypes:
         return f"FSDP reduce {'/'.join(sorted(dtypes))}"
     zero = getattr(getattr(model, "optimizer", None), "gradient_accumulation_dtype", None)

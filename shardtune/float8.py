@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardtune.config import FP8_DIM_MULTIPLE, FP8_MIN_CAPABILITY, ConfigError, Recipe
+from shardtune.memory import fsdp_param_groups
 
 if TYPE_CHECKING:  # torch and torchao load with the model, not with the start-up checks (shardtune.checks)
     import torch
@@ -120,7 +121,7 @@ def rewrap_loaded_shards(model: torch.nn.Module) -> int:
     for unit in model.modules():
         if not isinstance(unit, FSDPModule):
             continue
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
+        for group in fsdp_param_groups(unit):
             for param in group.fsdp_params:
                 linear = param._module_info.module
                 if not isinstance(linear, Float8Linear) or not linear.config.enable_fsdp_float8_all_gather \

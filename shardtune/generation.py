@@ -70,15 +70,17 @@ def generate_samples(accelerator: Accelerator, model: torch.nn.Module, tokenizer
     """Greedy answers to the held-out prompts, up to eos or MAX_NEW_TOKENS (fewer where max_length ends first),
     on every rank together. The KV cache is on for this call only: the model's config keeps use_cache False for
     training. Returns {prompt, completion, reference} per prompt, decoded without special tokens. Under the
-    sequence split without it, one prompt at a time: Ulysses drops the attention mask that left padding needs
-    (shardtune.parallel.sequence)."""
-    split = accelerator.parallelism_config is not None and accelerator.parallelism_config.sp_enabled
-    batches = [[prompt] for prompt in held_out.prompts] if split else [held_out.prompts]
-    attention = accelerator.unwrap_model(model).config._attn_implementation if split else None
+    sequence split without it, one prompt at a time (Ulysses drops the attention mask that left padding needs),
+    each cut to its last max_length / sp tokens, which one GPU holds (shardtune.parallel.sequence)."""
+    config = accelerator.parallelism_config
+    split = config.sp_size if config is not None and config.sp_enabled else 1
+    # under the split, one prompt at a time, cut to the length a GPU holds of a training row
+    batches = [[prompt[-(held_out.max_length // split):]] for prompt in held_out.prompts] if split > 1 else \
+        [held_out.prompts]
     was_training = model.training
     model.eval()
     try:
-        with unsplit(attention):  # every rank runs the same prompts whole
+        with unsplit(split > 1):  # every rank runs the same prompts whole
             completions = [completion for prompts in batches for completion in
                            greedy_completions(accelerator, model, tokenizer, prompts, held_out.max_length)]
     finally:

@@ -97,13 +97,24 @@ def local_parameter_bytes(model: torch.nn.Module) -> int:
     return _Storages().bytes(getattr(p, "ds_tensor", p) for p in model.parameters())
 
 
+def fsdp_param_groups(unit: torch.nn.Module) -> list:
+    """The FSDPParamGroups of one fully_shard unit: torch 2.13 keeps a list of them (`_fsdp_param_groups`), torch
+    2.11, the GPU machine's, one or None (`_fsdp_param_group`)."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def fsdp_params(model: torch.nn.Module) -> Iterator:
     """Every FSDPParam of an FSDP2 model: FSDP's own record of each parameter (nothing for other models)."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
+            for group in fsdp_param_groups(module):
                 yield from group.fsdp_params
 
 

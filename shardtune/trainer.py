@@ -169,7 +169,7 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume
         repoint_optimizer_parameters(optimizer, model, stepped)
     if split:  # accelerate wrapped both loaders in DeepSpeed's adapter: the step cuts its micro-batches itself
         train_loader, eval_loader = plain_loader(train_loader), plain_loader(eval_loader)
-        split_in_eval(recipe.attn_implementation)
+        split_in_eval()
     loaded["peak_rss_bytes"] = peak_rss_bytes()  # loading and sharding: FSDP reads rank 0's copy only now
     if recipe.activation_offloading:  # on the prepared model: TRL's manager skips its (sharded) parameters
         enable_activation_offloading(model)

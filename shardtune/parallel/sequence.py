@@ -22,7 +22,8 @@ How the trainer drives it:
   reads the boundaries from the position ids: packing is refused otherwise.
 - Eval runs split as training does (shardtune.evaluation.split_statistics). accelerate registers Ulysses with
   disable_in_eval, which the trainer turns off (split_in_eval); generation runs without the split (each rank the
-  same prompts, whole), one prompt at a time: left padding would need the mask.
+  same prompts, whole), one prompt at a time (left padding would need the mask), each prompt cut to its last
+  max_seq_length / sp tokens, the length a GPU holds of a training row.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def sequence_shards(micro_batches: list[dict], device: torch.device) -> list[dic
     dist.all_gather(gathered, lengths, group=group)
     longest = int(torch.stack(gathered).max())  # a device-to-host sync
     padded = [padded_to(batch, longest) for batch in micro_batches]
+    fit_rows(padded[0]["input_ids"].shape[0])  # every micro-batch of a step has as many rows
     adapter = UlyssesSPDataLoaderAdapter(padded, sp_rank=groups._get_sequence_parallel_rank(), sp_group=group,
                                          sp_world_size=size, device=device)
     # The adapter leaves the slices on the host (its prefill buffer); the model's device takes them.
@@ -112,8 +114,9 @@ def sequence_group() -> tuple[object, int]:
 
 def padded_to(batch: dict, length: int) -> dict:
     """`batch` with every (rows, positions) tensor padded on the right to `length` positions: padding that carries
-    no loss and that no real token attends to (it comes after them, under a causal kernel), its positions a
-    sequence of their own (0, 1, ...)."""
+    no loss and that no real token attends to (it comes after them, under a causal kernel). Its positions go on
+    from the row's last: positions that restart would make transformers take the row for a packed one and build a
+    dense mask of the slice, which Ulysses then drops."""
     import torch
     import torch.nn.functional as F
 
@@ -123,7 +126,7 @@ def padded_to(batch: dict, length: int) -> dict:
     padded = {}
     for key, value in batch.items():
         if key == "position_ids":
-            tail = torch.arange(missing, device=value.device, dtype=value.dtype).expand(value.shape[0], missing)
+            tail = value[:, -1:] + 1 + torch.arange(missing, device=value.device, dtype=value.dtype)
             padded[key] = torch.cat([value, tail], dim=1)
         elif torch.is_tensor(value) and value.dim() == 2:
             padded[key] = F.pad(value, (0, missing), value=IGNORE_INDEX if key == "labels" else 0)
@@ -132,35 +135,52 @@ def padded_to(batch: dict, length: int) -> dict:
     return padded
 
 
-def ulysses_attention(attn_implementation: str):
+def ulysses_attention():
     """DeepSpeed's UlyssesSPAttentionHF that accelerate's `prepare` registered in place of the model's attention
-    kernel (transformers' ALL_ATTENTION_FUNCTIONS[attn_implementation] is then DeepSpeed's wrapper around it):
-    accelerate keeps no handle on it."""
+    kernel (the entry of transformers' ALL_ATTENTION_FUNCTIONS for that kernel is then DeepSpeed's wrapper around
+    it): accelerate keeps no handle on it."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    wrapper = ALL_ATTENTION_FUNCTIONS[attn_implementation]
-    for cell in getattr(wrapper, "__closure__", None) or ():
-        if isinstance(cell.cell_contents, UlyssesSPAttentionHF):
-            return cell.cell_contents
-    raise RuntimeError(f"accelerate registered no Ulysses attention for {attn_implementation}: the DeepSpeed or "
-                       "accelerate version changed how the sequence split is wired (shardtune.parallel.sequence).")
+    for name in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        for cell in getattr(ALL_ATTENTION_FUNCTIONS[name], "__closure__", None) or ():
+            if isinstance(cell.cell_contents, UlyssesSPAttentionHF):
+                return cell.cell_contents
+    raise RuntimeError("accelerate registered no Ulysses attention: the DeepSpeed or accelerate version changed how "
+                       "the sequence split is wired (shardtune.parallel.sequence).")
 
 
-def split_in_eval(attn_implementation: str) -> None:
+def fit_rows(rows: int) -> None:
+    """Ulysses' attention for batches of `rows` rows. accelerate registers it for one row count, the smaller of the
+    training and eval batches (accelerator.py `_prepare_deepspeed`), and it checks every forward's shapes and
+    reshapes by that count: a packed micro-batch (one row) or an eval batch of another size would fail its
+    asserts. Its other dimensions follow each forward's length (seq_length_is_variable)."""
+    import torch
+
+    attention = ulysses_attention()
+    if attention.batch_size == rows:
+        return
+    attention.batch_size = rows
+    for name in ("required_query_shape", "required_key_value_shape", "required_context_shape"):
+        shape = list(getattr(attention, name))
+        shape[1] = rows  # [positions, rows, heads, head_dim] / [positions, rows, hidden / sp]
+        setattr(attention, name, torch.Size(shape))
+
+
+def split_in_eval() -> None:
     """Run the eval forward split too: accelerate registers Ulysses with disable_in_eval, under which an eval
     forward would attend over its own slice only."""
-    ulysses_attention(attn_implementation).disable_in_eval = False
+    ulysses_attention().disable_in_eval = False
 
 
 @contextmanager
-def unsplit(attn_implementation: str | None) -> Iterator[None]:
-    """The eval forward without the split inside (generation: every rank runs the same whole prompts); None: no
-    split to pause."""
-    if attn_implementation is None:
+def unsplit(split: bool) -> Iterator[None]:
+    """The eval forward without the split inside (generation: every rank runs the same whole prompts); `split`
+    False: no split to pause."""
+    if not split:
         yield
         return
-    attention = ulysses_attention(attn_implementation)
+    attention = ulysses_attention()
     attention.disable_in_eval = True
     try:
         yield

@@ -24,7 +24,8 @@ def test_zero2_under_the_split_matches_one_process(reference_run, tiny_assets, t
     """ZeRO-1/2 divide the gradients summed over the ranks by world / sp, ZeRO-3's reduce-scatter by world: with
     one loss scale for both, one of them would train at 1/sp or sp x the gradient (a doubled norm is what
     transformers' recipe gives under ZeRO-2, DeepSpeed issue #5248). The gradient norms show it; the losses
-    alone would not (clipping and Adam hide a constant factor)."""
+    alone would not (clipping and Adam hide a constant factor). Its eval batch (3 rows) is not its micro-batch
+    (8): accelerate registers Ulysses for one row count, which the trainer fits to each batch."""
     config = yaml.safe_load((CONFIGS / "ds_zero2.yaml").read_text())
     config["parallelism_config"] = {"parallelism_config_sp_backend": "deepspeed", "parallelism_config_sp_size": 2}
     config["deepspeed_config"]["deepspeed_config_file"] = str(CONFIGS.parent / config["deepspeed_config"]
@@ -32,12 +33,13 @@ def test_zero2_under_the_split_matches_one_process(reference_run, tiny_assets, t
     config_file = tmp_path / "ds_zero2_ulysses.yaml"
     config_file.write_text(yaml.safe_dump(config))
     output_dir = tmp_path / "out"
-    result = run_recipe(output_dir, tiny_assets, *REFERENCE_ARGS, "--save_steps", "0", config="ds_zero2",
-                        processes=2, launch_args=("--config_file", str(config_file)))
+    result = run_recipe(output_dir, tiny_assets, *REFERENCE_ARGS, "--save_steps", "0", "--per_device_eval_batch_size",
+                        "3", config="ds_zero2", processes=2, launch_args=("--config_file", str(config_file)))
     assert "DeepSpeed ZeRO-2, sequences split over 2 ranks (Ulysses)" in result.stdout, result.stdout[-3000:]
     reference = reference_run(None)
     assert train_losses(output_dir) == pytest.approx(train_losses(reference), rel=FP32_RTOL)
     assert grad_norms(output_dir) == pytest.approx(grad_norms(reference), rel=FP32_RTOL)
+    assert final_eval(output_dir) == pytest.approx(final_eval(reference), rel=FP32_RTOL)
 
 
 def test_the_eval_runs_split_and_equals_one_process(reference_run):
