@@ -164,7 +164,13 @@ def exact_pinned_host_memory() -> None:
     configured = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
     if "pinned_max_cached_size_mb" not in configured:
         limit = f"pinned_max_cached_size_mb:{PINNED_MAX_CACHED_MB}"
-        torch._C._accelerator_setAllocatorSettings(f"{configured},{limit}" if configured else limit)
+        try:
+            torch._C._accelerator_setAllocatorSettings(f"{configured},{limit}" if configured else limit)
+        except ValueError:  # a torch without the option (2.11, the GPU machine's, has none)
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                print(f"shardtune: warning: torch {torch.__version__} has no pinned_max_cached_size_mb: DeepSpeed's "
+                      "pinned host buffers are rounded up to powers of two and kept, up to twice the host RAM "
+                      "planned for the offloaded states (torch 2.13 has the option).", file=sys.stderr, flush=True)
 
 
 def configure_deepspeed(config: dict, recipe: Recipe) -> None:

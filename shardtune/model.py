@@ -165,7 +165,10 @@ def enable_gradient_checkpointing(model: PreTrainedModel, interval: int, mode: s
     options = {"use_reentrant": False}
     if mode == "selective":
         options["context_fn"] = selective_contexts
-    model.activation_checkpointing_enable(options, every_n_layers=interval)
+    # transformers before 5.2x (5.17 on the GPU machine) names it gradient_checkpointing_enable, a deprecated alias
+    # since
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(options, every_n_layers=interval)
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
     return [index for index, layer in enumerate(layers) if layer.gradient_checkpointing]
 

@@ -19,6 +19,7 @@ from shardtune.flags import parse_recipe
 from shardtune.flops import BUILTIN_MODELS, builtin_configs, resolve_model, shape_from_config
 from shardtune.flops import main as flops_main
 from shardtune.hardware import HardwareError, nominal_gpu_memory, parse_hardware
+from shardtune.model import enable_gradient_checkpointing
 from shardtune.plan.__main__ import main
 from shardtune.plan.activations import activation_bytes, layer_activation_bytes, saved_activation_bytes
 from shardtune.plan.planner import plan, usable_capacity
@@ -287,7 +288,7 @@ def measure_saved(cfg, batch: int, seq: int, mode: str, checkpointing: bool, pad
     if mode == "half":
         model.to(torch.bfloat16)
     if checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        enable_gradient_checkpointing(model, 1)  # non-reentrant, as training runs it
     if lora:
         from peft import LoraConfig, get_peft_model
 
