@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardtune.config import FP8_DIM_MULTIPLE, FP8_MIN_CAPABILITY, ConfigError, Recipe
-from shardtune.memory import fsdp_param_groups
 
 if TYPE_CHECKING:  # torch and torchao load with the model, not with the start-up checks (shardtune.checks)
     import torch
@@ -116,6 +115,8 @@ def rewrap_loaded_shards(model: torch.nn.Module) -> int:
     from torch.distributed.fsdp import FSDPModule
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from shardtune.memory import fsdp_param_groups  # imports torch: not at the checks' import
 
     wrapped = 0
     for unit in model.modules():

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shardtune.config import ConfigError, Recipe
-from shardtune.data import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import torch
@@ -119,6 +118,8 @@ def padded_to(batch: dict, length: int) -> dict:
     dense mask of the slice, which Ulysses then drops."""
     import torch
     import torch.nn.functional as F
+
+    from shardtune.data import IGNORE_INDEX
 
     missing = length - batch["input_ids"].shape[1]
     if missing == 0:
