@@ -93,20 +93,21 @@ def merge(adapter_dir: str, base: str, scratch: str, dtype_name: str) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from shardtune.config import ConfigError
     from shardtune.export import MAX_SHARD_SIZE, make_readable
-    from shardtune.export_checks import model_problem
+    from shardtune.export_checks import model_problem, quiet_loading
+    from shardtune.model_checks import check_weights, read_model_config
 
     dtype = getattr(torch, DTYPES[dtype_name])
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.set_verbosity_error()  # its loading report would stand above the one line that says why
-    transformers_logging.disable_progress_bar()
+    if os.path.isdir(base):  # its files as a run checks them: weights whole, and the shapes config.json gives
+        try:
+            check_weights(base, read_model_config(base))
+        except ConfigError as error:
+            raise Refused(f"cannot load the base model {base} ({error.messages[0]})") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
-    except RuntimeError:  # transformers' report of weights whose shapes the config does not give
-        raise Refused(f"cannot load the base model {base} (its weights' shapes differ from those its config.json "
-                      "gives): give the base model's directory (or Hub id) with --base.") from None
-    except (OSError, ValueError) as error:
+        with quiet_loading():  # transformers' loading report would stand above the one line that says why
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    except (OSError, ValueError, RuntimeError) as error:
         raise Refused(f"cannot load the base model {base} ({first_line(error)}): give the base model's directory "
                       "(or Hub id) with --base.") from None
     try:

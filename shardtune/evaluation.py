@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from shardtune.batches import COUNTS
 from shardtune.config import EVAL_CHUNK_POSITIONS
 from shardtune.data import IGNORE_INDEX
-from shardtune.parallel.sequence import sequence_group, sequence_shards
+from shardtune.parallel.sequence import sequence_group, sequence_shards, split_size
 from shardtune.tiled_loss import forward_replaced, shifted_labels
 
 
@@ -49,10 +49,10 @@ def batch_targets(batch: dict) -> torch.Tensor:
     return batch["shift_labels"] if "shift_labels" in batch else shifted_labels(batch["labels"])
 
 
-def row_statistics(logits: torch.Tensor, labels: torch.Tensor, chunk: int = EVAL_CHUNK_POSITIONS) -> torch.Tensor:
-    """chunk_statistics of full (batch, positions, vocab) logits and their (unshifted) labels."""
-    return chunk_statistics(lambda row, start, end: logits[row, start:end], shifted_labels(labels), logits.shape[1],
-                            logits.device, chunk)
+def row_statistics(logits: torch.Tensor, targets: torch.Tensor, chunk: int = EVAL_CHUNK_POSITIONS) -> torch.Tensor:
+    """chunk_statistics of full (batch, positions, vocab) logits and each position's next-token label."""
+    return chunk_statistics(lambda row, start, end: logits[row, start:end], targets, logits.shape[1], logits.device,
+                            chunk)
 
 
 def head_statistics(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict,
@@ -78,9 +78,7 @@ def head_statistics(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: d
 
 def logits_statistics(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict) -> torch.Tensor:
     """chunk_statistics from the model's full logits (a head that is not plain_head)."""
-    logits = model(**model_inputs(batch)).logits
-    return chunk_statistics(lambda row, start, end: logits[row, start:end], batch_targets(batch), logits.shape[1],
-                            logits.device, EVAL_CHUNK_POSITIONS)
+    return row_statistics(model(**model_inputs(batch)).logits, batch_targets(batch))
 
 
 def model_inputs(batch: dict) -> dict:
@@ -104,33 +102,30 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerato
     Under the sequence split each batch runs split as in training (split_statistics)."""
     model.eval()
     unwrapped = accelerator.unwrap_model(model)
-    in_head = plain_head(unwrapped)
-    split = accelerator.parallelism_config is not None and accelerator.parallelism_config.sp_enabled
+    statistics = head_statistics if plain_head(unwrapped) else logits_statistics
+    split = split_size(accelerator) > 1
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, targets, correct
     for batch in loader:
         batch.pop(COUNTS)
         if split:
-            per_row = split_statistics(model, unwrapped, batch, accelerator.device)
-        elif in_head:
-            per_row = head_statistics(model, unwrapped, batch)
+            per_row = split_statistics(statistics, model, unwrapped, batch, accelerator.device)
         else:
-            per_row = logits_statistics(model, unwrapped, batch)
+            per_row = statistics(model, unwrapped, batch)
         totals += accelerator.gather_for_metrics(per_row).sum(0)  # drops the rows padded in for even batches
     model.train()
     loss_sum, targets, correct = totals.tolist()
     return {"eval_loss": loss_sum / targets, "eval_accuracy": correct / targets}
 
 
-def split_statistics(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict, device: torch.device
-                     ) -> torch.Tensor:
-    """This rank's rows' statistics under the sequence split: each rank computes its slice of every batch of its
+def split_statistics(statistics: Callable[..., torch.Tensor], model: torch.nn.Module, unwrapped: torch.nn.Module,
+                     batch: dict, device: torch.device) -> torch.Tensor:
+    """This rank's rows' `statistics` under the sequence split: each rank computes its slice of every batch of its
     group (shardtune.parallel.sequence.sequence_shards, in the group's rank order), and a sum over the group
     gives every batch's per-row statistics, of which this rank keeps its own (so that gather_for_metrics drops
     the padded rows as without the split)."""
     import torch.distributed as dist
 
     group, rank = sequence_group()
-    statistics = head_statistics if plain_head(unwrapped) else logits_statistics
     slices = torch.stack([statistics(model, unwrapped, shard) for shard in sequence_shards([batch], device)])
     dist.all_reduce(slices, group=group)
     return slices[rank]

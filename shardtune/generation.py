@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from shardtune.data import IGNORE_INDEX
-from shardtune.parallel.sequence import unsplit
+from shardtune.parallel.sequence import split_size, unsplit
 
 MAX_NEW_TOKENS = 64
 
@@ -72,8 +72,7 @@ def generate_samples(accelerator: Accelerator, model: torch.nn.Module, tokenizer
     training. Returns {prompt, completion, reference} per prompt, decoded without special tokens. Under the
     sequence split without it, one prompt at a time (Ulysses drops the attention mask that left padding needs),
     each cut to its last max_length / sp tokens, which one GPU holds (shardtune.parallel.sequence)."""
-    config = accelerator.parallelism_config
-    split = config.sp_size if config is not None and config.sp_enabled else 1
+    split = split_size(accelerator)
     # under the split, one prompt at a time, cut to the length a GPU holds of a training row
     batches = [[prompt[-(held_out.max_length // split):]] for prompt in held_out.prompts] if split > 1 else \
         [held_out.prompts]

@@ -103,11 +103,6 @@ class LaunchDescription:
         return "DDP" if self.world_size > 1 else "one process"
 
     @property
-    def data_parallel_size(self) -> int:
-        """The ranks that train on different rows at once: the world over the sequence split."""
-        return self.world_size // self.sp_size
-
-    @property
     def deepspeed_offloads(self) -> bool:
         """DeepSpeed offloads the optimizer or the parameters: it pins large host buffers."""
         return self.uses_deepspeed and any(self.deepspeed_settings.get(f"offload_{kind}", "none") != "none"

@@ -165,8 +165,7 @@ def enable_gradient_checkpointing(model: PreTrainedModel, interval: int, mode: s
     options = {"use_reentrant": False}
     if mode == "selective":
         options["context_fn"] = selective_contexts
-    # transformers before 5.2x (5.17 on the GPU machine) names it gradient_checkpointing_enable, a deprecated alias
-    # since
+    # transformers 5.17 (the GPU machine's) has only gradient_checkpointing_enable, a deprecated alias in 5.24
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable(options, every_n_layers=interval)
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]

@@ -69,10 +69,9 @@ def check_weights(directory: str, config: PretrainedConfig) -> None:
             raise ConfigError(f"{os.path.join(directory, found)} names {len(missing)} of its {len(files)} shard(s) "
                               f"that are not in the directory, first {missing[0]!r}: the download stopped part way. "
                               "Download the model again (hf download MODEL_ID --local-dir DIR).")
-    for name in files:
-        check_weights_file(os.path.join(directory, name))
+    shapes = {name: check_weights_file(os.path.join(directory, name)) for name in files}
     if all(name.endswith(".safetensors") for name in files) and not getattr(config, "quantization_config", None):
-        check_weight_shapes(directory, files, config)
+        check_weight_shapes(directory, shapes, config)
 
 
 def index_shards(directory: str, index: str) -> list[str]:
@@ -87,35 +86,28 @@ def index_shards(directory: str, index: str) -> list[str]:
                           "again (hf download MODEL_ID --local-dir DIR).") from None
 
 
-def check_weights_file(path: str) -> None:
+def check_weights_file(path: str) -> dict[str, list[int]]:
     """A weights file that holds weights: not a Git LFS pointer, and for safetensors a header that safetensors
-    reads and a file as long as the header says (a cut-off download fails here, not minutes into loading)."""
+    reads and a file as long as the header says (a cut-off download fails here, not minutes into loading).
+    Returns each tensor's shape as the safetensors header gives it (no tensor read; {} for other files)."""
     with open(path, "rb") as file:
         start = file.read(len(LFS_POINTER))
     if start == LFS_POINTER:
         raise ConfigError(f"{path} is a Git LFS pointer, not the weights: the model was cloned without git-lfs. Run "
                           f"`git lfs pull` in {os.path.dirname(path)!r}, or download it with hf download.")
     if not path.endswith(".safetensors"):
-        return
+        return {}
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(path, framework="pt"):
-            pass
+        with safe_open(path, framework="pt") as weights:
+            return {name: list(weights.get_slice(name).get_shape()) for name in weights.keys()}  # noqa: SIM118
     except (SafetensorError, OSError) as error:
         raise ConfigError(f"{path} is not whole safetensors weights ({error}): the file is damaged or cut short. "
                           "Download it again.") from None
 
 
-def safetensors_shapes(path: str) -> dict[str, list[int]]:
-    """Each tensor's shape from a safetensors file's header (8 bytes of its length, then JSON): no tensor read."""
-    with open(path, "rb") as file:
-        length = int.from_bytes(file.read(8), "little")
-        header = json.loads(file.read(length))
-    return {name: entry["shape"] for name, entry in header.items() if name != "__metadata__"}
-
-
-def check_weight_shapes(directory: str, files: list[str], config: PretrainedConfig) -> None:
+def check_weight_shapes(directory: str, shapes: dict[str, dict[str, list[int]]], config: PretrainedConfig) -> None:
     """The weights' shapes against the model config.json describes (built on the meta device): a config.json of
     another size (a copied or edited one) would load only to fail in transformers' loading report, after the data
     was tokenized. Names the weights file and the model do not share are left to the loading."""
@@ -125,9 +117,8 @@ def check_weight_shapes(directory: str, files: list[str], config: PretrainedConf
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
     expected = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
-    differing = [(name, file, shape, expected[name]) for file in files
-                 for name, shape in safetensors_shapes(os.path.join(directory, file)).items()
-                 if name in expected and shape != expected[name]]
+    differing = [(name, file, shape, expected[name]) for file, in_file in shapes.items()
+                 for name, shape in in_file.items() if name in expected and shape != expected[name]]
     if differing:
         name, file, shape, wanted = differing[0]
         sizes = ", ".join(f"{key} {getattr(config, key)}" for key in ("vocab_size", "hidden_size", "intermediate_size",

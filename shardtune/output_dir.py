@@ -146,4 +146,3 @@ def clear_output_dir(output_dir: str) -> None:
         else:
             with contextlib.suppress(OSError):
                 os.remove(path)
-

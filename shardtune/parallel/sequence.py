@@ -37,6 +37,7 @@ from shardtune.config import ConfigError, Recipe
 
 if TYPE_CHECKING:
     import torch
+    from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
@@ -51,17 +52,22 @@ POSITION_AWARE_ATTENTION = ("flash_attention_2", "flash_attention_3")
 class SequenceSplit:
     """A launch's sequence split as the step needs it."""
 
-    size: int  # ranks per sequence (sp)
     # DeepSpeed divides the gradients summed over the ranks by world / sp times this: sp under ZeRO-3 (its
     # reduce-scatter averages over every rank), 1 under ZeRO-1/2.
     reduction_factor: int
+
+
+def split_size(accelerator: Accelerator) -> int:
+    """The ranks each sequence is split over in a prepared run (1 without a split)."""
+    config = accelerator.parallelism_config
+    return config.sp_size if config is not None and config.sp_enabled else 1
 
 
 def sequence_split(sp_size: int, deepspeed_settings: Mapping[str, Any]) -> SequenceSplit | None:
     """The launch's split (None without one), from its DeepSpeed settings (plan.strategy.deepspeed_settings)."""
     if sp_size == 1:
         return None
-    return SequenceSplit(sp_size, sp_size if str(deepspeed_settings.get("stage")) == "3" else 1)
+    return SequenceSplit(sp_size if str(deepspeed_settings.get("stage")) == "3" else 1)
 
 
 def ulysses_parallelism(recipe: Recipe, world_size: int, sp_size: int) -> ParallelismConfig:

@@ -22,6 +22,7 @@ from shardtune.evaluation import head_statistics, row_statistics
 from shardtune.metrics import step_vector
 from shardtune.optimizers import make_optimizer
 from shardtune.step import StepOutput, norm_on_device, train_step
+from shardtune.tiled_loss import shifted_labels
 
 META = torch.device("meta")
 
@@ -205,7 +206,7 @@ def test_eval_statistics_equal_full_logits_without_an_fp32_copy_of_them():
     labels[0, :10] = IGNORE_INDEX  # a prompt
     labels[2, 30:] = IGNORE_INDEX  # padding
     with LargestFloat32() as largest:
-        chunked = row_statistics(logits, labels, chunk=chunk)
+        chunked = row_statistics(logits, shifted_labels(labels), chunk=chunk)
     assert largest.numel <= chunk * vocab  # never a full-vocabulary fp32 copy of more than one chunk
     full = logits[:, :-1].float()
     targets = labels[:, 1:]
@@ -214,7 +215,7 @@ def test_eval_statistics_equal_full_logits_without_an_fp32_copy_of_them():
                                              reduction="none").sum(1)
     correct = ((full.argmax(-1) == targets) & mask).sum(1)
     torch.testing.assert_close(chunked, torch.stack([loss, mask.sum(1).float(), correct.float()], dim=1))
-    assert row_statistics(logits.to(META), labels.to(META), chunk=chunk).device == META
+    assert row_statistics(logits.to(META), shifted_labels(labels).to(META), chunk=chunk).device == META
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])
@@ -242,7 +243,8 @@ def test_eval_statistics_come_from_the_head_a_chunk_at_a_time(precision):
         with LargestFloat32(vocab=500) as largest:
             statistics = head_statistics(model, accelerator.unwrap_model(model), batch, chunk=8)
     assert 0 < largest.numel <= 8 * 500
-    expected = row_statistics(logits.to(torch.bfloat16) if precision == "bf16" else logits, labels, chunk=8)
+    expected = row_statistics(logits.to(torch.bfloat16) if precision == "bf16" else logits, shifted_labels(labels),
+                              chunk=8)
     torch.testing.assert_close(statistics, expected, rtol=1e-6 if precision == "no" else 1e-3, atol=0)
     AcceleratorState._reset_state(True)
 
@@ -292,7 +294,7 @@ def test_eval_of_a_head_with_an_adapter_reads_its_full_logits():
     input_ids = torch.randint(3, 500, (2, 20))
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
     with torch.no_grad():
-        expected = row_statistics(model(input_ids=input_ids).logits, batch["labels"]).sum(0)
+        expected = row_statistics(model(input_ids=input_ids).logits, shifted_labels(batch["labels"])).sum(0)
         adapterless = head_statistics(model, model, batch).sum(0)
     result = evaluate(model, [{**batch, COUNTS: {}}], accelerator)
     assert result["eval_loss"] == pytest.approx((expected[0] / expected[1]).item(), rel=1e-6)
