@@ -158,8 +158,9 @@ def benchmark_source(rows: int, path: str, scratch: str) -> str:
 def baseline_texts(raw, tokenizer, recipe: Recipe) -> list[tuple[list[str], bool]]:
     """The texts the tokenizer itself is timed on, each list with its add_special_tokens: the same prompt and
     target strings as ours, or the rendered conversations for chat rows (rendered before the clock starts)."""
-    from shardtune.data import alpaca_messages, has_chat_template, prompt_and_target, row_messages
+    from shardtune.data import alpaca_messages, prompt_and_target, row_messages
     from shardtune.data_sources import detect_format
+    from shardtune.templating import has_chat_template
 
     data_format = detect_format(raw.column_names, recipe.dataset_format)
     rows = raw.to_list()
@@ -175,8 +176,9 @@ def benchmark(recipe: Recipe, rows: int, path: str) -> dict[str, float]:
     import datasets
     import pyarrow.compute as pc
 
-    from shardtune.data import apply_chat_template_flag, load_source, tokenize, tokenize_processes
+    from shardtune.data import load_source, tokenize, tokenize_processes
     from shardtune.model import load_tokenizer
+    from shardtune.templating import apply_chat_template_flag
 
     tokenizer = load_tokenizer(recipe)
     apply_chat_template_flag(tokenizer, recipe)

@@ -42,7 +42,7 @@ from shardtune.output_checks import check_async_save, check_checkpoints, check_e
 from shardtune.parallel.sequence import check_sequence_split
 from shardtune.schedule import check_schedule
 
-RECIPE_DEFAULTS = {item.name: item.default for item in dataclasses.fields(Recipe)}
+RECIPE_DEFAULTS = dataclasses.asdict(Recipe())
 
 
 def check_device(recipe: Recipe, has_cuda: bool) -> None:

@@ -40,10 +40,12 @@ from shardtune.output_dir import OutputDirLock, is_rank_zero
 SILENT_RANK_DELAY_S = 3.0
 
 
-def main(recipe: Recipe, argv: list[str] | None = None) -> None:
+def main(recipe: Recipe, argv: list[str] | None = None, methods: dict[str, Recipe] | None = None) -> None:
     """Parse overrides, check everything that needs no weights, train. Bad input: one line per problem on stderr
-    (and in the launcher's error file), exit code 2."""
+    (and in the launcher's error file), exit code 2. `methods`: a recipe's own settings for another --method
+    (its data, learning rate), taken when the command line asks for that method."""
     try:
+        recipe = method_recipe(recipe, methods or {}, sys.argv[1:] if argv is None else argv)
         recipe, launch, batching = checked_launch(recipe, argv)
         resume = resume_point(recipe, launch, batching)
         if is_rank_zero():  # the output directory is this run's until the process ends (shardtune.output_dir)
@@ -64,6 +66,16 @@ def main(recipe: Recipe, argv: list[str] | None = None) -> None:
         if distributed is not None and distributed.is_initialized():
             distributed.destroy_process_group()
         sys.exit(2)
+
+
+def method_recipe(recipe: Recipe, methods: dict[str, Recipe], argv: list[str]) -> Recipe:
+    """The recipe of the --method the command line names, where the recipe declares one for it."""
+    for index, token in enumerate(argv):
+        name, equals, value = token.partition("=")
+        if name == "--method":
+            chosen = value if equals else (argv[index + 1] if index + 1 < len(argv) else "")
+            return methods.get(chosen, recipe)
+    return recipe
 
 
 def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, LaunchDescription, BatchSizes]:

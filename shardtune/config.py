@@ -14,7 +14,12 @@ MIXED_PRECISIONS = ("bf16", "fp16", "no", "fp8")
 FP8_COMPUTE_PRECISION = "bf16"
 FP8_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 tensor cores: Ada (8.9), Hopper (9.0) and later
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both dimensions of a float8 operand divisible by 16
-DATASET_FORMATS = ("auto", "text", "prompt_completion", "messages", "alpaca", "sharegpt")
+DATASET_FORMATS = ("auto", "text", "prompt_completion", "messages", "alpaca", "sharegpt", "preference")
+# --method: supervised fine-tuning, or direct preference optimisation on prompt/chosen/rejected pairs (TRL's DPO).
+METHODS = ("sft", "dpo")
+# --loss_type: TRL 1.16 DPOTrainer's pairwise losses (shardtune.methods.dpo_loss computes each as TRL does).
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
+                  "apo_down", "sigmoid_norm", "sft")
 DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 # transformers' schedulers that need neither extra arguments nor a metric at every step (the trainer gives neither).
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -48,7 +53,7 @@ CHECKPOINTING_MODES = ("full", "selective")
 # fixed shapes and addresses (a varying sequence length re-records them; FSDP2's and ZeRO-3's gathers move weights).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # The Recipe fields that take one of a fixed set of values: the recipe's checks and the planner's flags read this.
-FIELD_CHOICES = {"dataset_format": DATASET_FORMATS, "truncation": ("truncate", "drop"),
+FIELD_CHOICES = {"method": METHODS, "dataset_format": DATASET_FORMATS, "truncation": ("truncate", "drop"),
                  "mixed_precision": MIXED_PRECISIONS, "lr_scheduler_type": LR_SCHEDULERS, "optim": OPTIMIZERS,
                  "report_to": ("wandb", "none"), "gradient_checkpointing_mode": CHECKPOINTING_MODES,
                  "attn_implementation": tuple(ATTENTION_PACKAGES), "packing_strategy": PACKING_STRATEGIES}
@@ -152,6 +157,9 @@ class Recipe:
     """What a recipe declares. Field names follow transformers' TrainingArguments where one exists."""
 
     name: str = field(default="run", metadata={"help": "Recipe name; the default output dir is outputs/<name>."})
+    method: str = field(default="sft", metadata={
+        "help": "sft (supervised fine-tuning) or dpo (direct preference optimisation on prompt/chosen/rejected "
+                "pairs, as TRL's DPOTrainer; see --beta, --loss_type and the reference flags)."})
     model_name_or_path: str = field(default="", metadata={"help": "Hub model id or local model directory."})
     dataset: str = field(default="", metadata={
         "help": "A local .json/.jsonl/.parquet/.csv file, a `save_to_disk` directory, or a Hub dataset name; "
@@ -165,7 +173,8 @@ class Recipe:
     eval_fraction: float = field(default=0.05, metadata={"help": "Share of the data held out for eval."})
     dataset_format: str = field(default="auto", metadata={
         "help": "auto (from each source's columns), text, prompt_completion, messages (chat, via the chat "
-                "template), alpaca (instruction, input, output) or sharegpt (conversations of from/value)."})
+                "template), alpaca (instruction, input, output), sharegpt (conversations of from/value) or "
+                "preference (chosen and rejected, with or without prompt: --method dpo)."})
     chat_template: str = field(default="", metadata={
         "help": "A Jinja chat template file, or a bundled name (llama3, chatml), for a tokenizer without one or "
                 "to replace its own."})
@@ -184,6 +193,21 @@ class Recipe:
         "help": "Pad each micro-batch's length (its packed row's, with --packing) up to a multiple of this; the "
                 "padding carries no loss. Fewer distinct shapes for --torch_compile. Unset: no padding, or 16 under "
                 "--mixed_precision fp8 (float8 matmuls take the tokens in multiples of 16)."})
+    beta: float = field(default=0.1, metadata={
+        "help": "--method dpo: how far the policy may move from the reference (the KL weight; IPO's tau)."})
+    loss_type: list[str] = field(default_factory=lambda: ["sigmoid"], metadata={
+        "help": f"--method dpo: one or several of {', '.join(DPO_LOSS_TYPES)}, space-separated (sigmoid sft = "
+                "RPO), summed with --loss_weights."})
+    loss_weights: list[float] | None = field(default=None, metadata={
+        "help": "--method dpo: one weight per --loss_type; unset = 1 each."})
+    label_smoothing: float = field(default=0.0, metadata={
+        "help": "--method dpo: the share of pairs taken as mislabelled (robust in [0, 0.5), exo_pair in (0, 1))."})
+    precompute_ref_log_probs: bool = field(default=False, metadata={
+        "help": "--method dpo: the reference's log-probs in one pass before training (cached in the output dir), "
+                "so that no reference model is held while training."})
+    ref_model_name_or_path: str = field(default="", metadata={
+        "help": "--method dpo: the reference model; empty = --model_name_or_path (under --use_peft: the base with "
+                "the adapter switched off)."})
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters; the base stays frozen."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank: the inner dimension of each adapter."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling: the adapters' update is scaled by "

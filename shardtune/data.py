@@ -9,7 +9,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 from collections.abc import Iterator
 
 import pyarrow.compute as pc
@@ -19,8 +18,9 @@ from transformers import PreTrainedTokenizerBase
 from shardtune.config import DATA_FILE_TYPES, ConfigError, Recipe
 from shardtune.data_sources import (
     FORMATS,
+    PREFERENCE_FORMATS,
+    TOKENIZED_FORMATS,
     bundled_chat_templates,
-    chat_template_path,
     check_row_formats,
     check_text_encoding,
     dataset_sources,
@@ -29,6 +29,7 @@ from shardtune.data_sources import (
     only_whitespace,
     source_format,
 )
+from shardtune.templating import apply_chat_template_flag, chat_ids, has_chat_template
 
 IGNORE_INDEX = -100  # label of tokens that carry no loss (prompt, padding)
 logger = logging.getLogger(__name__)
@@ -47,44 +48,6 @@ PREPARED_INFO = "shardtune_data.json"  # beside them: the recipe values the rows
 # the second process saves (2,000 instruction rows: 7.8 s in one process, 11.0 s in two; 10,000: even).
 MIN_ROWS_PER_PROCESS = 20_000
 MAX_PROCESSES = 8
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Chat templates.
-
-
-def apply_chat_template_flag(tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> None:
-    """Put --chat_template (a Jinja file or a bundled name) on the tokenizer. The trainer saves this tokenizer
-    beside every checkpoint and the final model, so the template the model learnt travels with it."""
-    if not recipe.chat_template:
-        return
-    with open(chat_template_path(recipe.chat_template), encoding="utf-8") as file:
-        template = file.read()
-    if not template.strip():
-        raise ConfigError(f"--chat_template {recipe.chat_template!r} is an empty file: give a Jinja chat template.")
-    tokenizer.chat_template = template
-    try:  # a Jinja error now, not in the middle of tokenization
-        tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-                                      tokenize=False)
-    except Exception as error:  # jinja2 raises many types
-        raise ConfigError(f"--chat_template {recipe.chat_template!r} does not render a conversation: "
-                          f"{error}") from error
-    warn_split_markers(tokenizer, template, recipe.chat_template)
-
-
-def warn_split_markers(tokenizer: PreTrainedTokenizerBase, template: str, name: str) -> None:
-    """A template's control markers (`<|im_start|>`) that the tokenizer splits into pieces still train, but the
-    model has to learn them as several tokens: worth a warning, not a refusal."""
-    split = sorted({marker for marker in re.findall(r"<\|[^|<>]+\|>", template)
-                    if tokenizer.convert_tokens_to_ids(marker) in (None, tokenizer.unk_token_id)})
-    if split:
-        logger.warning("--chat_template %s: %s are not tokens of this tokenizer and are split into pieces; add them "
-                       "as special tokens (and resize the embeddings) or pick a template made for this model",
-                       name, ", ".join(split))
-
-
-def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
-    return bool(tokenizer.chat_template)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -139,7 +102,8 @@ def prepared_eval(source: str) -> Dataset | None:
         return None
     loaded = load_from_disk(source)
     split = loaded.get(PREPARED_SPLITS[1])
-    return split if split is not None and set(FORMATS["tokenized"]) <= set(split.column_names) else None
+    return split if split is not None and any(set(FORMATS[kind]) <= set(split.column_names)
+                                              for kind in TOKENIZED_FORMATS) else None
 
 
 def warn_if_prepared_differently(source: str, recipe: Recipe) -> None:
@@ -270,14 +234,6 @@ def check_chat(messages: list[dict]) -> None:
         raise ValueError("the chat opens with an assistant turn: nothing comes before it to answer")
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]], generation_prompt: bool = False
-             ) -> list[list[int]]:
-    if not conversations:
-        return []
-    return tokenizer.apply_chat_template(conversations, tokenize=True, add_generation_prompt=generation_prompt,
-                                         return_dict=True)["input_ids"]
-
-
 def tokenize_chats(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase, completion_only: bool
                    ) -> list[tuple[list[int], list[int]]]:
     """Each conversation through the tokenizer's chat template; labels keep each assistant turn: the tokens
@@ -392,6 +348,14 @@ def tokenize(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, n
     if len(raw) == 0:
         raise ConfigError(f"The {name} data of {source!r} is empty.")
     data_format = source_format(raw, recipe.dataset_format)
+    if (data_format in PREFERENCE_FORMATS) != (recipe.method == "dpo"):
+        raise ConfigError(f"{source!r} holds {data_format} rows, which --method {recipe.method} does not train: "
+                          + ("give it chosen/rejected pairs." if recipe.method == "dpo" else "add --method dpo."))
+    if recipe.method == "dpo":  # preference pairs: shardtune.methods.preference
+        from shardtune.methods.preference import tokenize_preferences
+
+        return tokenize_preferences(raw, recipe, tokenizer, name, source, data_format,
+                                    tokenize_processes(recipe, len(raw)))
     if data_format == "tokenized":
         return use_tokenized(raw, recipe, name, source)
     if data_format in CHAT_FORMATS and not has_chat_template(tokenizer):

@@ -18,8 +18,11 @@ if TYPE_CHECKING:
 # Bundled chat templates, one `<name>.jinja` each, shipped with the package.
 CHAT_TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
 # The columns that identify each format, in the order auto-detection tries them. Alpaca's `input` is optional.
-FORMATS = {"tokenized": ("input_ids", "labels"), "messages": ("messages",), "sharegpt": ("conversations",),
-           "alpaca": ("instruction", "output"), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+FORMATS = {"tokenized": ("input_ids", "labels"), "tokenized_pairs": ("prompt_ids", "chosen_ids", "rejected_ids"),
+           "messages": ("messages",), "sharegpt": ("conversations",), "alpaca": ("instruction", "output"),
+           "prompt_completion": ("prompt", "completion"), "text": ("text",), "preference": ("chosen", "rejected")}
+TOKENIZED_FORMATS = ("tokenized", "tokenized_pairs")  # used as they are
+PREFERENCE_FORMATS = ("preference", "tokenized_pairs")  # pairs, for --method dpo
 # The formats whose columns hold text, read as strings when tokenized.
 TEXT_FORMATS = ("alpaca", "prompt_completion", "text")
 ENCODING_CHUNK = 1 << 20  # bytes decoded at a time: the check reads a file at about 0.6 GB/s
@@ -231,8 +234,9 @@ def row_place(source: str, index: int) -> str:
 def detect_format(columns: list[str], requested: str = "auto") -> str:
     """The format of a source's columns: rows tokenized before are used as they are; otherwise --dataset_format,
     or the first format whose columns the source has."""
-    if all(column in columns for column in FORMATS["tokenized"]):
-        return "tokenized"
+    for tokenized in TOKENIZED_FORMATS:
+        if all(column in columns for column in FORMATS[tokenized]):
+            return tokenized
     if requested != "auto":
         missing = [column for column in FORMATS[requested] if column not in columns]
         if missing:
@@ -252,7 +256,7 @@ def source_format(raw: Dataset, requested: str = "auto") -> str:
     """A source's format: detect_format's, except that auto-detection takes the first format whose columns the
     first row fills (a column of another format may hold only nulls). check_row_formats holds every row to it."""
     data_format = detect_format(raw.column_names, requested)
-    if data_format == "tokenized" or requested != "auto" or len(raw) == 0:
+    if data_format in TOKENIZED_FORMATS or requested != "auto" or len(raw) == 0:
         return data_format
     return (row_formats(raw, 0) or [data_format])[0]
 
@@ -272,7 +276,7 @@ def row_formats(raw: Dataset, index: int) -> list[str]:
     """The formats whose columns row `index` fills, in detection order."""
     row = raw[index]
     return [name for name, needed in FORMATS.items()
-            if name != "tokenized" and all(row.get(column) is not None for column in needed)]
+            if name not in TOKENIZED_FORMATS and all(row.get(column) is not None for column in needed)]
 
 
 def check_row_formats(raw: Dataset, requested: str, source: str) -> str:
@@ -285,7 +289,7 @@ def check_row_formats(raw: Dataset, requested: str, source: str) -> str:
     if len(raw) == 0:
         raise ConfigError(f"{source!r} holds no rows: give --dataset a source with training rows.")
     data_format = source_format(raw, requested)
-    if data_format == "tokenized":
+    if data_format in TOKENIZED_FORMATS:
         return data_format
     needed = FORMATS[data_format]
     lacking = pc.invert(filled(raw, needed))

@@ -43,6 +43,9 @@ def held_out_prompts(eval_rows, count: int, max_length: int) -> HeldOutPrompts |
     count 0 (or no row with a target)."""
     if count <= 0:
         return None
+    if "prompt_ids" in eval_rows.column_names:  # preference pairs: the prompt, and its chosen answer
+        rows = eval_rows.select(range(min(count, len(eval_rows))))
+        return HeldOutPrompts(rows["prompt_ids"], rows["chosen_ids"], max_length)
     prompts, references = [], []
     for row in eval_rows.select(range(min(count, len(eval_rows)))):
         start = first_target(row["labels"])

@@ -42,7 +42,8 @@ class StepSummary:
 
 def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main_process: bool,
                 loss_scaled: bool = False) -> torch.Tensor:
-    """[non-finite, stop, skipped, loss share, gradient norm, *counts, next step's targets] on the loss's device,
+    """[non-finite, stop, skipped, loss share, gradient norm, *counts, *method sums, next step's targets] on the
+    loss's device,
     to be summed over ranks. The norm is global (the same on every rank): only the main process adds it, so the
     sum is exact; so are the counts (integers far below 2**53). With a dynamic loss scaler (`loss_scaled`, fp16)
     an infinite norm is an overflow the scaler skips the step for and lowers its scale after, as torch's
@@ -61,6 +62,7 @@ def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main
         out.loss.to(torch.float64),
         norm.to(torch.float64) if is_main_process else zero,  # not inf x 0: that would sum to NaN
         *(torch.full((), float(batch.counts[key]), dtype=torch.float64, device=device) for key in COUNT_KEYS),
+        *(out.method_sums.to(torch.float64) if out.method_sums is not None else ()),
         torch.full((), float(batch.next_targets), dtype=torch.float64, device=device),
     ])
 
@@ -75,11 +77,14 @@ class TrainMetrics:
     the first and the last loss logged, for the run's closing line."""
 
     def __init__(self, accelerator: Accelerator, batching: BatchSizes, steps_per_epoch: int, shape: ModelShape,
-                 peak_flops_per_gpu: float | None, loss_scaled: bool = False, adapters: int | None = None) -> None:
-        """`adapters`: the trainable parameters of a frozen base (LoRA), which MFU counts (flops_per_token)."""
+                 peak_flops_per_gpu: float | None, loss_scaled: bool = False, adapters: int | None = None,
+                 method_metrics: tuple[str, ...] = ()) -> None:
+        """`adapters`: the trainable parameters of a frozen base (LoRA), which MFU counts (flops_per_token).
+        `method_metrics`: the names of the step's method sums (StepOutput.method_sums), logged per target (per
+        pair under DPO)."""
         self.accelerator, self.batching, self.steps_per_epoch = accelerator, batching, steps_per_epoch
         self.shape, self.peak_flops_per_gpu, self.loss_scaled = shape, peak_flops_per_gpu, loss_scaled
-        self.adapters = adapters
+        self.adapters, self.method_metrics = adapters, method_metrics
         self._next_targets: torch.Tensor | None = None
         self.skipped_in_a_row = 0
         self.first_loss: float | None = None
@@ -97,6 +102,7 @@ class TrainMetrics:
     def _reset(self) -> None:
         self.started, self.paused_s, self.steps, self.skipped, self.loss = time.perf_counter(), 0.0, 0, 0, 0.0
         self.counts = dict.fromkeys(COUNT_KEYS, 0.0)
+        self.method_sums = [0.0] * len(self.method_metrics)
         self.peak_before_pauses: dict[str, float] = {}  # the window's training peak up to its last pause
         reset_phase_peak(self.accelerator.device)  # each window logs its own peak
 
@@ -119,13 +125,15 @@ class TrainMetrics:
         vector = step_vector(out, batch, stop_requested, self.accelerator.is_main_process, self.loss_scaled)
         summed = self.accelerator.reduce(vector, "sum")  # the step's one collective
         self._next_targets = summed[-1].to(torch.long)  # stays on the device: the next step's loss divisor
-        non_finite, stop, skipped, loss, grad_norm, *counts, _ = summed.tolist()  # the step's one device-to-host sync
+        non_finite, stop, skipped, loss, grad_norm, *rest, _ = summed.tolist()  # the step's one device-to-host sync
+        counts, method_sums = rest[:len(COUNT_KEYS)], rest[len(COUNT_KEYS):]
         self.steps += 1
         self.skipped += skipped > 0
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped > 0 else 0
         self.loss += loss
         for key, value in zip(COUNT_KEYS, counts, strict=True):
             self.counts[key] += value
+        self.method_sums = [total + value for total, value in zip(self.method_sums, method_sums, strict=True)]
         # A scaler halves its scale at each overflow: so many in a row are gradients that are not finite at any
         # scale, which torch's GradScaler would skip forever (DeepSpeed's stops at its minimum scale).
         non_finite = non_finite > 0 or self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW
@@ -149,6 +157,8 @@ class TrainMetrics:
             "step_time_s": elapsed / self.steps,
             "epoch": step / self.steps_per_epoch,
             **max_peaks(self.peak_before_pauses, peak_memory_gb(self.accelerator.device)),
+            **{name: total / self.counts["targets"] for name, total in zip(self.method_metrics, self.method_sums,
+                                                                            strict=True)},
         }
         if not math.isfinite(row["grad_norm"]):  # the last step overflowed under a loss scaler (or had no norm):
             del row["grad_norm"]  # metrics.jsonl stays JSON, which has no inf or NaN

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
@@ -22,18 +23,23 @@ from shardtune.config import BatchSizes
 from shardtune.parallel.sequence import SequenceSplit, sequence_shards
 from shardtune.tiled_loss import LABEL_KEYS, chunked_token_loss
 
+if TYPE_CHECKING:
+    from shardtune.methods.dpo import DPOStep
+
 
 @dataclass
 class StepOutput:
     loss: torch.Tensor  # this rank's share of the global batch's mean loss (the ranks' shares add up to it)
     grad_norm: torch.Tensor | None  # the global gradient norm before clipping; None where the strategy has none
     lr: float  # the learning rate this step's update used (a host number: no sync)
+    method_sums: torch.Tensor | None = None  # a method's metrics summed over this rank's micro-batches (DPO's rewards)
 
 
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                micro_batches: list[dict], targets: torch.Tensor, batching: BatchSizes, max_grad_norm: float,
                after_backward: Callable[[int], None] | None = None, *, chunked_cross_entropy: bool,
-               fused_loss: bool = False, sequence_split: SequenceSplit | None = None) -> StepOutput:
+               fused_loss: bool = False, sequence_split: SequenceSplit | None = None, method: DPOStep | None = None
+               ) -> StepOutput:
     """The loss of an update is (sum of all target-token losses of the global batch) / (their count), however
     the batch is split over micro-batches and ranks: `targets` is that count over every rank, on the device
     (shardtune.metrics.TrainMetrics.global_targets). `after_backward(i)` runs after the backward of micro-batch
@@ -41,7 +47,8 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     (shardtune.tiled_loss) instead of over the micro-batch's full logits; with `fused_loss` (--use_liger_kernel),
     Liger's fused linear cross-entropy in the tiles' place. `sequence_split`: this rank runs its slice of every
     micro-batch of its group instead (shardtune.parallel.sequence): sp x as many micro-batches, each 1/sp long,
-    whose losses over `targets` still add up, over the ranks, to the global batch's mean."""
+    whose losses over `targets` still add up, over the ranks, to the global batch's mean. `method`: DPO's loss over
+    the micro-batch's pairs instead, `targets` counting pairs (shardtune.methods.dpo)."""
     # accelerate (DeepSpeed's engine) divides by the accumulation steps and the ranks average gradients: the loss is
     # scaled by both, so that the update's gradient is the global batch's. Under the split the engine's steps are
     # sp x the accumulation and it averages over world / sp ranks (x reduction_factor): the same product, times that.
@@ -50,12 +57,15 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     unwrapped = accelerator.unwrap_model(model)
     # Read before anything steps the scheduler: afterwards it holds the next step's rate.
     lr = float(scheduler.get_last_lr()[0])  # torchao's optimizers keep it as a host tensor: no sync
-    loss_sum = torch.zeros((), device=device)
+    loss_sum, method_sums = torch.zeros((), device=device), None
     if sequence_split is not None:
         micro_batches = sequence_shards(micro_batches, device)
     for index, batch in enumerate(micro_batches):
         with accelerator.accumulate(model):
-            if chunked_cross_entropy:  # this micro-batch's share of the mean
+            if method is not None:
+                loss, sums = method.loss(model, unwrapped, batch, targets)
+                method_sums = sums if method_sums is None else method_sums + sums
+            elif chunked_cross_entropy:  # this micro-batch's share of the mean
                 loss = chunked_token_loss(model, unwrapped, batch, targets, fused=fused_loss)
             else:
                 loss = token_loss(model, unwrapped, batch, targets)
@@ -71,7 +81,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     if not accelerator.optimizer_step_was_skipped:  # a loss scaler's overflow (a host flag): the schedule waits too,
         scheduler.step()  # as in transformers' Trainer
     optimizer.zero_grad()
-    return StepOutput(loss=loss_sum, grad_norm=norm_on_device(grad_norm, device), lr=lr)
+    return StepOutput(loss=loss_sum, grad_norm=norm_on_device(grad_norm, device), lr=lr, method_sums=method_sums)
 
 
 def token_loss(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict, targets: torch.Tensor

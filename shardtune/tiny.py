@@ -67,6 +67,30 @@ def reversal_examples(count: int, seed: int) -> list[dict]:
     return rows
 
 
+def preference_examples(count: int, seed: int) -> list[dict]:
+    """Reversal pairs: the reversed word chosen over a wrong answer (the word as it is, or reversed with two
+    letters swapped)."""
+    rng = random.Random(seed)
+    rows = []
+    for row in reversal_examples(count, seed):
+        word = row["completion"]
+        wrong = word[::-1] if rng.random() < 0.5 else word[1] + word[0] + word[2:]
+        rows.append({"prompt": row["prompt"], "chosen": word, "rejected": wrong if wrong != word else word + word[-1]})
+    return rows
+
+
+def ensure_tiny_preferences(root: str, count: int = 2048, seed: int = 1) -> str:
+    """The tiny task's preference pairs (`--method dpo` on recipes/tiny.py), written once beside its data, as
+    ensure_tiny_assets writes those."""
+    path = os.path.join(root, "preferences.jsonl")
+    if not os.path.isfile(path):
+        scratch = tempfile.mkstemp(prefix=".preferences-", dir=root)[1]
+        with open(scratch, "w") as file:
+            file.writelines(json.dumps(row) + "\n" for row in preference_examples(count, seed))
+        os.replace(scratch, path)
+    return path
+
+
 def write_tiny_assets(root: str, num_examples: int = 4096, seed: int = 0, save_dtype: torch.dtype | None = None,
                       **config_overrides) -> None:
     """Write `root/model` (config, random weights stored in `save_dtype`, default fp32, tokenizer) and

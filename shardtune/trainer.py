@@ -54,6 +54,11 @@ from shardtune.memory import (
     reset_phase_peak,
     rss_bytes,
 )
+from shardtune.methods.dpo import evaluate_pairs
+from shardtune.methods.dpo_loss import PAIR_METRICS
+from shardtune.methods.preference import PreferenceCollator, numbered
+from shardtune.methods.reference import disable_dropout
+from shardtune.methods.training import DPOTraining
 from shardtune.metrics import MAX_SKIPPED_IN_A_ROW, StepSummary, TrainMetrics
 from shardtune.model import enable_activation_offloading, load_model, load_tokenizer
 from shardtune.optimizers import make_optimizer
@@ -107,6 +112,7 @@ class Run:
     loaded: dict[str, int]  # parameter bytes right after loading; peak RSS while loading and sharding
     held_out: HeldOutPrompts | None  # the prompts answered at each eval (--generation_samples)
     save_dtype: torch.dtype | None  # of the Hugging Face export; None: as trained
+    dpo: DPOTraining | None = None  # --method dpo: its step, reference and precomputation
 
 
 def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume: ResumePoint | None = None,
@@ -118,6 +124,8 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume
     with accelerator.local_main_process_first():  # once per node: nodes need not share the datasets cache
         train_set, eval_set = load_splits(recipe, tokenizer)
         train_set = pack_rows(train_set, recipe)  # here, not in load_splits: prepare_data.py saves sequences
+    if recipe.method == "dpo":  # each pair numbered: its precomputed reference log-probs are found by it
+        train_set, eval_set = numbered(train_set), numbered(eval_set)
     steps_per_epoch = len(train_set) // batching.global_batch
     if steps_per_epoch == 0:
         raise ConfigError(
@@ -131,6 +139,8 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume
     rss_before = rss_bytes()
     reset_peak_rss()  # so that the peaks read below are the loading's own
     model = load_model(recipe, main_process=accelerator.is_main_process)
+    if recipe.method == "dpo":
+        disable_dropout(model)  # TRL's default: the policy's log-probs start where the reference's are
     # Host RAM the weights took while loading (before any move to a GPU): the planner's model_loading per process.
     loaded = {"parameter_bytes": local_parameter_bytes(model), "loading_rss_bytes": peak_rss_bytes() - rss_before}
     shape = shape_from_config(model.config, recipe.name)
@@ -156,11 +166,15 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume
     # Under the sequence split every rank takes an equal slice of each micro-batch's length, by position, and no
     # attention mask reaches a kernel (shardtune.parallel.sequence).
     multiple, split = math.lcm(token_multiple(recipe), sp_size), sp_size > 1
+    if recipe.method == "dpo":
+        train_collate, eval_collate = (PreferenceCollator(tokenizer.pad_token_id, recipe.max_seq_length, multiple)
+                                       for _ in range(2))
+    else:
+        train_collate = make_collator(tokenizer, recipe.packing, recipe.attn_implementation, multiple, unmasked=split)
+        eval_collate = make_collator(tokenizer, multiple=multiple, unmasked=split)
     train_loader = DataLoader(train_set, batch_size=batching.micro_batch, shuffle=True, drop_last=True,
-                              collate_fn=make_collator(tokenizer, recipe.packing, recipe.attn_implementation,
-                                                       multiple, unmasked=split))
-    eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_eval_batch_size,
-                             collate_fn=make_collator(tokenizer, multiple=multiple, unmasked=split))
+                              collate_fn=train_collate)
+    eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_eval_batch_size, collate_fn=eval_collate)
     stepped = optimizer_parameter_names(optimizer, model)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
@@ -173,9 +187,13 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume
     loaded["peak_rss_bytes"] = peak_rss_bytes()  # loading and sharding: FSDP reads rank 0's copy only now
     if recipe.activation_offloading:  # on the prepared model: TRL's manager skips its (sharded) parameters
         enable_activation_offloading(model)
+    dpo = DPOTraining.build(accelerator, recipe, model, {"train": (train_set, train_collate, batching.micro_batch),
+                                                          "eval": (eval_set, eval_collate,
+                                                                   recipe.per_device_eval_batch_size)}) \
+        if recipe.method == "dpo" else None
     return Run(tokenizer, model, optimizer, scheduler, train_loader, eval_loader, steps_per_epoch, max_steps, shape,
                loaded, held_out_prompts(eval_set, recipe.generation_samples, recipe.max_seq_length),
-               export_dtype(recipe))
+               export_dtype(recipe), dpo)
 
 
 class BackwardHooks:
@@ -205,7 +223,8 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
     metrics = TrainMetrics(accelerator, batching, run.steps_per_epoch, run.shape, device_peak_flops(accelerator),
                            # a DeepSpeed JSON's own fp16 setting wins over the recipe's precision
                            loss_scaled=launch.strategy(recipe.mixed_precision).mixed_precision == "fp16",
-                           adapters=peft.trainable_params(run.shape) if peft else None)
+                           adapters=peft.trainable_params(run.shape) if peft else None,
+                           method_metrics=PAIR_METRICS if run.dpo else ())
     split = sequence_split(launch.sp_size, launch.deepspeed_settings)
     hooks = BackwardHooks(ModelStateProbe(model, run.optimizer), Fault.from_env(accelerator.process_index))
     start_phases(model, run.optimizer)  # SHARDTUNE_PROFILE_MEMORY: peaks per phase (shardtune.profiling)
@@ -220,7 +239,7 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
         out = train_step(accelerator, model, run.optimizer, run.scheduler, batch.micro_batches,
                          metrics.global_targets(batch), batching, recipe.max_grad_norm, hooks.after_backward,
                          chunked_cross_entropy=recipe.chunked_cross_entropy, fused_loss=recipe.use_liger_kernel,
-                         sequence_split=split)
+                         sequence_split=split, method=run.dpo.step if run.dpo else None)
         end_phase()
         summary = metrics.after_step(out, batch, stop.requested)  # every rank's verdict reaches every rank
         if summary.non_finite:
@@ -253,22 +272,24 @@ def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch
           resume: ResumePoint) -> None:
     """Restore a checkpoint or clear an earlier run, lower the collective timeout, start tracking."""
     output_dir = recipe.resolved_output_dir
+    if not resume.path and recipe.overwrite_output_dir and accelerator.is_main_process:
+        clear_output_dir(output_dir)  # all but the lock this run holds
+    accelerator.wait_for_everyone()
+    if run.dpo is not None:  # before a checkpoint loads: the policy as loaded is the reference
+        run.dpo.precompute(accelerator, recipe)
     if resume.path:
         started = time.perf_counter()
         load_state(accelerator, resume.path)
         accelerator.print(f"shardtune: resumed from {resume.path} at step {resume.step} "
                           f"(state loaded in {time.perf_counter() - started:.1f}s)"
                           + "".join(f"; {note}" for note in resume.notes))
-    elif recipe.overwrite_output_dir and accelerator.is_main_process:
-        clear_output_dir(output_dir)  # all but the lock this run holds
-    accelerator.wait_for_everyone()
     set_collective_timeout(recipe.collective_timeout_minutes)  # start-up is over: a long wait now is a hang
     os.makedirs(output_dir, exist_ok=True)
     if accelerator.is_main_process:
         truncate_metrics(output_dir, after_step=resume.step)  # a killed run may have logged past its checkpoint
     start_tracking(accelerator, recipe, launch, resumed=resume.path is not None)
     accelerator.print(
-        f"shardtune: {recipe.name} | {launch.description} | "
+        f"shardtune: {recipe.name} | {run.dpo.description if run.dpo else 'sft'} | {launch.description} | "
         f"global batch {batching.global_batch} = {batching.micro_batch} x {batching.accumulation} accumulation x "
         f"{batching.world_size} ranks | {run.max_steps} steps | precision {recipe.mixed_precision} "
         f"{reduction_dtypes(run.model)}".rstrip()
@@ -335,7 +356,8 @@ def save_and_stop(accelerator: Accelerator, checkpointer: Checkpointer, step: in
 def log_eval(accelerator: Accelerator, run: Run, output_dir: str, step: int) -> dict[str, float]:
     reset_phase_peak(accelerator.device)  # the eval's own peak, logged apart from the training windows'
     with phase("eval"):
-        eval_metrics = evaluate(run.model, run.eval_loader, accelerator)
+        eval_metrics = evaluate_pairs(run.model, run.eval_loader, accelerator, run.dpo.step) if run.dpo else \
+            evaluate(run.model, run.eval_loader, accelerator)
     accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
     log_metrics(accelerator, output_dir, step, eval_metrics)
     log_metrics(accelerator, output_dir, step, phase_peak_gb(accelerator.device, "eval"))

@@ -14,13 +14,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from shardtune.config import ConfigError, Recipe
-from shardtune.data import IGNORE_INDEX, apply_chat_template_flag, load_splits
+from shardtune.data import IGNORE_INDEX, load_splits
 from shardtune.data_sources import (
     CHAT_TEMPLATES_DIR,
     check_chat_template,
     check_dataset_sources,
     check_dataset_weights,
 )
+from shardtune.templating import apply_chat_template_flag
 from shardtune.tiny import CHAT_TEMPLATE
 from tests.conftest import load_script
 

@@ -1,0 +1,197 @@
+"""Preference pairs: prompt/chosen/rejected rows (text, or chat messages rendered by the chat template), or
+chosen/rejected alone with the prompt taken as their shared leading turns (UltraFeedback's form), tokenized as TRL
+1.16's DPOTrainer tokenizes them; and the collator that runs a micro-batch's chosen and rejected sequences as one
+right-padded batch.
+
+Tokenization (TRL's `_prepare_dataset`): text completions get the EOS text unless they end with it; the prompt and
+prompt + completion are tokenized whole (with the tokenizer's special tokens, or through the chat template, the
+prompt with the generation prompt) and the completion starts where the prompt's ids and each full sequence's ids
+first differ. Truncation is TRL's too, per sequence, keeping the start: prompt + completion cut to --max_seq_length.
+A pair whose prompt alone fills that length, or whose chosen and rejected sequences are the same once cut, teaches
+nothing: it is dropped and counted in the data's start-up line."""
+
+from __future__ import annotations
+
+import logging
+
+import pyarrow.compute as pc
+import torch
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+
+from shardtune.config import ConfigError, Recipe
+from shardtune.data import IGNORE_INDEX, joined_parts, row_error
+from shardtune.data_sources import FORMATS
+from shardtune.templating import chat_ids, has_chat_template
+
+logger = logging.getLogger(__name__)
+PAIR_COLUMNS = FORMATS["tokenized_pairs"]  # a tokenized pair (scripts/prepare_data.py writes them)
+PAIR_ID = "pair_id"  # a pair's row in its split: the key of its precomputed reference log-probs
+
+
+def is_chat(value: object) -> bool:
+    return isinstance(value, list)
+
+
+def shared_turns(chosen: list[dict], rejected: list[dict]) -> int:
+    """How many leading turns the two conversations share."""
+    count = 0
+    for mine, theirs in zip(chosen, rejected, strict=False):
+        if mine != theirs:
+            break
+        count += 1
+    return count
+
+
+def pair_parts(row: dict) -> tuple[str | list, str | list, str | list]:
+    """(prompt, chosen, rejected) of a row; raises ValueError, one sentence, where the row cannot be a pair."""
+    chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
+    if chosen == rejected:
+        raise ValueError("`chosen` and `rejected` are the same: a pair needs two different answers; delete the row")
+    if prompt is None:  # the prompt is implied: the conversations' shared leading turns
+        if not (is_chat(chosen) and is_chat(rejected)):
+            raise ValueError("a text pair without `prompt`: where the prompt ends in the text cannot be told; add a "
+                             "`prompt` column, or give `chosen` and `rejected` as chat messages")
+        shared = shared_turns(chosen, rejected)
+        if shared == 0 or shared in (len(chosen), len(rejected)):
+            raise ValueError("`chosen` and `rejected` share no leading turn, or one is the other's start: the prompt "
+                             "(their shared turns) cannot be told apart; add a `prompt` column")
+        if chosen[shared].get("role") != "assistant" or rejected[shared].get("role") != "assistant":
+            raise ValueError("after their shared turns `chosen` and `rejected` must go on with an assistant turn")
+        return chosen[:shared], chosen[shared:], rejected[shared:]
+    if len({is_chat(prompt), is_chat(chosen), is_chat(rejected)}) > 1:
+        raise ValueError("`prompt`, `chosen` and `rejected` mix text and chat messages: give all three as text or "
+                         "all three as messages")
+    if not is_chat(prompt) and not all(isinstance(value, str) for value in (prompt, chosen, rejected)):
+        raise ValueError("`prompt`, `chosen` and `rejected` must be text or chat messages")
+    return prompt, chosen, rejected
+
+
+def common_prefix_length(ids: list[int], other: list[int]) -> int:
+    length = 0
+    for token, other_token in zip(ids, other, strict=False):
+        if token != other_token:
+            break
+        length += 1
+    return length
+
+
+def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,
+                   max_len: int, source: str) -> dict:
+    """prompt_ids, chosen_ids and rejected_ids of each row (untruncated, as TRL keeps them), and `keep`: whether the
+    pair still teaches something once cut to `max_len`."""
+    rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+    parts = []
+    for index, row in zip(indices, rows, strict=True):
+        try:
+            prompt, chosen, rejected = pair_parts(row)
+        except ValueError as error:
+            raise row_error(index, source, error) from error
+        parts.append((prompt, chosen, rejected) if not is_chat(prompt) else
+                     tuple(joined_parts(part) for part in (prompt, chosen, rejected)))
+    chat = {is_chat(prompt) for prompt, _, _ in parts}
+    if len(chat) > 1:
+        first_text = next(index for index, (prompt, _, _) in zip(indices, parts, strict=True) if not is_chat(prompt))
+        raise row_error(first_text, source, ValueError("a text pair among chat pairs: a source holds pairs of one "
+                                                       "kind; put each in a file of its own"))
+    if chat == {True}:
+        prompt_ids = chat_ids(tokenizer, [prompt for prompt, _, _ in parts], generation_prompt=True)
+        chosen_full = chat_ids(tokenizer, [prompt + chosen for prompt, chosen, _ in parts])
+        rejected_full = chat_ids(tokenizer, [prompt + rejected for prompt, _, rejected in parts])
+    else:
+        eos = tokenizer.eos_token
+        ended = [(prompt, chosen if chosen.endswith(eos) else chosen + eos,
+                  rejected if rejected.endswith(eos) else rejected + eos) for prompt, chosen, rejected in parts]
+        prompt_ids = tokenizer([prompt for prompt, _, _ in ended])["input_ids"]
+        chosen_full = tokenizer([prompt + chosen for prompt, chosen, _ in ended])["input_ids"]
+        rejected_full = tokenizer([prompt + rejected for prompt, _, rejected in ended])["input_ids"]
+    out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "keep": []}
+    for prompt, chosen, rejected in zip(prompt_ids, chosen_full, rejected_full, strict=True):
+        start = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
+        out["prompt_ids"].append(prompt[:start])
+        out["chosen_ids"].append(chosen[start:])
+        out["rejected_ids"].append(rejected[start:])
+        out["keep"].append(start < max_len and chosen[:max_len] != rejected[:max_len])
+    return out
+
+
+def tokenize_preferences(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, name: str, source: str,
+                         data_format: str, processes: int | None) -> Dataset:
+    """One source's pairs as PAIR_COLUMNS, the pairs that teach nothing once cut dropped and counted."""
+    if data_format == "tokenized_pairs":
+        tokenized = raw.remove_columns([column for column in raw.column_names if column not in PAIR_COLUMNS])
+        described = "tokenized before"
+        tokenized = tokenized.map(lambda row: {"keep": pair_teaches(row, recipe.max_seq_length)},
+                                  desc=f"checking {name} pairs ({source})")
+    else:
+        first = raw[0]
+        chat = is_chat(first.get("chosen"))
+        if chat and not has_chat_template(tokenizer):
+            raise ConfigError(f"{recipe.model_name_or_path!r} has no chat template for the chat pairs of {source!r}: "
+                              "pass --chat_template, or use a chat (instruct) tokenizer.")
+        tokenized = raw.map(tokenize_pairs, batched=True, with_indices=True, num_proc=processes,
+                            fn_kwargs={"tokenizer": tokenizer, "max_len": recipe.max_seq_length, "source": source},
+                            remove_columns=raw.column_names, desc=f"tokenizing {name} pairs ({source})")
+        described = "chat via the chat template" if chat else "text"
+    keep = tokenized.data.column("keep")
+    dropped = pc.sum(pc.invert(keep)).as_py() or 0
+    prompt_full = pc.sum(pc.greater_equal(pc.list_value_length(tokenized.data.column("prompt_ids")),
+                                          recipe.max_seq_length)).as_py() or 0
+    if dropped:
+        tokenized = tokenized.filter(lambda kept: kept, input_columns=["keep"], num_proc=processes,
+                                     desc="dropping pairs that teach nothing")
+    lengths = [pc.list_value_length(tokenized.data.column(column)) for column in PAIR_COLUMNS]
+    longest = pc.add(lengths[0], pc.max_element_wise(lengths[1], lengths[2]))
+    longer = pc.sum(pc.greater(longest, recipe.max_seq_length)).as_py() or 0
+    logger.warning("%s pairs of %s: %d pairs, %s; %d with a sequence longer than %d tokens (truncated), %d whose "
+                   "prompt fills the length and %d whose chosen and rejected are the same once truncated (dropped)",
+                   name, source, len(tokenized), described, longer, recipe.max_seq_length, prompt_full,
+                   dropped - prompt_full)
+    if len(tokenized) == 0:
+        raise ConfigError(f"No {name} pair of {source!r} is left once cut to --max_seq_length "
+                          f"{recipe.max_seq_length}: raise it.")
+    return tokenized.remove_columns(["keep"])
+
+
+def pair_teaches(row: dict, max_len: int) -> bool:
+    chosen, rejected = (row["prompt_ids"] + row[key] for key in ("chosen_ids", "rejected_ids"))
+    return len(row["prompt_ids"]) < max_len and chosen[:max_len] != rejected[:max_len]
+
+
+def numbered(dataset: Dataset) -> Dataset:
+    """The split with each pair's row number (PAIR_ID), by which its precomputed reference log-probs are found."""
+    return dataset.add_column(PAIR_ID, list(range(len(dataset))))
+
+
+class PreferenceCollator:
+    """A micro-batch of pairs as one right-padded batch, its chosen sequences first, then its rejected ones, each
+    prompt + completion cut to `max_len` (TRL's DataCollatorForPreference): input_ids, attention_mask and labels
+    (the completion's tokens, IGNORE_INDEX elsewhere). With precomputed reference log-probs (`reference`: a
+    (pairs, 2) table of the split), `ref_logps` per pair. COUNTS as the SFT collator's, `targets` being pairs: the
+    unit the DPO loss is averaged over."""
+
+    def __init__(self, pad_id: int, max_len: int, multiple: int = 1) -> None:
+        self.pad_id, self.max_len, self.multiple = pad_id, max_len, multiple
+        self.reference: torch.Tensor | None = None  # set once the reference log-probs are computed or read
+
+    def __call__(self, features: list[dict]) -> dict:
+        from shardtune.batches import COUNTS
+
+        sequences, labels = [], []
+        for side in ("chosen_ids", "rejected_ids"):
+            for feature in features:
+                prompt, completion = feature["prompt_ids"], feature[side]
+                sequences.append((prompt + completion)[: self.max_len])
+                labels.append(([IGNORE_INDEX] * len(prompt) + completion)[: self.max_len])
+        longest = max(len(sequence) for sequence in sequences)
+        length = -(-longest // self.multiple) * self.multiple
+        batch = {
+            "input_ids": torch.tensor([seq + [self.pad_id] * (length - len(seq)) for seq in sequences]),
+            "attention_mask": torch.tensor([[1] * len(seq) + [0] * (length - len(seq)) for seq in sequences]),
+            "labels": torch.tensor([label + [IGNORE_INDEX] * (length - len(label)) for label in labels]),
+        }
+        if self.reference is not None:
+            batch["ref_logps"] = self.reference[torch.tensor([feature[PAIR_ID] for feature in features])]
+        batch[COUNTS] = {"targets": len(features), "tokens": sum(len(sequence) for sequence in sequences),
+                         "processed": batch["input_ids"].numel(), "sequences": len(sequences)}
+        return batch
