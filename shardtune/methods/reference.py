@@ -102,7 +102,8 @@ def prepare_reference(accelerator: Accelerator, model: torch.nn.Module) -> torch
         if config["zero_optimization"].get("stage") != 3:
             config["zero_optimization"]["stage"] = 0
         engine, *_ = deepspeed.initialize(model=model, config=config)
-        return engine.eval()
+        engine.eval()  # DeepSpeed's returns None
+        return engine
     return model.to(accelerator.device)
 
 
