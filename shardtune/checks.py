@@ -40,6 +40,7 @@ from shardtune.liger import check_liger_device, check_liger_kernel
 from shardtune.nvme_checks import AsyncIOReadiness, check_async_io, check_nvme_path, offloads_to_nvme
 from shardtune.output_checks import check_async_save, check_checkpoints, check_exports, check_output_dir
 from shardtune.parallel.sequence import check_sequence_split
+from shardtune.parallel.tensor import check_tensor_parallel
 from shardtune.schedule import check_schedule
 
 RECIPE_DEFAULTS = dataclasses.asdict(Recipe())
@@ -345,27 +346,25 @@ def check_tracking(recipe: Recipe) -> None:
                           "--report_to none.")
 
 
-def batch_sizes(recipe: Recipe, world_size: int) -> BatchSizes:
-    """The micro-batch, accumulation and ranks that make --global_batch_size, or ConfigError when they cannot."""
+def batch_sizes(recipe: Recipe, world_size: int, tp_size: int = 1) -> BatchSizes:
+    """The micro-batch, accumulation and data-parallel ranks (the processes / tp_size) that make
+    --global_batch_size, or ConfigError when they cannot."""
     micro, gas, total = recipe.per_device_train_batch_size, recipe.gradient_accumulation_steps, recipe.global_batch_size
     too_small = below_lowest([("--per_device_train_batch_size", micro), ("--gradient_accumulation_steps", gas)])
     if too_small:
         raise ConfigError(too_small[0])
-    per_step = micro * world_size
+    ranks = world_size // tp_size
+    per_step, what = micro * ranks, "processes" if tp_size == 1 else f"data ranks (processes / tp_size {tp_size})"
     if total is None:
-        return BatchSizes(micro, gas or 1, world_size)
+        return BatchSizes(micro, gas or 1, world_size, tp_size)
     if total % per_step:
-        raise ConfigError(
-            f"--global_batch_size {total} is not divisible by per_device_train_batch_size x processes "
-            f"= {micro} x {world_size} = {per_step}. Pick a global batch that is a multiple of {per_step}, "
-            "or change --per_device_train_batch_size."
-        )
+        raise ConfigError(f"--global_batch_size {total} is not divisible by per_device_train_batch_size x {what} = "
+                          f"{micro} x {ranks} = {per_step}. Pick a global batch that is a multiple of {per_step}, "
+                          "or change --per_device_train_batch_size.")
     if gas is not None and gas * per_step != total:
-        raise ConfigError(
-            f"--gradient_accumulation_steps {gas} disagrees with --global_batch_size {total}: "
-            f"{micro} x {gas} x {world_size} processes = {gas * per_step}. Give only one of the two."
-        )
-    return BatchSizes(micro, total // per_step, world_size)
+        raise ConfigError(f"--gradient_accumulation_steps {gas} disagrees with --global_batch_size {total}: "
+                          f"{micro} x {gas} x {ranks} {what} = {gas * per_step}. Give only one of the two.")
+    return BatchSizes(micro, total // per_step, world_size, tp_size)
 
 
 # Compute capability of the GPUs --hardware can name (hardware.PEAK_BF16_FLOPS), which a dry run plans fp8 on; a
@@ -447,7 +446,8 @@ def check_recipe(recipe: Recipe, problems: Problems, launch: LaunchDescription |
     if launch is None:
         return None
     problems.check(check_nvme_path, recipe, launch.nvme_offloaded, not planned)
-    return problems.check(batch_sizes, recipe, launch.world_size)
+    problems.check(check_tensor_parallel, recipe, launch.tp_size, given)
+    return problems.check(batch_sizes, recipe, launch.world_size, launch.tp_size)
 
 
 def check_on_device(recipe: Recipe, problems: Problems, launch: LaunchDescription, on_gpu: bool,

@@ -57,7 +57,9 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
     on_cpu = recipe.use_cpu
     precision = compute_precision(recipe.mixed_precision)  # fp8: shardtune.float8 converts the linears itself
     plugin = fsdp_plugin(precision, on_cpu, recipe.bf16_stochastic_round) if uses_fsdp else None
-    hybrid_on_cpu = on_cpu and uses_fsdp and launch.hybrid_shard
+    # A mesh accelerate refuses to build on MULTI_CPU: set once the state is FSDP (enable_fsdp_on_cpu) or, for TP
+    # alone, by mesh_on_cpu.
+    mesh_on_cpu = on_cpu and (launch.tp_size > 1 or uses_fsdp and launch.hybrid_shard)
     if uses_deepspeed:
         deepspeed_launch_env(recipe, launch)
     if launch.deepspeed_offloads:
@@ -71,7 +73,7 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
         # accelerate's AO backend would convert the linears again inside `prepare`, after FSDP2 sharded them.
         mixed_precision="no" if recipe.bf16_stochastic_round else precision,
         fsdp_plugin=plugin,
-        parallelism_config=parallelism(recipe, launch, hybrid_on_cpu),
+        parallelism_config=parallelism(recipe, launch, mesh_on_cpu),
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             # Under the sequence split each micro-batch runs as sp slices on every rank (shardtune.parallel.sequence)
             num_steps=batching.accumulation * launch.sp_size,
@@ -95,7 +97,9 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
         ],
     )
     if on_cpu and uses_fsdp:
-        enable_fsdp_on_cpu(accelerator, plugin, ParallelismConfig() if hybrid_on_cpu else None)
+        enable_fsdp_on_cpu(accelerator, plugin, ParallelismConfig() if mesh_on_cpu else None)
+    elif mesh_on_cpu:
+        mesh_on_multi_cpu(accelerator, ParallelismConfig())
     if accelerator.num_processes != world_size:
         raise ConfigError(
             f"accelerate started {accelerator.num_processes} process(es) in the process group but WORLD_SIZE is "
@@ -106,14 +110,14 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
     return accelerator
 
 
-def parallelism(recipe: Recipe, launch: LaunchDescription, hybrid_on_cpu: bool) -> ParallelismConfig | None:
-    """The ParallelismConfig the Accelerator gets: the sequence split's (Ulysses, under DeepSpeed), or for hybrid
-    sharding on CPU a config of size 1 (accelerate builds the launch's (replicate, shard) mesh from the
+def parallelism(recipe: Recipe, launch: LaunchDescription, mesh_on_cpu: bool) -> ParallelismConfig | None:
+    """The ParallelismConfig the Accelerator gets: the sequence split's (Ulysses, under DeepSpeed), or for a mesh on
+    CPU (hybrid sharding, tensor parallelism) a config of size 1 (accelerate builds the launch's mesh from the
     PARALLELISM_CONFIG_* variables but refuses it on MULTI_CPU; the mesh is set once the state is FSDP,
-    enable_fsdp_on_cpu); None: accelerate reads the launch's own."""
+    enable_fsdp_on_cpu, or by mesh_on_multi_cpu); None: accelerate reads the launch's own."""
     if launch.sp_size > 1:
         return ulysses_parallelism(recipe, launch.world_size, launch.sp_size)
-    if hybrid_on_cpu:
+    if mesh_on_cpu:
         return ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, tp_size=1, cp_size=1, sp_size=1)
     return None
 
@@ -219,6 +223,14 @@ def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParalle
         state.parallelism_config = parallelism
         state.device_mesh = parallelism.get_device_mesh("cpu")
         parallelism._validate_accelerator(accelerator)
+
+
+def mesh_on_multi_cpu(accelerator: Accelerator, parallelism: ParallelismConfig) -> None:
+    """Tensor parallelism alone on CPU: the launch's mesh over gloo, which accelerate builds on GPUs (MULTI_GPU)
+    and refuses on MULTI_CPU (ParallelismConfig._validate_accelerator); its `prepare` then checks the model's tp
+    size and wraps no DDP, as on GPUs."""
+    accelerator.state.parallelism_config = parallelism
+    accelerator.state.device_mesh = parallelism.get_device_mesh("cpu")
 
 
 def optimizer_parameter_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[list[str]]:

@@ -21,6 +21,7 @@ from shardtune.batches import COUNTS
 from shardtune.config import EVAL_CHUNK_POSITIONS
 from shardtune.data import IGNORE_INDEX
 from shardtune.parallel.sequence import sequence_group, sequence_shards, split_size
+from shardtune.parallel.tensor import rows_once
 from shardtune.tiled_loss import forward_replaced, shifted_labels
 
 
@@ -89,9 +90,11 @@ def model_inputs(batch: dict) -> dict:
 def plain_head(unwrapped: torch.nn.Module) -> bool:
     """Whether the LM head is a linear layer whose output is the logits: torch's Linear forward (FSDP2's
     fully_shard makes it an FSDPLinear subclass with that forward), not one with a LoRA adapter (peft's layer
-    reads its base weight as `.weight`), nor a model that scales or caps its logits after it."""
+    reads its base weight as `.weight`), nor one whose forward an instance replaced (transformers' tensor-parallel
+    wrapper, which gathers the logits), nor a model that scales or caps its logits after it."""
     config, head = unwrapped.config, unwrapped.get_output_embeddings()
-    return isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward and \
+    own_forward = type(head).forward is torch.nn.Linear.forward and "forward" not in vars(head)
+    return isinstance(head, torch.nn.Linear) and own_forward and \
         getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", 1.0) == 1.0
 
 
@@ -111,7 +114,7 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerato
             per_row = split_statistics(statistics, model, unwrapped, batch, accelerator.device)
         else:
             per_row = statistics(model, unwrapped, batch)
-        totals += accelerator.gather_for_metrics(per_row).sum(0)  # drops the rows padded in for even batches
+        totals += rows_once(accelerator, per_row).sum(0)  # drops the rows padded in for even batches
     model.train()
     loss_sum, targets, correct = totals.tolist()
     return {"eval_loss": loss_sum / targets, "eval_accuracy": correct / targets}

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from shardtune.config import OFFLOAD_DEVICES, ZERO_STAGES, ConfigError
+from shardtune.parallel.tensor import checked_tensor_parallel
 from shardtune.plan.strategy import (
     PlanError,
     Strategy,
@@ -52,6 +53,9 @@ class LaunchDescription:
     # accelerate's ParallelismConfig sp_size under DeepSpeed: every sequence split over this many ranks (Ulysses,
     # shardtune.parallel.sequence); 1 without the split.
     sp_size: int = 1
+    # accelerate's ParallelismConfig tp_size: every layer split over groups of this many ranks (FSDP2 shards over
+    # dp_shard_size beside it; shardtune.parallel.tensor); 1 without TP.
+    tp_size: int = 1
 
     @classmethod
     def from_env(cls) -> LaunchDescription:
@@ -66,7 +70,7 @@ class LaunchDescription:
         check_hpz(settings.get("hpz_partition", 1), world_size)
         if uses_fsdp:
             check_fsdp_env()
-        dp_shard, dp_replicate, sp_size = checked_parallelism(world_size, uses_fsdp, uses_deepspeed)
+        dp_shard, dp_replicate, sp_size, tp_size = checked_parallelism(world_size, uses_fsdp, uses_deepspeed)
         config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if uses_deepspeed else None
         return cls(
             world_size=world_size, local_world_size=env_int("LOCAL_WORLD_SIZE", 1), uses_deepspeed=uses_deepspeed,
@@ -77,7 +81,7 @@ class LaunchDescription:
             fsdp_reshard_after_forward=env_flag("FSDP_RESHARD_AFTER_FORWARD", ON),
             fsdp_offload_params=env_flag("FSDP_OFFLOAD_PARAMS", "false"),
             fsdp_cpu_ram_efficient_loading=env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"),
-            dp_shard_size=dp_shard, dp_replicate_size=dp_replicate, sp_size=sp_size,
+            dp_shard_size=dp_shard, dp_replicate_size=dp_replicate, sp_size=sp_size, tp_size=tp_size,
         )
 
     @property
@@ -86,9 +90,15 @@ class LaunchDescription:
         return self.dp_replicate_size > 1
 
     @property
+    def data_parallel_size(self) -> int:
+        """The ranks that each run their own rows: the ranks of a tensor-parallel group run the same."""
+        return self.world_size // self.tp_size
+
+    @property
     def description(self) -> str:
         """The strategy in words, as the start-up line says it: "DeepSpeed ZeRO-3, optimizer offloaded to cpu",
-        "FSDP2 FULL_SHARD", "DDP", or "one process"."""
+        "FSDP2 FULL_SHARD", "DDP", or "one process"; ", tensor parallel over N ranks" under TP."""
+        tensor = f"tensor parallel over {self.tp_size} ranks" if self.tp_size > 1 else ""
         if self.uses_deepspeed:
             offloaded = [f"{states} offloaded to {device}" for kind, states in (("optimizer", "optimizer"),
                                                                                ("param", "parameters"))
@@ -99,8 +109,9 @@ class LaunchDescription:
             sharding = "FULL_SHARD" if self.fsdp_reshard_after_forward else "SHARD_GRAD_OP"
             if self.hybrid_shard:
                 sharding += f" over {self.dp_shard_size} ranks, replicated x{self.dp_replicate_size}"
-            return f"FSDP2 {sharding}" + (", parameters offloaded to cpu" if self.fsdp_offload_params else "")
-        return "DDP" if self.world_size > 1 else "one process"
+            offload = ", parameters offloaded to cpu" if self.fsdp_offload_params else ""
+            return f"FSDP2 {sharding}{offload}" + (f", {tensor}" if tensor else "")
+        return tensor or ("DDP" if self.world_size > 1 else "one process")
 
     @property
     def deepspeed_offloads(self) -> bool:
@@ -239,13 +250,15 @@ def check_fsdp_env() -> None:
                           "fully shard): remove it, and set fsdp_reshard_after_forward: false for SHARD_GRAD_OP.")
 
 
-def checked_parallelism(world_size: int, uses_fsdp: bool, uses_deepspeed: bool = False) -> tuple[int, int, int]:
-    """(dp_shard_size, dp_replicate_size, sp_size) of the accelerate config's parallelism_config, as `accelerate
-    launch` exports them, or (0, 0, 1) without one: data-parallel sizes under FSDP2 (hybrid sharding), or the
-    sequence split under DeepSpeed (Ulysses); no tensor or context parallel path. The sizes must cover the ranks
-    (accelerate checks that only after the process group is up)."""
+def checked_parallelism(world_size: int, uses_fsdp: bool, uses_deepspeed: bool = False
+                        ) -> tuple[int, int, int, int]:
+    """(dp_shard_size, dp_replicate_size, sp_size, tp_size) of the accelerate config's parallelism_config, as
+    `accelerate launch` exports them, or (0, 0, 1, 1) without one: data-parallel sizes under FSDP2 (hybrid
+    sharding), the sequence split under DeepSpeed (Ulysses), or tensor parallelism (under FSDP2, or alone); no
+    context parallel path. The sizes must cover the ranks (accelerate checks that only after the process group
+    is up)."""
     if not env_flag("ACCELERATE_USE_PARALLELISM_CONFIG", "false"):
-        return 0, 0, 1
+        return 0, 0, 1, 1
     sizes = {name: env_int(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", 1)
              for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
     if sizes["cp"] != 1:
@@ -253,19 +266,23 @@ def checked_parallelism(world_size: int, uses_fsdp: bool, uses_deepspeed: bool =
                           "parallelism is not wired into shardtune's trainer; split sequences with DeepSpeed's "
                           "Ulysses instead (accelerate_configs/ds_zero3_ulysses.yaml, parallelism_config_sp_size).")
     if sizes["sp"] != 1:
-        return 0, 0, checked_sequence_split(sizes, world_size, uses_deepspeed)
-    others = [f"{name}_size {size}" for name, size in sizes.items() if name == "tp" and size != 1]
-    if others or not uses_fsdp:
-        raise ConfigError(f"The accelerate config's parallelism_config sets {', '.join(others) or 'sizes'} and "
-                          "shardtune trains data-parallel FSDP2 only: keep parallelism_config_dp_replicate_size and "
+        return 0, 0, checked_sequence_split(sizes, world_size, uses_deepspeed), 1
+    if sizes["tp"] != 1:
+        tp = checked_tensor_parallel(sizes, world_size, uses_fsdp, uses_deepspeed,
+                                     uses_fsdp and env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"))
+        return sizes["dp_shard"] if uses_fsdp else 0, sizes["dp_replicate"] if uses_fsdp else 0, 1, tp
+    if not uses_fsdp:
+        raise ConfigError("The accelerate config's parallelism_config sets data-parallel sizes and shardtune shards "
+                          "by them under FSDP2 only: keep parallelism_config_dp_replicate_size and "
                           "parallelism_config_dp_shard_size (with distributed_type FSDP), or "
-                          "parallelism_config_sp_size (with DeepSpeed), or remove the section.")
+                          "parallelism_config_sp_size (with DeepSpeed), or parallelism_config_tp_size, or remove "
+                          "the section.")
     if sizes["dp_replicate"] * sizes["dp_shard"] != world_size:
         raise ConfigError(f"parallelism_config_dp_replicate_size {sizes['dp_replicate']} x "
                           f"parallelism_config_dp_shard_size {sizes['dp_shard']} is not the {world_size} processes "
                           "launched: give accelerate launch --parallelism_config_dp_replicate_size <nodes> "
                           "--parallelism_config_dp_shard_size <processes per node>.")
-    return sizes["dp_shard"], sizes["dp_replicate"], 1
+    return sizes["dp_shard"], sizes["dp_replicate"], 1, 1
 
 
 def checked_sequence_split(sizes: dict[str, int], world_size: int, uses_deepspeed: bool) -> int:

@@ -52,7 +52,9 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     # accelerate (DeepSpeed's engine) divides by the accumulation steps and the ranks average gradients: the loss is
     # scaled by both, so that the update's gradient is the global batch's. Under the split the engine's steps are
     # sp x the accumulation and it averages over world / sp ranks (x reduction_factor): the same product, times that.
-    scale = batching.accumulation * batching.world_size * (sequence_split.reduction_factor if sequence_split else 1)
+    # Under tensor parallelism FSDP2 averages over the data ranks only (world / tp): the ranks of a group hold slices.
+    scale = batching.accumulation * batching.data_parallel_size * \
+        (sequence_split.reduction_factor if sequence_split else 1)
     device = accelerator.device
     unwrapped = accelerator.unwrap_model(model)
     # Read before anything steps the scheduler: afterwards it holds the next step's rate.

@@ -65,6 +65,7 @@ from shardtune.optimizers import make_optimizer
 from shardtune.output_dir import clear_output_dir
 from shardtune.packing import pack_rows
 from shardtune.parallel.sequence import check_right_padding, plain_loader, sequence_split, split_in_eval
+from shardtune.parallel.tensor import apply_tensor_parallel, prepare_without_tp, tensor_parallel_size
 from shardtune.plan.planned_run import recipe_peft
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.profiling import begin_phase, end_phase, phase, profile_memory, start_phases
@@ -147,6 +148,8 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume
     if recipe.use_liger_kernel:  # before sharding: the wrappers find the patched modules' forwards in place
         apply_liger_kernels(model)
     fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if tensor_parallel_size(accelerator) > 1:  # before sharding: FSDP2 shards each rank's slices over the data ranks
+        apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
     if recipe.mixed_precision == "fp8":  # before sharding: FSDP2 then gathers the wrapped weights in float8
         convert_linears(model, all_gather=fsdp)
     if fsdp:
@@ -176,9 +179,10 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume
                               collate_fn=train_collate)
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_eval_batch_size, collate_fn=eval_collate)
     stepped = optimizer_parameter_names(optimizer, model)
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler
-    )
+    with prepare_without_tp(accelerator):
+        model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+            model, optimizer, train_loader, eval_loader, scheduler
+        )
     if fsdp:
         repoint_optimizer_parameters(optimizer, model, stepped)
     if split:  # accelerate wrapped both loaders in DeepSpeed's adapter: the step cuts its micro-batches itself
@@ -238,7 +242,9 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
         begin_phase("forward_backward")
         out = train_step(accelerator, model, run.optimizer, run.scheduler, batch.micro_batches,
                          metrics.global_targets(batch), batching, recipe.max_grad_norm, hooks.after_backward,
-                         chunked_cross_entropy=recipe.chunked_cross_entropy, fused_loss=recipe.use_liger_kernel,
+                         # the tiles would replace the head's forward, which TP wraps (shardtune.parallel.tensor)
+                         chunked_cross_entropy=recipe.chunked_cross_entropy and launch.tp_size == 1,
+                         fused_loss=recipe.use_liger_kernel,
                          sequence_split=split, method=run.dpo.step if run.dpo else None)
         end_phase()
         summary = metrics.after_step(out, batch, stop.requested)  # every rank's verdict reaches every rank
@@ -291,7 +297,7 @@ def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch
     accelerator.print(
         f"shardtune: {recipe.name} | {run.dpo.description if run.dpo else 'sft'} | {launch.description} | "
         f"global batch {batching.global_batch} = {batching.micro_batch} x {batching.accumulation} accumulation x "
-        f"{batching.world_size} ranks | {run.max_steps} steps | precision {recipe.mixed_precision} "
+        f"{batching.data_parallel_size} ranks | {run.max_steps} steps | precision {recipe.mixed_precision} "
         f"{reduction_dtypes(run.model)}".rstrip()
     )
     if warning := unfused_fp8_warning(recipe):

@@ -1,0 +1,187 @@
+"""Tensor parallelism: every decoder layer's matmuls split over the tp ranks of a group, on transformers' own plan
+for the model (Llama's: q, k, v, gate and up projections column-wise, o and down projections row-wise, the
+embedding split over the vocabulary, the LM head column-wise with its output gathered), over the tp axis of the
+device mesh accelerate builds from the launch's parallelism_config ([dp_replicate, dp_shard, tp], tp innermost:
+a group is consecutive ranks, the GPUs of one node). FSDP2 shards what each rank holds over the dp_shard axis.
+
+How the trainer drives it:
+- Loading. Every rank loads the model as without TP, then keeps its slice of each planned weight
+  (apply_tensor_parallel). transformers' own tensor-parallel loading (from_pretrained's
+  DistributedConfig(tp_size=N)) builds a mesh of its own over the whole world (distributed/utils.py
+  initialize_distributed_mesh): it cannot load onto accelerate's tp axis beside a dp_shard axis, and 5.24's
+  from_pretrained reads a device_mesh argument for nothing but placing missing weights.
+- Data. The ranks of a group run the same micro-batches: accelerate's prepared loaders deal rows to world / tp data
+  ranks (data_loader.py prepare_data_loader reads the mesh's tp size). The data-parallel degree is world / tp.
+- Loss. Every rank of a group computes the same loss over the global batch's targets; the loss, token counts and
+  eval statistics are counted once per group (its first rank's, counted_here). transformers' sequence parallelism
+  is not wired (DistributedConfig.enable_sequence_parallel), so norms, layer inputs and logits are whole on every
+  tp rank, the logits gathered by the head.
+- Gradients. DTensor's backward sums each split matmul's partial gradients inside the group; FSDP2 averages over
+  the data ranks, so the step scales the loss by accumulation x (world / tp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from shardtune.config import ConfigError, Recipe
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PretrainedConfig, PreTrainedModel
+
+
+def tensor_parallel_size(accelerator: Accelerator) -> int:
+    """The ranks each layer is split over in the run (1 without TP)."""
+    config = accelerator.parallelism_config
+    return config.tp_size if config is not None and config.tp_enabled else 1
+
+
+def counted_here(accelerator: Accelerator) -> bool:
+    """Whether this rank's loss and counts enter the sums over ranks: the first rank of its tensor-parallel group
+    (every rank without TP). The other ranks of the group ran the same rows."""
+    return tensor_parallel_size(accelerator) == 1 or accelerator.tensor_parallel_rank == 0
+
+
+def apply_tensor_parallel(model: PreTrainedModel, mesh: DeviceMesh) -> None:
+    """Split the loaded `model` over the tp `mesh` on transformers' plan for it, as from_pretrained does with a
+    DistributedConfig (distributed/mixin.py maybe_distribute_model: the plan resolved, then applied), and replicate
+    the parameters the plan leaves whole (replicate_unplanned). Each rank keeps its own slice of the weights it
+    loaded: no communication."""
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    config = DistributedConfig(tp_size=mesh.size())
+    plan, _, _ = model._resolve_parallel_plans(config)
+    apply_tensor_parallelism(model, mesh, plan)
+    model.config.distributed_config = config  # where accelerate reads the model's tp size (get_model_tp_size)
+    replicate_unplanned(model, mesh)
+
+
+def replicate_unplanned(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """The parameters no rule splits (the norms) as DTensors replicated over the tp `mesh`, their modules taking
+    and returning plain tensors: every gradient is then a DTensor of one mesh, which gradient clipping's norm
+    needs (torch stacks the per-parameter norms). accelerate's own replication (accelerator.py `_prepare_tp`)
+    imports transformers' ReplicateParallel, which 5.24 no longer has."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def to_replicated(_module: torch.nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
+                     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) else value
+                     for value in inputs)
+
+    def to_local(_module: torch.nn.Module, output: Any, _mesh: DeviceMesh) -> Any:
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    for module in list(model.modules()):
+        if any(not isinstance(param, DTensor) for param in module.parameters(recurse=False)):
+            distribute_module(module, mesh, input_fn=to_replicated, output_fn=to_local)
+
+
+@contextmanager
+def prepare_without_tp(accelerator: Accelerator) -> Iterator[None]:
+    """accelerate's `prepare` with the tp axis hidden: the model is already split and sharded, and under FSDP2 its
+    `_prepare_tp` would import transformers' ReplicateParallel (accelerator.py, 1.15), gone from transformers 5.24.
+    The loaders are prepared by the mesh, which keeps its tp axis."""
+    config = accelerator.parallelism_config
+    size = tensor_parallel_size(accelerator)
+    if size == 1 or not accelerator.is_fsdp2:
+        yield
+        return
+    config._set_size("tp", 1)
+    try:
+        yield
+    finally:
+        config._set_size("tp", size)
+
+
+def rows_once(accelerator: Accelerator, per_row: torch.Tensor) -> torch.Tensor:
+    """gather_for_metrics of `per_row` with each group's rows once: the rows of its first rank, in data-rank order,
+    the padding of the last batch dropped (accelerate's gather_for_metrics would keep tp copies of every row and
+    cut the last batch at the wrong place)."""
+    size = tensor_parallel_size(accelerator)
+    if size == 1:
+        return accelerator.gather_for_metrics(per_row)
+    gathered = accelerator.gather(per_row).view(-1, *per_row.shape)[::size].flatten(0, 1)
+    state = accelerator.gradient_state
+    if state.end_of_dataloader and state.remainder > 0:
+        gathered = gathered[:state.remainder]
+    return gathered
+
+
+def check_tensor_parallel(recipe: Recipe, tp_size: int, given: frozenset[str] = frozenset()) -> None:
+    """What TP cannot run with yet: the levers that swap or rewrite the LM head and the linear layers that
+    transformers' plan splits."""
+    if tp_size == 1:
+        return
+    problems = []
+    if recipe.method == "dpo":
+        problems.append(f"--method dpo under tensor parallelism (tp_size {tp_size}) is not wired: DPO's log-probs run "
+                        "as the LM head's forward, which TP wraps. Use an FSDP or DeepSpeed config without "
+                        "parallelism_config_tp_size.")
+    if "chunked_cross_entropy" in given and recipe.chunked_cross_entropy:
+        problems.append(f"--chunked_cross_entropy true under tensor parallelism (tp_size {tp_size}): the tiled loss "
+                        "runs as the LM head's forward, which TP wraps with its output gathered; the run computes "
+                        "the plain loss. Remove the flag.")
+    levers = {"--use_peft true": recipe.use_peft, "--use_liger_kernel true": recipe.use_liger_kernel,
+              "--mixed_precision fp8": recipe.mixed_precision == "fp8"}
+    for flag in [flag for flag, on in levers.items() if on]:
+        problems.append(f"{flag} under tensor parallelism (tp_size {tp_size}) is not wired: it replaces the layers "
+                        "that TP splits. Remove it, or launch without parallelism_config_tp_size.")
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_tensor_parallel_heads(config: PretrainedConfig, tp_size: int) -> None:
+    """Each rank of a group computes whole attention heads: tp must divide the heads and the key/value heads."""
+    if tp_size == 1:
+        return
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if count % tp_size:
+            raise ConfigError(f"The model has {count} {what}, which tp_size {tp_size} does not divide: each rank "
+                              f"computes whole heads. Set parallelism_config_tp_size to a divisor of {count}.")
+
+
+
+def checked_tensor_parallel(sizes: Mapping[str, int], world_size: int, uses_fsdp: bool, uses_deepspeed: bool,
+                            rank0_loading: bool) -> int:
+    """The tp_size of the launch's parallelism_config `sizes` (accelerate's names: dp_replicate, dp_shard, tp),
+    refused where accelerate or the trainer cannot run it: under DeepSpeed; beside DDP replicas (accelerate's
+    ParallelismConfig refuses TP with dp_replicate alone); under FSDP2 without a dp_shard axis (accelerate's
+    _validate_accelerator refuses it: TP alone runs under a DDP config); with FSDP's rank-0 loading, whose
+    broadcast (accelerate's fsdp2_load_full_state_dict) sends rank 0's tp slice where the others expect the
+    whole weight."""
+    tp, shard, replicate = sizes["tp"], sizes["dp_shard"], sizes["dp_replicate"]
+    fix = ("launch accelerate_configs/fsdp_tp.yaml with --parallelism_config_tp_size <GPUs per node> "
+           "--parallelism_config_dp_shard_size <processes / tp_size>")
+    if uses_deepspeed:
+        raise ConfigError(f"The accelerate config's parallelism_config sets tp_size {tp} under DeepSpeed: shardtune "
+                          f"runs tensor parallelism under FSDP2 only: {fix}.")
+    if tp < 1 or world_size % tp:
+        raise ConfigError(f"parallelism_config_tp_size {tp} does not divide the {world_size} processes launched into "
+                          f"groups: {fix}.")
+    if not uses_fsdp and (tp != world_size or shard * replicate != 1):
+        raise ConfigError(f"parallelism_config_tp_size {tp} under a DDP config over {world_size} processes: "
+                          "accelerate runs tensor parallelism without FSDP2 only over every process (no data "
+                          f"parallelism beside it): give tp_size {world_size}, or {fix}.")
+    if uses_fsdp and shard < 2:
+        raise ConfigError(f"parallelism_config_tp_size {tp} under FSDP2 with dp_shard_size {shard}: accelerate "
+                          "needs a dp_shard axis for FSDP2 to shard over; for tensor parallelism alone launch "
+                          f"accelerate_configs/ddp.yaml with --parallelism_config_tp_size <processes>, or {fix}.")
+    if uses_fsdp and replicate * shard * tp != world_size:
+        raise ConfigError(f"parallelism_config dp_replicate_size {replicate} x dp_shard_size {shard} x tp_size {tp} "
+                          f"is not the {world_size} processes launched: {fix}.")
+    if rank0_loading:
+        raise ConfigError(f"fsdp_cpu_ram_efficient_loading true with tp_size {tp}: accelerate's rank-0 loading "
+                          "broadcasts rank 0's tensor-parallel slice as the whole weight. Set "
+                          "fsdp_cpu_ram_efficient_loading: false in the fsdp_config (every rank loads, then keeps "
+                          "its slice).")
+    return tp
