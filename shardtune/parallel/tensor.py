@@ -172,6 +172,9 @@ def checked_tensor_parallel(sizes: Mapping[str, int], world_size: int, uses_fsdp
         raise ConfigError(f"parallelism_config_tp_size {tp} under a DDP config over {world_size} processes: "
                           "accelerate runs tensor parallelism without FSDP2 only over every process (no data "
                           f"parallelism beside it): give tp_size {world_size}, or {fix}.")
+    if replicate > 1:
+        raise ConfigError(f"parallelism_config_dp_replicate_size {replicate} beside tp_size {tp}: hybrid sharding "
+                          f"with tensor parallelism is not wired (nor tested); {fix}.")
     if uses_fsdp and shard < 2:
         raise ConfigError(f"parallelism_config_tp_size {tp} under FSDP2 with dp_shard_size {shard}: accelerate "
                           "needs a dp_shard axis for FSDP2 to shard over; for tensor parallelism alone launch "

@@ -51,7 +51,7 @@ def run_job(config: str, stand_ins: Path, tmp_path: Path, **extra: str) -> subpr
 
 
 def test_every_shipped_config_is_judged():
-    assert CPU_OPTIMIZER_STEP < set(SHIPPED) and len(SHIPPED) == 14
+    assert CPU_OPTIMIZER_STEP < set(SHIPPED) and len(SHIPPED) == 15
 
 
 @pytest.mark.parametrize("config", SHIPPED)
@@ -75,6 +75,15 @@ def test_hybrid_sharding_replicates_across_the_jobs_nodes(stand_ins, tmp_path):
     assert "--parallelism_config_dp_replicate_size 3 --parallelism_config_dp_shard_size 4" in result.stdout
     plain = run_job(str(CONFIGS / "fsdp_full_shard.yaml"), stand_ins, tmp_path)
     assert "parallelism_config" not in plain.stdout
+
+
+def test_tensor_parallelism_splits_within_each_node_and_shards_across_nodes(stand_ins, tmp_path):
+    """fsdp_tp.yaml is written for 2 nodes of 8: a job of 3 nodes of 4 ranks splits its layers over each node's 4
+    ranks and shards over the 3 nodes."""
+    result = run_job(str(CONFIGS / "fsdp_tp.yaml"), stand_ins, tmp_path, SLURM_NNODES="3", SHARDTUNE_PROCS_PER_NODE="4")
+    assert result.returncode == 0, result.stderr
+    assert "--num_processes 12" in result.stdout
+    assert "--parallelism_config_tp_size 4 --parallelism_config_dp_shard_size 3" in result.stdout
 
 
 def test_an_unreadable_config_stops_the_job_before_srun(stand_ins, tmp_path):

@@ -116,7 +116,8 @@ def test_a_hybrid_launch_is_planned_and_described_as_launched(monkeypatch):
 @pytest.mark.parametrize(("sizes", "message"), [
     ({"dp_shard_size": "4"}, "parallelism_config_dp_replicate_size 2 x parallelism_config_dp_shard_size 4 is not "
                              "the 16 processes launched"),
-    ({"tp_size": "2", "dp_shard_size": "4"}, "sets tp_size 2 and shardtune trains data-parallel FSDP2 only"),
+    ({"tp_size": "2", "dp_shard_size": "4"}, "dp_replicate_size 2 beside tp_size 2: hybrid sharding with tensor "
+                                              "parallelism is not wired"),
 ])
 def test_a_parallelism_config_the_trainer_cannot_run_is_refused(sizes, message, monkeypatch):
     launch_env(monkeypatch, **sizes)
