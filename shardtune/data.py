@@ -349,8 +349,9 @@ def tokenize(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, n
         raise ConfigError(f"The {name} data of {source!r} is empty.")
     data_format = source_format(raw, recipe.dataset_format)
     if (data_format in PREFERENCE_FORMATS) != (recipe.method == "dpo"):
-        raise ConfigError(f"{source!r} holds {data_format} rows, which --method {recipe.method} does not train: "
-                          + ("give it chosen/rejected pairs." if recipe.method == "dpo" else "add --method dpo."))
+        raise ConfigError(f"{source!r} holds {data_format} rows, which --method {recipe.method} does not train: " + (
+            "give it preference pairs (`chosen` and `rejected`, with or without `prompt`), or drop --method dpo."
+            if recipe.method == "dpo" else "add --method dpo to train on its pairs."))
     if recipe.method == "dpo":  # preference pairs: shardtune.methods.preference
         from shardtune.methods.preference import tokenize_preferences
 

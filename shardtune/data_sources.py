@@ -247,9 +247,21 @@ def detect_format(columns: list[str], requested: str = "auto") -> str:
         if all(column in columns for column in needed):
             return name
     raise ConfigError(
-        f"Dataset columns {sorted(columns)} match no known format: give `messages` (chat), `conversations` "
-        "(ShareGPT), `instruction` and `output` (Alpaca), `prompt` and `completion`, or `text`."
+        f"Dataset columns {sorted(columns)} match no known format{misspelt_columns(columns)}: give `messages` "
+        "(chat), `conversations` (ShareGPT), `instruction` and `output` (Alpaca), `prompt` and `completion`, "
+        "`text`, or `chosen` and `rejected` (preference pairs, with or without `prompt`: --method dpo)."
     )
+
+
+def misspelt_columns(columns: list[str]) -> str:
+    """The columns that look like a misspelt format column (`rejectd`), as a parenthesis of the refusal."""
+    import difflib
+
+    known = list(dict.fromkeys(column for needed in FORMATS.values() for column in needed))
+    unknown = [column for column in columns if column not in known]
+    guesses = [f"`{found[0]}`: did you mean `{column}`?" for column in known if column not in columns
+               and (found := difflib.get_close_matches(column, unknown, n=1, cutoff=0.8))]
+    return f" ({' '.join(guesses)})" if guesses else ""
 
 
 def source_format(raw: Dataset, requested: str = "auto") -> str:

@@ -43,28 +43,43 @@ def shared_turns(chosen: list[dict], rejected: list[dict]) -> int:
     return count
 
 
-def pair_parts(row: dict) -> tuple[str | list, str | list, str | list]:
-    """(prompt, chosen, rejected) of a row; raises ValueError, one sentence, where the row cannot be a pair."""
+def pair_parts(row: dict, chat: bool) -> tuple[str | list, str | list, str | list]:
+    """(prompt, chosen, rejected) of a row of a source of chat pairs (`chat`, the first row's kind) or of text
+    pairs; raises ValueError, one sentence, where the row cannot be one."""
     chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
+    parts = {"prompt": prompt, "chosen": chosen, "rejected": rejected} if prompt is not None else \
+        {"chosen": chosen, "rejected": rejected}
+    kinds = {is_chat(value) for value in parts.values()}
+    if len(kinds) > 1:
+        named, both = ("`prompt`, `chosen` and `rejected`", "all three") if prompt is not None else \
+            ("`chosen` and `rejected`", "both")
+        raise ValueError(f"{named} mix text and chat messages: give {both} as text or {both} as chat messages")
+    if kinds != {chat}:
+        raise ValueError(f"a {'text' if chat else 'chat'} pair among {'chat' if chat else 'text'} pairs (the first "
+                         "row's kind): a source holds pairs of one kind; put each kind in a file of its own")
+    for name, value in parts.items():
+        if chat and not all(isinstance(turn, dict) and {"role", "content"} <= turn.keys() for turn in value):
+            raise ValueError(f"`{name}` must be a list of {{role, content}} messages")
+        if not chat and not isinstance(value, str):
+            raise ValueError(f"`{name}` must be text or a list of chat messages")
     if chosen == rejected:
         raise ValueError("`chosen` and `rejected` are the same: a pair needs two different answers; delete the row")
-    if prompt is None:  # the prompt is implied: the conversations' shared leading turns
-        if not (is_chat(chosen) and is_chat(rejected)):
-            raise ValueError("a text pair without `prompt`: where the prompt ends in the text cannot be told; add a "
-                             "`prompt` column, or give `chosen` and `rejected` as chat messages")
-        shared = shared_turns(chosen, rejected)
-        if shared == 0 or shared in (len(chosen), len(rejected)):
-            raise ValueError("`chosen` and `rejected` share no leading turn, or one is the other's start: the prompt "
-                             "(their shared turns) cannot be told apart; add a `prompt` column")
-        if chosen[shared].get("role") != "assistant" or rejected[shared].get("role") != "assistant":
-            raise ValueError("after their shared turns `chosen` and `rejected` must go on with an assistant turn")
-        return chosen[:shared], chosen[shared:], rejected[shared:]
-    if len({is_chat(prompt), is_chat(chosen), is_chat(rejected)}) > 1:
-        raise ValueError("`prompt`, `chosen` and `rejected` mix text and chat messages: give all three as text or "
-                         "all three as messages")
-    if not is_chat(prompt) and not all(isinstance(value, str) for value in (prompt, chosen, rejected)):
-        raise ValueError("`prompt`, `chosen` and `rejected` must be text or chat messages")
-    return prompt, chosen, rejected
+    if prompt is not None:
+        return prompt, chosen, rejected
+    if not chat:
+        raise ValueError("a text pair without `prompt`: where the prompt ends in the text cannot be told; add a "
+                         "`prompt` column, or give `chosen` and `rejected` as chat messages")
+    shared = shared_turns(chosen, rejected)  # the prompt is implied: the conversations' shared leading turns
+    if shared == 0:
+        raise ValueError("`chosen` and `rejected` share no leading turn, and without `prompt` the prompt is their "
+                         "shared turns: start both with the same prompt turns, or add a `prompt` column")
+    if shared in (len(chosen), len(rejected)):
+        raise ValueError("one of `chosen` and `rejected` is the other's start, so after their shared turns (the "
+                         "implied prompt) one has no answer: give each its own final answer, or add a `prompt` column")
+    if chosen[shared].get("role") != "assistant" or rejected[shared].get("role") != "assistant":
+        raise ValueError("after their shared turns (the implied prompt) `chosen` and `rejected` must go on with an "
+                         "assistant turn: add a `prompt` column if the prompt is not those turns")
+    return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
 def common_prefix_length(ids: list[int], other: list[int]) -> int:
@@ -77,27 +92,28 @@ def common_prefix_length(ids: list[int], other: list[int]) -> int:
 
 
 def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,
-                   max_len: int, source: str) -> dict:
+                   max_len: int, source: str, chat: bool) -> dict:
     """prompt_ids, chosen_ids and rejected_ids of each row (untruncated, as TRL keeps them), and `keep`: whether the
-    pair still teaches something once cut to `max_len`."""
+    pair still teaches something once cut to `max_len`. `chat`: the source's pairs are chat messages."""
     rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
     parts = []
     for index, row in zip(indices, rows, strict=True):
         try:
-            prompt, chosen, rejected = pair_parts(row)
+            prompt, chosen, rejected = pair_parts(row, chat)
+            parts.append(tuple(joined_parts(part) for part in (prompt, chosen, rejected)) if chat else
+                         (prompt, chosen, rejected))
         except ValueError as error:
             raise row_error(index, source, error) from error
-        parts.append((prompt, chosen, rejected) if not is_chat(prompt) else
-                     tuple(joined_parts(part) for part in (prompt, chosen, rejected)))
-    chat = {is_chat(prompt) for prompt, _, _ in parts}
-    if len(chat) > 1:
-        first_text = next(index for index, (prompt, _, _) in zip(indices, parts, strict=True) if not is_chat(prompt))
-        raise row_error(first_text, source, ValueError("a text pair among chat pairs: a source holds pairs of one "
-                                                       "kind; put each in a file of its own"))
-    if chat == {True}:
-        prompt_ids = chat_ids(tokenizer, [prompt for prompt, _, _ in parts], generation_prompt=True)
-        chosen_full = chat_ids(tokenizer, [prompt + chosen for prompt, chosen, _ in parts])
-        rejected_full = chat_ids(tokenizer, [prompt + rejected for prompt, _, rejected in parts])
+    if chat:
+        try:
+            prompt_ids, chosen_full, rejected_full = chat_pair_ids(tokenizer, parts)
+        except Exception:  # the template's own refusal (jinja2's TemplateError, e.g. roles that must alternate)
+            for index, pair in zip(indices, parts, strict=True):
+                try:
+                    chat_pair_ids(tokenizer, [pair])
+                except Exception as error:
+                    raise row_error(index, source, error) from error
+            raise
     else:
         eos = tokenizer.eos_token
         ended = [(prompt, chosen if chosen.endswith(eos) else chosen + eos,
@@ -115,6 +131,14 @@ def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer: Pre
     return out
 
 
+def chat_pair_ids(tokenizer: PreTrainedTokenizerBase, parts: list[tuple]) -> tuple[list, list, list]:
+    """The prompts' ids (with the generation prompt), and the prompt + chosen and prompt + rejected ids, each
+    conversation rendered whole as TRL renders it."""
+    return (chat_ids(tokenizer, [prompt for prompt, _, _ in parts], generation_prompt=True),
+            chat_ids(tokenizer, [prompt + chosen for prompt, chosen, _ in parts]),
+            chat_ids(tokenizer, [prompt + rejected for prompt, _, rejected in parts]))
+
+
 def tokenize_preferences(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, name: str, source: str,
                          data_format: str, processes: int | None) -> Dataset:
     """One source's pairs as PAIR_COLUMNS, the pairs that teach nothing once cut dropped and counted."""
@@ -130,7 +154,8 @@ def tokenize_preferences(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedToke
             raise ConfigError(f"{recipe.model_name_or_path!r} has no chat template for the chat pairs of {source!r}: "
                               "pass --chat_template, or use a chat (instruct) tokenizer.")
         tokenized = raw.map(tokenize_pairs, batched=True, with_indices=True, num_proc=processes,
-                            fn_kwargs={"tokenizer": tokenizer, "max_len": recipe.max_seq_length, "source": source},
+                            fn_kwargs={"tokenizer": tokenizer, "max_len": recipe.max_seq_length, "source": source,
+                                       "chat": chat},
                             remove_columns=raw.column_names, desc=f"tokenizing {name} pairs ({source})")
         described = "chat via the chat template" if chat else "text"
     keep = tokenized.data.column("keep")
