@@ -20,6 +20,7 @@ from shardtune.hardware import Hardware
 from shardtune.liger import check_liger_kernel
 from shardtune.model_checks import check_context_length
 from shardtune.plan.planner import MemoryPlan, plan
+from shardtune.plan.preference import planned_reference
 from shardtune.plan.search import Search
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import CONFIGS_DIR, Strategy
@@ -62,6 +63,12 @@ def recipe_peft(recipe: Recipe) -> Peft | None:
     return Peft(recipe.lora_r, recipe.lora_target_modules, recipe.load_in_4bit) if recipe.use_peft else None
 
 
+def recipe_reference(recipe: Recipe) -> str | None:
+    """The reference mode of a DPO recipe (preference.planned_reference), None for SFT."""
+    return planned_reference(recipe.method, recipe.use_peft, recipe.precompute_ref_log_probs,
+                             recipe.ref_model_name_or_path)
+
+
 def recipe_accumulation(recipe: Recipe, world: int) -> int | None:
     """The recipe's micro-batches per step on `world` ranks; None where its global batch does not divide there
     (the recipe's own check refuses that run; the plan then counts the gradients as accumulating)."""
@@ -88,7 +95,7 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
                 optim=recipe.optim, bf16_stochastic_round=recipe.bf16_stochastic_round,
                 gradient_accumulation_steps=recipe_accumulation(recipe, hardware.world_size),
                 torch_compile=recipe.torch_compile, use_liger_kernel=recipe.use_liger_kernel,
-                checkpointing_interval=recipe.gradient_checkpointing_interval)
+                checkpointing_interval=recipe.gradient_checkpointing_interval, reference=recipe_reference(recipe))
 
 
 def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held: Collection[str] = (),
@@ -112,4 +119,4 @@ def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held
                   recipe.optim if "optim" in held else None,
                   recipe.bf16_stochastic_round if "bf16_stochastic_round" in held else None,
                   use_liger_kernel=recipe.use_liger_kernel,
-                  checkpointing_interval=recipe.gradient_checkpointing_interval)
+                  checkpointing_interval=recipe.gradient_checkpointing_interval, reference=recipe_reference(recipe))

@@ -79,6 +79,8 @@ class Search:
     use_liger_kernel: bool = False
     # Every k-th layer recomputed where the search recomputes: the recipe's, held (1: every layer).
     checkpointing_interval: int = 1
+    # --method dpo: its reference mode (preference.planned_reference), held; None: SFT.
+    reference: str | None = None
 
     def fixed(self) -> str:
         """What the search holds as given, in words: '' when it varies all of it."""
@@ -165,7 +167,7 @@ def planned_group(shape: ModelShape, hardware: Hardware, search: Search, group: 
                             activation_offloading=search.activation_offloading,
                             chunked_cross_entropy=search.chunked_cross_entropy, optim=optim,
                             bf16_stochastic_round=stochastic, use_liger_kernel=search.use_liger_kernel,
-                            checkpointing_interval=search.checkpointing_interval),
+                            checkpointing_interval=search.checkpointing_interval, reference=search.reference),
                        accumulation, offload)
 
 
@@ -262,7 +264,9 @@ def launch_command(chosen: MemoryPlan, recipe: str) -> str:
             + (f" --gradient_checkpointing_interval {chosen.gradient_checkpointing_interval}"
                if chosen.gradient_checkpointing and chosen.gradient_checkpointing_interval > 1 else "")
             + f" --optim {chosen.optim} --bf16_stochastic_round {str(chosen.bf16_stochastic_round).lower()}"
-            + (" --mixed_precision fp8" if chosen.mixed_precision == "fp8" else ""))
+            + (" --mixed_precision fp8" if chosen.mixed_precision == "fp8" else "")
+            + (" --method dpo" if chosen.method == "dpo" else "")
+            + (" --precompute_ref_log_probs true" if chosen.reference_mode == "precomputed" else ""))
 
 
 def fewest_nodes(shape: ModelShape, hardware: Hardware, search: Search,
@@ -312,5 +316,7 @@ def nothing_fits(shape: ModelShape, hardware: Hardware, search: Search) -> str:
             text += (f" Without offload it fits on {fast[0]} nodes: "
                      f"{describe_plan(fast[1].plan, fast[1].accumulation)}." if fast else
                      f" Without offload it fits on no number of nodes up to {MAX_NODES} with this global batch.")
+    if search.reference == "live":
+        text += " DPO's live reference is a second model: --precompute_ref_log_probs true holds none while training."
     return text + ("" if search.peft else " LoRA or QLoRA (--use_peft true) needs far less.")
 
