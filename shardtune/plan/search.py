@@ -177,9 +177,11 @@ def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: st
     rest): DeepSpeed with torch's AdamW alone; the rounding over bf16 full fine-tuning, under FSDP2 sharded
     over every GPU or one process (replicas would round apart: DDP's, hybrid sharding's); activation offloading
     not beside DeepSpeed's offload (checks.check_activation_offloading); and a sequence split where the trainer
-    runs one (split_runs)."""
+    runs one (split_runs), never under DPO."""
     if strategy.sequence_split > 1 and not split_runs(strategy.sequence_split, hardware, search, shape):
         return False
+    if strategy.sequence_split > 1 and search.reference:
+        return False  # DPO's step is not wired for the split (shardtune.methods.checks refuses it)
     if strategy.float8 and (not strategy.takes_float8 or search.peft is not None):
         return False  # --mixed_precision fp8: full fine-tuning under FSDP2 without offload or DDP (check_fp8)
     if search.activation_offloading and strategy.kind == "deepspeed" and strategy.offloads:

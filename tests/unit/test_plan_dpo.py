@@ -24,6 +24,7 @@ from shardtune.plan.planned_run import plan_recipe
 from shardtune.plan.planner import plan
 from shardtune.plan.preference import planned_reference, profiled_phase_totals
 from shardtune.plan.report import format_plan
+from shardtune.plan.search import Search, candidates
 from shardtune.plan.states import Peft, deepspeed_sizes, largest_parameter, persistent_elements
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
 
@@ -179,3 +180,12 @@ def test_the_plan_names_the_method_and_the_reference(capsys):
 def test_the_planner_refuses_a_reference_flag_without_dpo(capsys):
     assert main(["--model", "llama-3.1-8b", "--precompute_ref_log_probs", "true"]) == 2
     assert "add --method dpo" in capsys.readouterr().err
+
+
+def test_a_dpo_search_never_offers_the_sequence_split():
+    """The trainer refuses DPO under the sequence split: the search for rows too long for one GPU skips it."""
+    search = Search(global_batch=8, seq=131072, reference="precomputed")
+    offered = {candidate.config for candidate, _, _ in candidates(LLAMA8B, H100, search)}
+    assert "ds_zero3" in offered and not any("ulysses" in name for name in offered)
+    assert any("ulysses" in candidate.config for candidate, _, _ in
+               candidates(LLAMA8B, H100, dataclasses.replace(search, reference=None)))
