@@ -56,7 +56,7 @@ from shardtune.memory import (
 )
 from shardtune.methods.dpo import evaluate_pairs
 from shardtune.methods.dpo_loss import PAIR_METRICS
-from shardtune.methods.preference import PreferenceCollator, numbered
+from shardtune.methods.pair_batches import PreferenceCollator, numbered
 from shardtune.methods.reference import disable_dropout
 from shardtune.methods.training import DPOTraining
 from shardtune.metrics import MAX_SKIPPED_IN_A_ROW, StepSummary, TrainMetrics

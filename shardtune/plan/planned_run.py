@@ -14,13 +14,12 @@ from shardtune.checks import (
     check_packed_attention,
     check_pad_to_multiple_of,
 )
-from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe, padded_length
+from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe, padded_length, reference_mode
 from shardtune.flops import ModelShape, recipe_fields
 from shardtune.hardware import Hardware
 from shardtune.liger import check_liger_kernel
 from shardtune.model_checks import check_context_length
 from shardtune.plan.planner import MemoryPlan, plan
-from shardtune.plan.preference import planned_reference
 from shardtune.plan.search import Search
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import CONFIGS_DIR, Strategy
@@ -59,14 +58,14 @@ def check_planned(recipe: Recipe, model_config: object) -> None:
     problems.raise_any()
 
 
+def recipe_reference(recipe: Recipe) -> str | None:
+    """The reference mode a DPO recipe holds, None for SFT (the fields read here, each a planner flag)."""
+    return reference_mode(recipe.method, recipe.use_peft, recipe.precompute_ref_log_probs,
+                          recipe.ref_model_name_or_path)
+
+
 def recipe_peft(recipe: Recipe) -> Peft | None:
     return Peft(recipe.lora_r, recipe.lora_target_modules, recipe.load_in_4bit) if recipe.use_peft else None
-
-
-def recipe_reference(recipe: Recipe) -> str | None:
-    """The reference mode of a DPO recipe (preference.planned_reference), None for SFT."""
-    return planned_reference(recipe.method, recipe.use_peft, recipe.precompute_ref_log_probs,
-                             recipe.ref_model_name_or_path)
 
 
 def recipe_accumulation(recipe: Recipe, world: int) -> int | None:

@@ -171,7 +171,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     as eager (MemoryPlan.torch_compile). `use_liger_kernel`: Liger's RMSNorm and SwiGLU in the layers and its fused
     linear cross-entropy in place of the tiles, which it needs (chunked_cross_entropy). `checkpointing_interval`:
     with `checkpointing`, every k-th layer recomputed (activations.recomputed_layers), the others saving all.
-    `reference`: a DPO run's reference mode (preference.planned_reference; None: SFT): `micro_batch` and
+    `reference`: a DPO run's reference mode (shardtune.config.reference_mode; None: SFT): `micro_batch` and
     `eval_batch` are pairs, each two padded sequences (never packed), and the reference is planned as its mode holds
     it (preference.dpo_phases)."""
     params = shape.params

@@ -21,17 +21,6 @@ from shardtune.plan.strategy import Strategy
 PAIR_SEQUENCES = 2  # a pair's chosen and rejected rows, run in one forward (shardtune.methods.dpo)
 
 
-def planned_reference(method: str, use_peft: bool, precompute_ref_log_probs: bool, ref_model_name_or_path: str
-                      ) -> str | None:
-    """The reference mode a run holds (shardtune.methods.reference.reference_mode, which imports torch: restated
-    here for the light planner and checked against it in tests/unit/test_plan_dpo.py); None for SFT."""
-    if method != "dpo":
-        return None
-    if precompute_ref_log_probs:
-        return "precomputed"
-    return "adapter" if use_peft and not ref_model_name_or_path else "live"
-
-
 @dataclass
 class ReferenceBytes:
     """One GPU's share of the live reference between its forwards (`gpu`), and what its placement puts on the

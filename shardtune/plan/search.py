@@ -79,7 +79,7 @@ class Search:
     use_liger_kernel: bool = False
     # Every k-th layer recomputed where the search recomputes: the recipe's, held (1: every layer).
     checkpointing_interval: int = 1
-    # --method dpo: its reference mode (preference.planned_reference), held; None: SFT.
+    # --method dpo: its reference mode (shardtune.config.reference_mode), held; None: SFT.
     reference: str | None = None
 
     def fixed(self) -> str:

@@ -1,7 +1,8 @@
 """DPO across strategies, reference modes and a resume, on the tiny recipe's pairs (fp32, 4 steps of 16 pairs):
 - ZeRO-3 (the reference an engine of its own, partitioned) and FSDP2 (its reference log-probs precomputed on the
   sharded policy) on 2 ranks give the single process's losses, gradient norms and rewards per step;
-- under LoRA the base with its adapter switched off is the same reference as a live frozen copy of the base;
+- under LoRA the base with its adapter switched off is the same reference as a live frozen copy of the base, and
+  as the base's log-probs precomputed from --ref_model_name_or_path;
 - a run killed mid-step and resumed reads its precomputed reference log-probs from the output dir (it does not
   recompute them) and ends bitwise where the uninterrupted run does.
 The peer (TRL's DPOTrainer) is tests/launch/test_peer_trl_dpo.py."""
@@ -66,8 +67,12 @@ def test_adapter_off_is_the_live_base(tiny_assets, pairs, tmp_path):
     off = run_recipe(tmp_path / "off", tiny_assets, "--dataset", pairs, *DPO_ARGS, *lora)
     live = run_recipe(tmp_path / "live", tiny_assets, "--dataset", pairs, *DPO_ARGS, *lora,
                       "--ref_model_name_or_path", tiny_assets[0])
+    named = run_recipe(tmp_path / "named", tiny_assets, "--dataset", pairs, *DPO_ARGS, *lora,
+                       "--ref_model_name_or_path", tiny_assets[0], "--precompute_ref_log_probs", "true")
     assert "reference: the base, adapter off" in off.stdout and "a frozen copy of" in live.stdout
+    assert "reference log-probs of 91 train pairs computed" in named.stdout
     assert_same_steps(steps_of(tmp_path / "off"), steps_of(tmp_path / "live"))
+    assert_same_steps(steps_of(tmp_path / "named"), steps_of(tmp_path / "live"))
 
 
 def test_killed_run_resumes_exactly_from_cached_reference(tiny_assets, pairs, tmp_path):

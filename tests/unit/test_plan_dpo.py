@@ -6,7 +6,6 @@ fit is refused with what to change."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
 
@@ -15,14 +14,13 @@ import pytest
 from shardtune.config import LOSS_TILE_POSITIONS, Recipe
 from shardtune.flops import resolve_model
 from shardtune.hardware import parse_hardware
-from shardtune.methods.reference import REFERENCE_MODES, reference_mode
 from shardtune.plan.__main__ import main
 from shardtune.plan.activations import eval_activation_bytes
 from shardtune.plan.buffers import resharded_after_forward
 from shardtune.plan.launched import plan_launch
 from shardtune.plan.planned_run import plan_recipe
 from shardtune.plan.planner import plan
-from shardtune.plan.preference import planned_reference, profiled_phase_totals
+from shardtune.plan.preference import profiled_phase_totals
 from shardtune.plan.report import format_plan
 from shardtune.plan.search import Search, candidates
 from shardtune.plan.states import Peft, deepspeed_sizes, largest_parameter, persistent_elements
@@ -41,17 +39,6 @@ def config(name: str, precision: str = "bf16"):
 def dpo(name: str, reference: str | None, micro: int = 1, precision: str = "bf16", **options):
     return plan(LLAMA8B, H100, config(name, precision), micro, SEQ, chunked_cross_entropy=True,
                 reference=reference, **options)
-
-
-@pytest.mark.parametrize("method, use_peft, precompute, ref_model",
-                         list(itertools.product(("sft", "dpo"), (False, True), (False, True), ("", "other/model"))))
-def test_the_planner_holds_the_reference_the_run_holds(method, use_peft, precompute, ref_model):
-    """The planner's mode (without torch) is the trainer's, shardtune.methods.reference.reference_mode."""
-    recipe = Recipe(method=method, use_peft=use_peft, precompute_ref_log_probs=precompute,
-                    ref_model_name_or_path=ref_model)
-    planned = planned_reference(method, use_peft, precompute, ref_model)
-    assert planned == (reference_mode(recipe) if method == "dpo" else None)
-    assert planned is None or planned in REFERENCE_MODES
 
 
 @pytest.mark.parametrize("name", ["ds_zero3", "fsdp_full_shard", "ds_zero2", "ddp"])

@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 
 from shardtune.config import ConfigError, Recipe
 from shardtune.data import IGNORE_INDEX, load_splits, tokenize
-from shardtune.methods.preference import PAIR_COLUMNS, PreferenceCollator
+from shardtune.methods.pair_batches import PreferenceCollator
+from shardtune.methods.preference import PAIR_COLUMNS
 from tests.conftest import load_script
 
 MAX_LENGTH = 48  # cuts the longer pairs (keep_start) and drops the one whose prompt fills it
