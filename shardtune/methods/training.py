@@ -20,6 +20,7 @@ from shardtune.methods.reference import (
     precomputed_table,
     reference_log_probs,
 )
+from shardtune.profiling import phase
 
 
 @dataclass
@@ -54,8 +55,9 @@ class DPOTraining:
             return
         for name, (dataset, collate, batch_size) in self.splits.items():
             started = time.perf_counter()
-            table, read = precomputed_table(accelerator, recipe, self.model, dataset, name, collate, batch_size,
-                                            self.step.precompute_with, self.step.tile)
+            with phase("reference_precompute"):
+                table, read = precomputed_table(accelerator, recipe, self.model, dataset, name, collate, batch_size,
+                                                self.step.precompute_with, self.step.tile)
             collate.reference = table
             accelerator.print(f"shardtune: reference log-probs of {len(dataset)} {name} pairs "
                               f"{'read from the cache' if read else 'computed'} in "
