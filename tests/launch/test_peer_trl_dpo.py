@@ -123,6 +123,11 @@ def test_dpo_trainer_and_shardtune_agree(case, tmp_path, tiny_assets):
     logged = [row for row in peer["log_history"] if "loss" in row]
     assert [row["step"] for row in steps] == [row["step"] for row in logged] == [1, 2, 3, 4]
     assert [row["lr"] for row in steps] == [row["learning_rate"] for row in logged]
+    deviations = {name: max(abs(mine[name] - theirs[name]) / max(abs(theirs[name]), REWARD_ATOL)
+                            for mine, theirs in zip(steps, logged, strict=True))
+                  for name in ("loss", "grad_norm", *PAIR_METRICS)}
+    print(f"{case}: largest relative deviation from TRL over 4 steps: "
+          + ", ".join(f"{name} {value:.1e}" for name, value in deviations.items()))
     for mine, theirs in zip(steps, logged, strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=RTOL), (mine, theirs)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL), (mine, theirs)
