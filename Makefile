@@ -7,7 +7,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's compiled CPU ops live in the virtualenv, beside the stamp that says they are built (not ~/.cache).
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: demo test unit lint gpu-check gpu-wheels clean
+.PHONY: demo demo-dpo test unit lint gpu-check gpu-wheels clean
 
 $(VENV)/installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -37,6 +37,10 @@ $(VENV)/slurm: $(VENV)/installed
 # The ops first, visibly (DeepSpeed would otherwise compile its shared-memory op silently inside the launch).
 demo: $(VENV)/deepspeed-ops
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --use_cpu true --overwrite_output_dir true
+
+# After `make demo`: align its model with DPO on the bundled preference pairs (docs/dpo.md).
+demo-dpo: $(VENV)/deepspeed-ops
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --use_cpu true --overwrite_output_dir true --method dpo --model_name_or_path outputs/tiny
 
 # On one GPU within 480 s, nothing downloaded: fp8, Liger and the levers first, then DDP, FSDP and ZeRO-3 on a 1.2B
 # model, each phase's peak measured against the plan, each row appended to logs/gpu-check/results.jsonl as it ends

@@ -8,7 +8,9 @@
 
 Every other flag is the recipe's (--chat_template, --seed, --eval_fraction, --dataset_num_proc ...): give the same
 model, template and --max_seq_length to the training run. The directory is written under a temporary name, then
-renamed: it appears whole or not at all.
+renamed: it appears whole or not at all. With --method dpo it tokenizes preference pairs as a DPO run does
+(prompt_ids, chosen_ids and rejected_ids, uncut as TRL keeps them: the run cuts each to its --max_seq_length);
+train on them with --method dpo.
 
     python scripts/prepare_data.py recipes/llama8b.py --benchmark_rows 1000000 [--benchmark_file rows.jsonl]
 
@@ -78,8 +80,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Recipe]:
 
 # The recipe flags that change what tokenization writes; the others (optimizer, packing, strategy ...) act only
 # in training, so here they would be accepted and do nothing.
-DATA_FLAGS = {"model_name_or_path", "chat_template", "dataset", "dataset_weights", "dataset_split", "eval_split",
-              "eval_fraction", "dataset_format", "dataset_num_proc", "max_seq_length", "truncation",
+DATA_FLAGS = {"method", "model_name_or_path", "chat_template", "dataset", "dataset_weights", "dataset_split",
+              "eval_split", "eval_fraction", "dataset_format", "dataset_num_proc", "max_seq_length", "truncation",
               "completion_only_loss", "no_completion_only_loss", "seed"}
 
 
@@ -115,8 +117,9 @@ def prepare(recipe: Recipe, output_dir: str) -> None:
     try:
         DatasetDict(dict(zip(PREPARED_SPLITS, (train, evaluation), strict=True))).save_to_disk(scratch)
         info = {key: value for key, value in dataclasses.asdict(recipe).items()
-                if key in ("model_name_or_path", "chat_template", "dataset", "dataset_weights", "dataset_format",
-                           "max_seq_length", "truncation", "completion_only_loss", "eval_fraction", "seed")}
+                if key in ("method", "model_name_or_path", "chat_template", "dataset", "dataset_weights",
+                           "dataset_format", "max_seq_length", "truncation", "completion_only_loss", "eval_fraction",
+                           "seed")}
         with open(os.path.join(scratch, PREPARED_INFO), "w", encoding="utf-8") as file:
             json.dump(info | {"train_rows": len(train), "eval_rows": len(evaluation)}, file, indent=2)
         if os.path.isdir(output_dir):
@@ -124,8 +127,9 @@ def prepare(recipe: Recipe, output_dir: str) -> None:
         os.rename(scratch, output_dir)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"prepare_data: {len(train)} train and {len(evaluation)} eval rows in {output_dir}; train with "
-          f"--dataset {output_dir} --max_seq_length {recipe.max_seq_length}")
+    rows = "pairs" if recipe.method == "dpo" else "rows"
+    print(f"prepare_data: {len(train)} train and {len(evaluation)} eval {rows} in {output_dir}; train with "
+          f"--dataset {output_dir} --max_seq_length {recipe.max_seq_length}{' --method dpo' * (rows == 'pairs')}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -213,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.benchmark_rows:
             if args.benchmark_rows < 1:
                 raise ConfigError(f"--benchmark_rows must be >= 1, got {args.benchmark_rows}.")
+            if recipe.method != "sft":
+                raise ConfigError(f"--benchmark_rows times SFT's tokenization: drop --method {recipe.method}.")
             if args.benchmark_file and not os.path.isfile(args.benchmark_file):
                 raise ConfigError(f"--benchmark_file {args.benchmark_file!r} is not a file.")
             benchmark(recipe, args.benchmark_rows, args.benchmark_file)

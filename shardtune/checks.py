@@ -4,7 +4,6 @@ failure."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from collections.abc import Callable, Sequence
 
@@ -33,17 +32,17 @@ from shardtune.data_sources import (
     check_dataset_sources,
     check_dataset_weights,
 )
+from shardtune.flags import set_fields
 from shardtune.float8 import check_fp8
 from shardtune.hardware import Hardware, HardwareError, parse_hardware
 from shardtune.launch import LaunchDescription
 from shardtune.liger import check_liger_device, check_liger_kernel
+from shardtune.methods.checks import check_dpo_flags, check_dpo_launch, check_dpo_values, check_reference_model
 from shardtune.nvme_checks import AsyncIOReadiness, check_async_io, check_nvme_path, offloads_to_nvme
 from shardtune.output_checks import check_async_save, check_checkpoints, check_exports, check_output_dir
 from shardtune.parallel.sequence import check_sequence_split
 from shardtune.parallel.tensor import check_tensor_parallel
 from shardtune.schedule import check_schedule
-
-RECIPE_DEFAULTS = dataclasses.asdict(Recipe())
 
 
 def check_device(recipe: Recipe, has_cuda: bool) -> None:
@@ -128,7 +127,7 @@ def check_choice(flag: str, value: str, choices: Sequence[str]) -> None:
 
 def check_choices(recipe: Recipe) -> None:
     problems = Problems()
-    for name in ("dataset_format", "truncation", "mixed_precision", "lr_scheduler_type", "optim", "report_to",
+    for name in ("method", "dataset_format", "truncation", "mixed_precision", "lr_scheduler_type", "optim", "report_to",
                  "gradient_checkpointing_mode"):
         problems.check(check_choice, f"--{name}", getattr(recipe, name), FIELD_CHOICES[name])
     problems.raise_any()
@@ -144,12 +143,6 @@ def check_quantization(recipe: Recipe, on_gpu: bool, loads: bool = True) -> None
                           "Use --use_peft true without --load_in_4bit (LoRA on a 16-bit base).")
     if loads and recipe.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
-
-
-def set_fields(recipe: Recipe, names: Sequence[str], given: frozenset[str]) -> list[str]:
-    """Those of `names` the run sets: given on the command line (at any value, its default included), or set by
-    the recipe to other than Recipe's default."""
-    return [name for name in names if name in given or getattr(recipe, name) != RECIPE_DEFAULTS[name]]
 
 
 def check_checkpointing_mode(recipe: Recipe, given: frozenset[str] = frozenset()) -> None:
@@ -227,7 +220,7 @@ def check_lora(recipe: Recipe, given: frozenset[str] = frozenset()) -> None:
     # The tiled loss, and Liger's fused loss in its place, multiply by the head's weight itself
     # (shardtune.tiled_loss): an adapter on it would not train.
     targets = [name.strip() for name in recipe.lora_target_modules.split(",")]
-    if recipe.use_peft and recipe.chunked_cross_entropy and "lm_head" in targets:
+    if recipe.use_peft and recipe.chunked_cross_entropy and "lm_head" in targets and recipe.method != "dpo":
         if recipe.use_liger_kernel:
             raise ConfigError("--lora_target_modules lm_head puts an adapter on the LM head, which Liger's fused "
                               "loss (--use_liger_kernel) multiplies by the head's weight alone: drop "
@@ -408,6 +401,7 @@ RECIPE_CHECKS: tuple[Callable[[Recipe], None], ...] = (
     check_pad_to_multiple_of,
     check_liger_kernel,
     check_numbers,
+    check_dpo_values,
     check_tracking,
     check_checkpoints,
     check_exports,
@@ -419,6 +413,7 @@ GIVEN_CHECKS: tuple[Callable[[Recipe, frozenset[str]], None], ...] = (
     check_lora,
     check_checkpointing_mode,
     check_torch_compile,
+    check_dpo_flags,
 )
 # What a --dry_run leaves out, and why: it judges the launch it plans on --hardware, from wherever it runs; each of
 # these judges the machine the run starts on, its disks or the run's output dir. Every other check runs in both.
@@ -429,6 +424,7 @@ NOT_IN_DRY_RUN: dict[Callable[..., None], str] = {
     check_device: "this machine's GPU: a dry run plans --hardware's",
     check_async_io: "DeepSpeed's async_io op is built on the machine that trains",
     check_hardware_launch: "it compares --hardware with the launch's processes, and a dry run plans --hardware",
+    check_reference_model: "the reference model's files are the training machine's, as the policy's are",
     # and, in check_recipe and check_on_device, the NVMe directory's existence and the packages a run loads
 }
 def check_recipe(recipe: Recipe, problems: Problems, launch: LaunchDescription | None,
@@ -454,8 +450,8 @@ def check_on_device(recipe: Recipe, problems: Problems, launch: LaunchDescriptio
                     capability: tuple[int, int] | None, loads: bool = True) -> None:
     """The checks of the recipe on its devices under the launch: the attention kernel, 4-bit quantization,
     activation offloading, Liger, fp16's loss scaler, the optimizer, compilation, async saves, fp8's float8 tensor
-    cores and the sequence split. A launch passes this machine's (`on_gpu`: a CUDA GPU in use; `capability`: its
-    compute capability where fp8 needs it); a --dry_run the planned GPUs', with `loads` false."""
+    cores and the sequence split (DPO's too). A launch passes this machine's (`on_gpu`: a CUDA GPU in use;
+    `capability`: its compute capability where fp8 needs it); a --dry_run the planned GPUs', with `loads` false."""
     problems.check(check_attention, recipe, on_gpu, loads)
     problems.check(check_quantization, recipe, on_gpu, loads)
     problems.check(check_activation_offloading, recipe, on_gpu, launch.deepspeed_offloads)
@@ -466,12 +462,14 @@ def check_on_device(recipe: Recipe, problems: Problems, launch: LaunchDescriptio
     problems.check(check_async_save, recipe, launch)
     problems.check(check_fp8, recipe, capability, launch.kind, launch.fsdp_offload_params)
     problems.check(check_sequence_split, recipe, launch.sp_size, launch.deepspeed_settings)
+    problems.check(check_dpo_launch, recipe, launch.sp_size)
 
 
 def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: LaunchDescription) -> None:
-    """The checks that depend on this machine: a GPU, or CPU mode asked for; check_on_device with this machine's
-    GPU; NVMe offload's async_io op. `has_gpu`: CUDA is available."""
+    """The checks that depend on this machine: a GPU, or CPU mode asked for; DPO's reference model; check_on_device
+    with this machine's GPU; NVMe offload's async_io op. `has_gpu`: CUDA is available."""
     problems.check(check_device, recipe, has_gpu)
+    problems.check(check_reference_model, recipe)
     on_gpu = has_gpu and not recipe.use_cpu
     check_on_device(recipe, problems, launch, on_gpu, gpu_capability(recipe, on_gpu))
     from shardtune.distributed import check_deepspeed_fp16  # torch is imported by now (cli.checked_launch)

@@ -17,6 +17,9 @@ FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both dimensions of a float8 oper
 DATASET_FORMATS = ("auto", "text", "prompt_completion", "messages", "alpaca", "sharegpt", "preference")
 # --method: supervised fine-tuning, or direct preference optimisation on prompt/chosen/rejected pairs (TRL's DPO).
 METHODS = ("sft", "dpo")
+# DPO's reference, held one of three ways (shardtune.methods.reference): the base with the LoRA adapter off, log-probs
+# precomputed before training, or a live frozen copy.
+REFERENCE_MODES = ("adapter", "precomputed", "live")
 # --loss_type: TRL 1.16 DPOTrainer's pairwise losses (shardtune.methods.dpo_loss computes each as TRL does).
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
                   "apo_down", "sigmoid_norm", "sft")
@@ -97,6 +100,16 @@ def compute_precision(mixed_precision: str) -> str:
     """The precision accelerate, FSDP2's policy and the loaded weights take for --mixed_precision: fp8's is bf16
     (its float8 linears cast their own operands)."""
     return FP8_COMPUTE_PRECISION if mixed_precision == "fp8" else mixed_precision
+
+
+def reference_mode(method: str, use_peft: bool, precompute_ref_log_probs: bool, ref_model_name_or_path: str
+                   ) -> str | None:
+    """The REFERENCE_MODES entry a run holds (the trainer and the planner ask this one function); None for SFT."""
+    if method != "dpo":
+        return None
+    if precompute_ref_log_probs:
+        return "precomputed"
+    return "adapter" if use_peft and not ref_model_name_or_path else "live"
 
 
 def token_multiple(recipe: Recipe) -> int:
@@ -355,6 +368,10 @@ class Recipe:
     @property
     def resolved_output_dir(self) -> str:
         return self.output_dir or os.path.join("outputs", self.name)
+
+    @property
+    def reference_mode(self) -> str | None:
+        return reference_mode(self.method, self.use_peft, self.precompute_ref_log_probs, self.ref_model_name_or_path)
 
     def warmup_steps_for(self, max_steps: int) -> int:
         """The scheduler's warm-up steps: --warmup_steps, else --warmup_ratio of the run's optimizer steps."""

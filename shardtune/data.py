@@ -25,8 +25,10 @@ from shardtune.data_sources import (
     check_text_encoding,
     dataset_sources,
     dataset_weights,
+    joined_parts,
     json_problem,
     only_whitespace,
+    row_error,
     source_format,
 )
 from shardtune.templating import apply_chat_template_flag, chat_ids, has_chat_template
@@ -187,27 +189,6 @@ def row_messages(row: dict, data_format: str) -> list[dict]:
     return joined_parts(row["messages"])
 
 
-def joined_parts(messages: list[dict]) -> list[dict]:
-    """OpenAI's content as a list of parts (`[{"type": "text", "text": "..."}]`) as the string every template
-    renders: the texts joined as they are, as the templates that take parts join them (Gemma 3's, TRL's vision
-    ones; Llama 3's would render the list's repr). A part that is not text is refused: these models read text."""
-    if not isinstance(messages, list):
-        return messages  # check_chat names it
-    joined = []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ValueError(f"a {message.get('role')} message's content has a part of type {kind!r} (or "
-                                     "one without text): shardtune trains text-only models; keep only "
-                                     '{"type": "text", "text": "..."} parts, or give the content as a string')
-            message = {**message, "content": "".join(part["text"] for part in content)}
-        joined.append(message)
-    return joined
-
-
 def prompt_and_target(row: dict, data_format: str) -> tuple[str, str]:
     """The text that carries no loss and the text that does (an empty prompt for plain text)."""
     if data_format == "alpaca":
@@ -258,10 +239,6 @@ def tokenize_chats(conversations: list[list[dict]], tokenizer: PreTrainedTokeniz
             labels[start:end] = input_ids[start:end]
         encoded.append((input_ids, labels))
     return encoded
-
-
-def row_error(index: int, source: str, error: Exception) -> ConfigError:
-    return ConfigError(f"Dataset row {index}: {error} (in {source!r}).")
 
 
 def tokenize_plain(rows: list[dict], indices: list[int], tokenizer: PreTrainedTokenizerBase, data_format: str,
@@ -349,8 +326,9 @@ def tokenize(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, n
         raise ConfigError(f"The {name} data of {source!r} is empty.")
     data_format = source_format(raw, recipe.dataset_format)
     if (data_format in PREFERENCE_FORMATS) != (recipe.method == "dpo"):
-        raise ConfigError(f"{source!r} holds {data_format} rows, which --method {recipe.method} does not train: "
-                          + ("give it chosen/rejected pairs." if recipe.method == "dpo" else "add --method dpo."))
+        raise ConfigError(f"{source!r} holds {data_format} rows, which --method {recipe.method} does not train: " + (
+            "give it preference pairs (`chosen` and `rejected`, with or without `prompt`), or drop --method dpo."
+            if recipe.method == "dpo" else "add --method dpo to train on its pairs."))
     if recipe.method == "dpo":  # preference pairs: shardtune.methods.preference
         from shardtune.methods.preference import tokenize_preferences
 

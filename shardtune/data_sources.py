@@ -247,9 +247,21 @@ def detect_format(columns: list[str], requested: str = "auto") -> str:
         if all(column in columns for column in needed):
             return name
     raise ConfigError(
-        f"Dataset columns {sorted(columns)} match no known format: give `messages` (chat), `conversations` "
-        "(ShareGPT), `instruction` and `output` (Alpaca), `prompt` and `completion`, or `text`."
+        f"Dataset columns {sorted(columns)} match no known format{misspelt_columns(columns)}: give `messages` "
+        "(chat), `conversations` (ShareGPT), `instruction` and `output` (Alpaca), `prompt` and `completion`, "
+        "`text`, or `chosen` and `rejected` (preference pairs, with or without `prompt`: --method dpo)."
     )
+
+
+def misspelt_columns(columns: list[str]) -> str:
+    """The columns that look like a misspelt format column (`rejectd`), as a parenthesis of the refusal."""
+    import difflib
+
+    known = list(dict.fromkeys(column for needed in FORMATS.values() for column in needed))
+    unknown = [column for column in columns if column not in known]
+    guesses = [f"`{found[0]}`: did you mean `{column}`?" for column in known if column not in columns
+               and (found := difflib.get_close_matches(column, unknown, n=1, cutoff=0.8))]
+    return f" ({' '.join(guesses)})" if guesses else ""
 
 
 def source_format(raw: Dataset, requested: str = "auto") -> str:
@@ -320,3 +332,28 @@ def check_text_column(raw: Dataset, column: str, source: str, optional: bool = F
         if not isinstance(value, str) and not (optional and value is None):
             raise ConfigError(f"{source!r}: {row_place(source, index)} holds {json.dumps(value)[:40]} in "
                               f"`{column}`, which must be text: write it as a string (\"{column}\": \"...\").")
+
+
+def row_error(index: int, source: str, error: Exception) -> ConfigError:
+    return ConfigError(f"Dataset row {index}: {error} (in {source!r}).")
+
+
+def joined_parts(messages: list[dict]) -> list[dict]:
+    """OpenAI's content as a list of parts (`[{"type": "text", "text": "..."}]`) as the string every template
+    renders: the texts joined as they are, as the templates that take parts join them (Gemma 3's, TRL's vision
+    ones; Llama 3's would render the list's repr). A part that is not text is refused: these models read text."""
+    if not isinstance(messages, list):
+        return messages  # check_chat names it
+    joined = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"a {message.get('role')} message's content has a part of type {kind!r} (or "
+                                     "one without text): shardtune trains text-only models; keep only "
+                                     '{"type": "text", "text": "..."} parts, or give the content as a string')
+            message = {**message, "content": "".join(part["text"] for part in content)}
+        joined.append(message)
+    return joined

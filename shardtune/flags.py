@@ -100,6 +100,15 @@ def given_fields(recipe: Recipe, argv: list[str] | None = None) -> frozenset[str
     return frozenset({"mixed_precision" if dest in ("bf16", "fp16") else dest for dest in dests} & fields)
 
 
+RECIPE_DEFAULTS = dataclasses.asdict(Recipe())
+
+
+def set_fields(recipe: Recipe, names: Sequence[str], given: frozenset[str]) -> list[str]:
+    """Those of `names` the run sets: given on the command line (at any value, its default included), or set by
+    the recipe to other than Recipe's default."""
+    return [name for name in names if name in given or getattr(recipe, name) != RECIPE_DEFAULTS[name]]
+
+
 def given(args: Sequence[str], flag: str) -> bool:
     """Whether `flag` is on the command line (abbreviations are off, so only its exact spelling counts)."""
     return any(arg == flag or arg.startswith(f"{flag}=") for arg in args)

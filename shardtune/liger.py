@@ -29,7 +29,8 @@ def check_liger_kernel(recipe: Recipe) -> None:
     if not recipe.use_liger_kernel:
         return
     problems = []
-    if not recipe.chunked_cross_entropy:
+    # DPO takes no loss of Liger's: its log-probs run in shardtune's tiles or over the full logits, as asked.
+    if not recipe.chunked_cross_entropy and recipe.method != "dpo":
         problems.append("--use_liger_kernel computes the loss with Liger's fused linear cross-entropy in place of "
                         "the tiled loss, and --chunked_cross_entropy false asks for the full logits: drop one of "
                         "them.")

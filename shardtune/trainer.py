@@ -56,7 +56,7 @@ from shardtune.memory import (
 )
 from shardtune.methods.dpo import evaluate_pairs
 from shardtune.methods.dpo_loss import PAIR_METRICS
-from shardtune.methods.preference import PreferenceCollator, numbered
+from shardtune.methods.pair_batches import PreferenceCollator, numbered
 from shardtune.methods.reference import disable_dropout
 from shardtune.methods.training import DPOTraining
 from shardtune.metrics import MAX_SKIPPED_IN_A_ROW, StepSummary, TrainMetrics
@@ -219,6 +219,8 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
     run = build(accelerator, recipe, batching, resume, launch.sp_size)
     start_step = resume.step
     model, output_dir = run.model, recipe.resolved_output_dir
+    # SHARDTUNE_PROFILE_MEMORY: peaks per phase (shardtune.profiling), from DPO's reference pass in `start` on
+    start_phases(model, run.optimizer)
     start(accelerator, recipe, batching, launch, run, resume)
     checkpointer = Checkpointer(accelerator, recipe,
                                 lambda path: add_model_files(accelerator, model, run.tokenizer, run.save_dtype, path),
@@ -231,7 +233,6 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
                            method_metrics=PAIR_METRICS if run.dpo else ())
     split = sequence_split(launch.sp_size, launch.deepspeed_settings)
     hooks = BackwardHooks(ModelStateProbe(model, run.optimizer), Fault.from_env(accelerator.process_index))
-    start_phases(model, run.optimizer)  # SHARDTUNE_PROFILE_MEMORY: peaks per phase (shardtune.profiling)
 
     steps = counted_steps(global_batches(run.train_loader, batching, run.steps_per_epoch, start_step))
     model.train()

@@ -30,6 +30,8 @@ HELD_BY = {
         "optim", "bf16_stochastic_round", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"),
     "its learning-rate schedule follows it": (
         "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio", "warmup_steps", "num_train_epochs"),
+    "its loss follows it": (
+        "method", "beta", "loss_type", "loss_weights", "label_smoothing", "ref_model_name_or_path"),
     "the order of the rows it continues follows it": (
         "dataset", "dataset_weights", "dataset_split", "eval_split", "eval_fraction", "dataset_format",
         "chat_template", "completion_only_loss", "truncation", "packing", "packing_strategy", "max_seq_length", "seed"),
@@ -48,7 +50,7 @@ def run_settings(recipe: Recipe, launch: LaunchDescription, batching: BatchSizes
 
 
 # The held settings that may name local files (eval_split: a file, or a split's name).
-PATH_FIELDS = ("model_name_or_path", "dataset", "chat_template", "eval_split")
+PATH_FIELDS = ("model_name_or_path", "dataset", "chat_template", "eval_split", "ref_model_name_or_path")
 
 
 def resolved_paths(settings: dict) -> dict:
@@ -62,6 +64,8 @@ def resolved_paths(settings: dict) -> dict:
 
 
 def flag(name: str, value: object) -> str:
+    if isinstance(value, list):  # --loss_type sigmoid sft
+        return f"--{name} {' '.join(shlex.quote(str(item)) for item in value)}"
     return f"--{name} {shlex.quote(str(value).lower() if isinstance(value, bool) else str(value))}"
 
 

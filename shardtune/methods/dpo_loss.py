@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardtune.config import DPO_LOSS_TYPES, ConfigError, Recipe
+from shardtune.config import Recipe
 
 # The metrics TRL logs per pair (rewards are beta x the policy's log-prob over the reference's), summed over pairs.
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -32,34 +32,6 @@ class DPOSettings:
     def of(cls, recipe: Recipe) -> DPOSettings:
         weights = recipe.loss_weights or [1.0] * len(recipe.loss_type)
         return cls(recipe.beta, tuple(recipe.loss_type), tuple(weights), recipe.label_smoothing)
-
-
-def check_dpo_values(recipe: Recipe) -> None:
-    """--beta, --loss_type, --loss_weights and --label_smoothing, each problem one line, as TRL's DPOConfig and
-    DPOTrainer refuse them."""
-    problems = []
-    if not recipe.beta > 0:
-        problems.append(f"--beta must be > 0, got {recipe.beta}: it weighs the policy's distance from the reference "
-                        "(TRL's default is 0.1).")
-    unknown = [name for name in recipe.loss_type if name not in DPO_LOSS_TYPES]
-    if unknown or not recipe.loss_type:
-        problems.append(f"--loss_type {' '.join(recipe.loss_type) or '(none)'}: {', '.join(unknown) or 'none given'} "
-                        f"is not a DPO loss; choose among {', '.join(DPO_LOSS_TYPES)}.")
-    if len(set(recipe.loss_type)) != len(recipe.loss_type):
-        problems.append(f"--loss_type {' '.join(recipe.loss_type)} names a loss twice: give each once, weighted by "
-                        "--loss_weights.")
-    if recipe.loss_weights is not None and len(recipe.loss_weights) != len(recipe.loss_type):
-        problems.append(f"--loss_weights has {len(recipe.loss_weights)} value(s) for {len(recipe.loss_type)} "
-                        "--loss_type value(s): give one weight per loss, in the same order.")
-    if "robust" in recipe.loss_type and not 0 <= recipe.label_smoothing < 0.5:
-        problems.append(f"--label_smoothing {recipe.label_smoothing} with the robust loss: it must lie in [0, 0.5).")
-    if "exo_pair" in recipe.loss_type and not 0 < recipe.label_smoothing < 1:
-        problems.append(f"--label_smoothing {recipe.label_smoothing} with the exo_pair loss: it must lie in (0, 1) "
-                        "(TRL suggests 1e-3).")
-    if not 0 <= recipe.label_smoothing < 1:
-        problems.append(f"--label_smoothing must lie in [0, 1), got {recipe.label_smoothing}.")
-    if problems:
-        raise ConfigError(problems)
 
 
 @dataclass

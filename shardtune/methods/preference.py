@@ -15,18 +15,15 @@ from __future__ import annotations
 import logging
 
 import pyarrow.compute as pc
-import torch
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config import ConfigError, Recipe
-from shardtune.data import IGNORE_INDEX, joined_parts, row_error
-from shardtune.data_sources import FORMATS
+from shardtune.data_sources import FORMATS, joined_parts, row_error
 from shardtune.templating import chat_ids, has_chat_template
 
 logger = logging.getLogger(__name__)
 PAIR_COLUMNS = FORMATS["tokenized_pairs"]  # a tokenized pair (scripts/prepare_data.py writes them)
-PAIR_ID = "pair_id"  # a pair's row in its split: the key of its precomputed reference log-probs
 
 
 def is_chat(value: object) -> bool:
@@ -43,28 +40,43 @@ def shared_turns(chosen: list[dict], rejected: list[dict]) -> int:
     return count
 
 
-def pair_parts(row: dict) -> tuple[str | list, str | list, str | list]:
-    """(prompt, chosen, rejected) of a row; raises ValueError, one sentence, where the row cannot be a pair."""
+def pair_parts(row: dict, chat: bool) -> tuple[str | list, str | list, str | list]:
+    """(prompt, chosen, rejected) of a row of a source of chat pairs (`chat`, the first row's kind) or of text
+    pairs; raises ValueError, one sentence, where the row cannot be one."""
     chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
+    parts = {"prompt": prompt, "chosen": chosen, "rejected": rejected} if prompt is not None else \
+        {"chosen": chosen, "rejected": rejected}
+    kinds = {is_chat(value) for value in parts.values()}
+    if len(kinds) > 1:
+        named, both = ("`prompt`, `chosen` and `rejected`", "all three") if prompt is not None else \
+            ("`chosen` and `rejected`", "both")
+        raise ValueError(f"{named} mix text and chat messages: give {both} as text or {both} as chat messages")
+    if kinds != {chat}:
+        raise ValueError(f"a {'text' if chat else 'chat'} pair among {'chat' if chat else 'text'} pairs (the first "
+                         "row's kind): a source holds pairs of one kind; put each kind in a file of its own")
+    for name, value in parts.items():
+        if chat and not all(isinstance(turn, dict) and {"role", "content"} <= turn.keys() for turn in value):
+            raise ValueError(f"`{name}` must be a list of {{role, content}} messages")
+        if not chat and not isinstance(value, str):
+            raise ValueError(f"`{name}` must be text or a list of chat messages")
     if chosen == rejected:
         raise ValueError("`chosen` and `rejected` are the same: a pair needs two different answers; delete the row")
-    if prompt is None:  # the prompt is implied: the conversations' shared leading turns
-        if not (is_chat(chosen) and is_chat(rejected)):
-            raise ValueError("a text pair without `prompt`: where the prompt ends in the text cannot be told; add a "
-                             "`prompt` column, or give `chosen` and `rejected` as chat messages")
-        shared = shared_turns(chosen, rejected)
-        if shared == 0 or shared in (len(chosen), len(rejected)):
-            raise ValueError("`chosen` and `rejected` share no leading turn, or one is the other's start: the prompt "
-                             "(their shared turns) cannot be told apart; add a `prompt` column")
-        if chosen[shared].get("role") != "assistant" or rejected[shared].get("role") != "assistant":
-            raise ValueError("after their shared turns `chosen` and `rejected` must go on with an assistant turn")
-        return chosen[:shared], chosen[shared:], rejected[shared:]
-    if len({is_chat(prompt), is_chat(chosen), is_chat(rejected)}) > 1:
-        raise ValueError("`prompt`, `chosen` and `rejected` mix text and chat messages: give all three as text or "
-                         "all three as messages")
-    if not is_chat(prompt) and not all(isinstance(value, str) for value in (prompt, chosen, rejected)):
-        raise ValueError("`prompt`, `chosen` and `rejected` must be text or chat messages")
-    return prompt, chosen, rejected
+    if prompt is not None:
+        return prompt, chosen, rejected
+    if not chat:
+        raise ValueError("a text pair without `prompt`: where the prompt ends in the text cannot be told; add a "
+                         "`prompt` column, or give `chosen` and `rejected` as chat messages")
+    shared = shared_turns(chosen, rejected)  # the prompt is implied: the conversations' shared leading turns
+    if shared == 0:
+        raise ValueError("`chosen` and `rejected` share no leading turn, and without `prompt` the prompt is their "
+                         "shared turns: start both with the same prompt turns, or add a `prompt` column")
+    if shared in (len(chosen), len(rejected)):
+        raise ValueError("one of `chosen` and `rejected` is the other's start, so after their shared turns (the "
+                         "implied prompt) one has no answer: give each its own final answer, or add a `prompt` column")
+    if chosen[shared].get("role") != "assistant" or rejected[shared].get("role") != "assistant":
+        raise ValueError("after their shared turns (the implied prompt) `chosen` and `rejected` must go on with an "
+                         "assistant turn: add a `prompt` column if the prompt is not those turns")
+    return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
 def common_prefix_length(ids: list[int], other: list[int]) -> int:
@@ -77,27 +89,28 @@ def common_prefix_length(ids: list[int], other: list[int]) -> int:
 
 
 def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,
-                   max_len: int, source: str) -> dict:
+                   max_len: int, source: str, chat: bool) -> dict:
     """prompt_ids, chosen_ids and rejected_ids of each row (untruncated, as TRL keeps them), and `keep`: whether the
-    pair still teaches something once cut to `max_len`."""
+    pair still teaches something once cut to `max_len`. `chat`: the source's pairs are chat messages."""
     rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
     parts = []
     for index, row in zip(indices, rows, strict=True):
         try:
-            prompt, chosen, rejected = pair_parts(row)
+            prompt, chosen, rejected = pair_parts(row, chat)
+            parts.append(tuple(joined_parts(part) for part in (prompt, chosen, rejected)) if chat else
+                         (prompt, chosen, rejected))
         except ValueError as error:
             raise row_error(index, source, error) from error
-        parts.append((prompt, chosen, rejected) if not is_chat(prompt) else
-                     tuple(joined_parts(part) for part in (prompt, chosen, rejected)))
-    chat = {is_chat(prompt) for prompt, _, _ in parts}
-    if len(chat) > 1:
-        first_text = next(index for index, (prompt, _, _) in zip(indices, parts, strict=True) if not is_chat(prompt))
-        raise row_error(first_text, source, ValueError("a text pair among chat pairs: a source holds pairs of one "
-                                                       "kind; put each in a file of its own"))
-    if chat == {True}:
-        prompt_ids = chat_ids(tokenizer, [prompt for prompt, _, _ in parts], generation_prompt=True)
-        chosen_full = chat_ids(tokenizer, [prompt + chosen for prompt, chosen, _ in parts])
-        rejected_full = chat_ids(tokenizer, [prompt + rejected for prompt, _, rejected in parts])
+    if chat:
+        try:
+            prompt_ids, chosen_full, rejected_full = chat_pair_ids(tokenizer, parts)
+        except Exception:  # the template's own refusal (jinja2's TemplateError, e.g. roles that must alternate)
+            for index, pair in zip(indices, parts, strict=True):
+                try:
+                    chat_pair_ids(tokenizer, [pair])
+                except Exception as error:
+                    raise row_error(index, source, error) from error
+            raise
     else:
         eos = tokenizer.eos_token
         ended = [(prompt, chosen if chosen.endswith(eos) else chosen + eos,
@@ -115,6 +128,14 @@ def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer: Pre
     return out
 
 
+def chat_pair_ids(tokenizer: PreTrainedTokenizerBase, parts: list[tuple]) -> tuple[list, list, list]:
+    """The prompts' ids (with the generation prompt), and the prompt + chosen and prompt + rejected ids, each
+    conversation rendered whole as TRL renders it."""
+    return (chat_ids(tokenizer, [prompt for prompt, _, _ in parts], generation_prompt=True),
+            chat_ids(tokenizer, [prompt + chosen for prompt, chosen, _ in parts]),
+            chat_ids(tokenizer, [prompt + rejected for prompt, _, rejected in parts]))
+
+
 def tokenize_preferences(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, name: str, source: str,
                          data_format: str, processes: int | None) -> Dataset:
     """One source's pairs as PAIR_COLUMNS, the pairs that teach nothing once cut dropped and counted."""
@@ -130,7 +151,8 @@ def tokenize_preferences(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedToke
             raise ConfigError(f"{recipe.model_name_or_path!r} has no chat template for the chat pairs of {source!r}: "
                               "pass --chat_template, or use a chat (instruct) tokenizer.")
         tokenized = raw.map(tokenize_pairs, batched=True, with_indices=True, num_proc=processes,
-                            fn_kwargs={"tokenizer": tokenizer, "max_len": recipe.max_seq_length, "source": source},
+                            fn_kwargs={"tokenizer": tokenizer, "max_len": recipe.max_seq_length, "source": source,
+                                       "chat": chat},
                             remove_columns=raw.column_names, desc=f"tokenizing {name} pairs ({source})")
         described = "chat via the chat template" if chat else "text"
     keep = tokenized.data.column("keep")
@@ -156,42 +178,3 @@ def tokenize_preferences(raw: Dataset, recipe: Recipe, tokenizer: PreTrainedToke
 def pair_teaches(row: dict, max_len: int) -> bool:
     chosen, rejected = (row["prompt_ids"] + row[key] for key in ("chosen_ids", "rejected_ids"))
     return len(row["prompt_ids"]) < max_len and chosen[:max_len] != rejected[:max_len]
-
-
-def numbered(dataset: Dataset) -> Dataset:
-    """The split with each pair's row number (PAIR_ID), by which its precomputed reference log-probs are found."""
-    return dataset.add_column(PAIR_ID, list(range(len(dataset))))
-
-
-class PreferenceCollator:
-    """A micro-batch of pairs as one right-padded batch, its chosen sequences first, then its rejected ones, each
-    prompt + completion cut to `max_len` (TRL's DataCollatorForPreference): input_ids, attention_mask and labels
-    (the completion's tokens, IGNORE_INDEX elsewhere). With precomputed reference log-probs (`reference`: a
-    (pairs, 2) table of the split), `ref_logps` per pair. COUNTS as the SFT collator's, `targets` being pairs: the
-    unit the DPO loss is averaged over."""
-
-    def __init__(self, pad_id: int, max_len: int, multiple: int = 1) -> None:
-        self.pad_id, self.max_len, self.multiple = pad_id, max_len, multiple
-        self.reference: torch.Tensor | None = None  # set once the reference log-probs are computed or read
-
-    def __call__(self, features: list[dict]) -> dict:
-        from shardtune.batches import COUNTS
-
-        sequences, labels = [], []
-        for side in ("chosen_ids", "rejected_ids"):
-            for feature in features:
-                prompt, completion = feature["prompt_ids"], feature[side]
-                sequences.append((prompt + completion)[: self.max_len])
-                labels.append(([IGNORE_INDEX] * len(prompt) + completion)[: self.max_len])
-        longest = max(len(sequence) for sequence in sequences)
-        length = -(-longest // self.multiple) * self.multiple
-        batch = {
-            "input_ids": torch.tensor([seq + [self.pad_id] * (length - len(seq)) for seq in sequences]),
-            "attention_mask": torch.tensor([[1] * len(seq) + [0] * (length - len(seq)) for seq in sequences]),
-            "labels": torch.tensor([label + [IGNORE_INDEX] * (length - len(label)) for label in labels]),
-        }
-        if self.reference is not None:
-            batch["ref_logps"] = self.reference[torch.tensor([feature[PAIR_ID] for feature in features])]
-        batch[COUNTS] = {"targets": len(features), "tokens": sum(len(sequence) for sequence in sequences),
-                         "processed": batch["input_ids"].numel(), "sequences": len(sequences)}
-        return batch

@@ -1,10 +1,11 @@
-"""DPO's reference model, held one of three ways (REFERENCE_MODES), named in the start-up line:
+"""DPO's reference model, held one of three ways (shardtune.config.REFERENCE_MODES), named in the start-up line:
 - `adapter`: under --use_peft, the policy itself with its LoRA adapter switched off (peft's disable_adapter): no
   second model.
 - `precomputed` (--precompute_ref_log_probs): the reference's log-probs of every train and eval pair in one pass
-  before the first step, by the policy as loaded (the reference, before it trains), in eval mode; kept in the output
-  dir with what they were computed from (REFERENCE_CACHE), so that a resumed run reads them instead of computing
-  them from a policy that has trained since, and a run of another model or data computes them anew.
+  before the first step, in eval mode, by --ref_model_name_or_path (loaded for the pass only), else by the policy
+  as loaded (the reference, before it trains; under LoRA with its adapter off); kept in the output dir with what
+  they were computed from (REFERENCE_CACHE), so that a resumed run reads them instead of computing them again, and
+  a run of another model or data computes them anew.
 - `live`: a frozen copy of --ref_model_name_or_path (default: the policy's model) in the compute dtype, sharded
   exactly as the policy under FSDP2 (accelerate's fully_shard per decoder layer) and ZeRO-3 (an engine of its
   own, stage 3, gathered layer by layer); a whole copy on every GPU under DDP and ZeRO-1/2 (stage 0, as TRL),
@@ -26,19 +27,12 @@ from datasets import Dataset
 from shardtune.checkpoint.durable import durable
 from shardtune.config import Recipe, compute_precision
 
-REFERENCE_MODES = ("adapter", "precomputed", "live")
 REFERENCE_CACHE = "reference_log_probs"  # under the output dir: <split>.pt and <split>.json (what it was made of)
-
-
-def reference_mode(recipe: Recipe) -> str:
-    if recipe.precompute_ref_log_probs:
-        return "precomputed"
-    return "adapter" if recipe.use_peft and not recipe.ref_model_name_or_path else "live"
 
 
 def describe_reference(recipe: Recipe) -> str:
     """The reference as the start-up line names it."""
-    mode = reference_mode(recipe)
+    mode = recipe.reference_mode
     if mode == "adapter":
         return "reference: the base, adapter off"
     if mode == "precomputed":

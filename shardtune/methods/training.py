@@ -13,14 +13,14 @@ from datasets import Dataset
 from shardtune.config import LOSS_TILE_POSITIONS, Recipe
 from shardtune.methods.dpo import DPOStep
 from shardtune.methods.dpo_loss import DPOSettings
-from shardtune.methods.preference import PreferenceCollator
+from shardtune.methods.pair_batches import PreferenceCollator
 from shardtune.methods.reference import (
     describe_reference,
     load_reference,
     precomputed_table,
     reference_log_probs,
-    reference_mode,
 )
+from shardtune.profiling import phase
 
 
 @dataclass
@@ -28,18 +28,20 @@ class DPOTraining:
     step: DPOStep
     model: torch.nn.Module  # the prepared policy
     splits: dict[str, tuple[Dataset, PreferenceCollator, int]]  # name: (pairs, their collator, batch size)
-    mode: str  # shardtune.methods.reference.REFERENCE_MODES
+    mode: str  # shardtune.config.REFERENCE_MODES
     description: str  # the method in the start-up line
 
     @classmethod
     def build(cls, accelerator: Accelerator, recipe: Recipe, model: torch.nn.Module,
               splits: dict[str, tuple[Dataset, PreferenceCollator, int]]) -> DPOTraining:
-        settings, mode = DPOSettings.of(recipe), reference_mode(recipe)
+        settings, mode = DPOSettings.of(recipe), recipe.reference_mode
         tile = LOSS_TILE_POSITIONS if recipe.chunked_cross_entropy else None
-        reference = load_reference(accelerator, recipe) if mode == "live" else None
-        # precomputed under LoRA: the base with the adapter off computes them; in full: the policy as loaded
+        # Precomputed, the log-probs come from --ref_model_name_or_path (held only while they are computed), else
+        # under LoRA from the base with the adapter off, else from the policy as loaded.
+        named = mode == "precomputed" and bool(recipe.ref_model_name_or_path)
+        reference = load_reference(accelerator, recipe) if mode == "live" or named else None
         of_reference = reference_log_probs(accelerator, recipe, model, reference, tile) \
-            if mode != "precomputed" or recipe.use_peft else None
+            if mode != "precomputed" or recipe.use_peft or named else None
         step = DPOStep(settings, None if mode == "precomputed" else of_reference, tile, precompute_with=of_reference)
         losses = " + ".join(f"{weight:g} {name}" if len(settings.loss_types) > 1 else name
                             for name, weight in zip(settings.loss_types, settings.loss_weights, strict=True))
@@ -53,9 +55,11 @@ class DPOTraining:
             return
         for name, (dataset, collate, batch_size) in self.splits.items():
             started = time.perf_counter()
-            table, read = precomputed_table(accelerator, recipe, self.model, dataset, name, collate, batch_size,
-                                            self.step.precompute_with, self.step.tile)
+            with phase("reference_precompute"):
+                table, read = precomputed_table(accelerator, recipe, self.model, dataset, name, collate, batch_size,
+                                                self.step.precompute_with, self.step.tile)
             collate.reference = table
             accelerator.print(f"shardtune: reference log-probs of {len(dataset)} {name} pairs "
                               f"{'read from the cache' if read else 'computed'} in "
                               f"{time.perf_counter() - started:.1f}s")
+        self.step.precompute_with = None  # a reference model loaded for the pass is freed with it

@@ -45,7 +45,8 @@ RUN_FLAGS = ("per_device_train_batch_size", "global_batch_size", "gradient_accum
              "activation_offloading", "mixed_precision",
              "attn_implementation", "packing", "chunked_cross_entropy", "torch_compile", "use_liger_kernel", "optim",
              "bf16_stochastic_round", "use_peft", "lora_r", "lora_target_modules", "load_in_4bit",
-             "per_device_eval_batch_size", "async_save", "save_only_model")
+             "per_device_eval_batch_size", "async_save", "save_only_model", "method", "precompute_ref_log_probs",
+             "ref_model_name_or_path")
 # The flags the recommendation searches over when they are not given (a recipe gives them all), and their words.
 SEARCHED_FLAGS = {"per_device_train_batch_size": "micro-batch", "gradient_checkpointing": "checkpointing",
                   "gradient_checkpointing_mode": "checkpointing mode", "optim": "optimizer",
@@ -59,6 +60,8 @@ PLAN_NOTES = {
     "use_liger_kernel": "with it a recommendation searches full checkpointing only",
     "per_device_eval_batch_size": "eval's activations are planned as a phase",
     "pad_to_multiple_of": "planned at --max_seq_length rounded up to it",
+    "method": "dpo plans each pair as two sequences and the reference model as it is held (docs/dpo.md)",
+    "ref_model_name_or_path": "any value makes a LoRA run's reference live; planned in the policy's shape",
 }
 MODEL_DEFAULT_WORDS = {"mixed_precision": "the accelerate config's; a recommendation's: bf16, which it never trades "
                                           "for fp8"}
@@ -141,6 +144,11 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if peft_flags and not _uses_peft(args):
         problems.append(f"{', '.join(peft_flags)} shape{'s' if len(peft_flags) == 1 else ''} LoRA adapters: add "
                         "--use_peft true, or drop them.")
+    dpo_flags = [f"--{name}" for name in ("precompute_ref_log_probs", "ref_model_name_or_path")
+                 if getattr(args, name) is not None]
+    if dpo_flags and not _is_dpo(args):
+        problems.append(f"{', '.join(dpo_flags)} place{'s' if len(dpo_flags) == 1 else ''} DPO's reference: add "
+                        "--method dpo, or drop them.")
     if args.chart and not args.chart.lower().endswith(".png"):
         problems.append(f"--chart writes a PNG: give a path ending in .png, got {args.chart!r}.")
     if args.config_file and not os.path.isfile(args.config_file):
@@ -180,6 +188,13 @@ def _uses_peft(args: argparse.Namespace) -> bool:
     if args.use_peft is not None:
         return args.use_peft
     return is_recipe(args.model) and os.path.isfile(args.model) and bool(recipe_fields(args.model).get("use_peft"))
+
+
+def _is_dpo(args: argparse.Namespace) -> bool:
+    """--method as given, else the recipe's, is dpo."""
+    if args.method is not None:
+        return args.method == "dpo"
+    return is_recipe(args.model) and os.path.isfile(args.model) and recipe_fields(args.model).get("method") == "dpo"
 
 
 def planned_hardware(args: argparse.Namespace):

@@ -301,7 +301,7 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, checkpo
 
 
 def eval_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, masked: bool = True,
-                          adapted_up: bool = False) -> float:
+                          adapted_up: bool = False, head_positions: int | None = None) -> float:
     """The eval forward under no_grad (shardtune.evaluation): only what the running op needs is alive. Throughout,
     four n x h tensors of the residual stream (the embedding output, which the model's forward keeps, the layer's
     input, the residual and the normalised input), the additive mask (c·b·s², `masked`: SDPA and eager) and
@@ -310,12 +310,13 @@ def eval_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, ma
     its scaled output and the sum, `result + lora_B(lora_A(x)) * scaling` in peft, while SiLU of gate is alive:
     4) and the head, which computes one chunk of EVAL_CHUNK_POSITIONS positions at a time
     (shardtune.evaluation.head_statistics): the chunk's logits in the compute dtype, their fp32 upcast and
-    cross-entropy's log-softmax of it."""
+    cross-entropy's log-softmax of it. `head_positions`: the positions one head chunk computes where the head runs
+    otherwise (a DPO forward's tiles of flat positions, shardtune.methods.dpo.sequence_log_probs)."""
     compute, residual = dtype_bytes(mode)
     n = batch * seq
     mask = compute * batch * seq * seq if masked else 0
     stream = 4 * residual * n * shape.hidden + mask + 2 * residual * n * shape.head_dim
     upcasts = 2 if compute != 4 else 1  # the chunk's fp32 copy (none when fp32 already) and its log-softmax
-    chunk = min(seq, EVAL_CHUNK_POSITIONS)
+    chunk = head_positions or min(seq, EVAL_CHUNK_POSITIONS)
     head = compute * chunk * shape.vocab + 4 * chunk * shape.vocab * upcasts
     return float(stream + max(head, (4 if adapted_up else 3) * compute * n * shape.intermediate))

@@ -41,9 +41,15 @@ def host_ram_terms(strategy: Strategy, shape: ModelShape, world: int, gpus_per_n
 def host_ram_peak(host: dict[str, float]) -> float:
     """Host RAM per node at the most demanding of a run's moments, from host_ram_terms: the weights loading
     (before anything else is resident); training (offloaded states, pinned swap buffers, the pinned allocator's
-    rounding, the --async_save staging copy); a resume (the same before any staging copy, plus the moment
+    rounding, the --async_save staging copy); a live DPO reference loading (after the policy: beside its resident
+    terms, "reference_loading"); a resume (the same before any staging copy, plus the moment
     tensor it copies off the mapped checkpoint); the final export (training's, plus one output shard)."""
     resident = host["offloaded_states"] + host["swap_buffers"] + host["pinned_rounding"]
     resident += host.get("offloaded_activations", 0.0)  # --activation_offloading's pinned activations
+    # A live DPO reference loads once the policy is prepared: beside the policy's resident terms, not its load;
+    # its own offloaded partitions are what it loads into.
+    loading_reference = resident + host.get("reference_loading", 0.0)
+    resident += host.get("reference_offloaded", 0.0)
     training = resident + host["checkpoint_staging"]
-    return max(host["model_loading"], training, resident + host["resume"], training + host["export"])
+    return max(host["model_loading"], loading_reference, training, resident + host["resume"],
+               training + host["export"])

@@ -41,9 +41,12 @@ def launch_strategy(recipe: Recipe, launch: LaunchDescription, config_file: str 
 def plan_launch(shape: ModelShape, hardware: Hardware, recipe: Recipe, strategy: Strategy
                 ) -> tuple[MemoryPlan, str | None]:
     """The plan of a recipe under `strategy` (launch_strategy); with the fastest plan that fits this hardware
-    when it does not (None when it does)."""
+    when it does not (None when it does), after what to change where a whole live DPO reference binds."""
     chosen = plan_recipe(shape, hardware, strategy, recipe)
     if chosen.fits:
         return chosen, None
     found = recommend(shape, hardware, recipe_search(recipe, hardware, recipe.mixed_precision, HELD_OPTIMIZER))
-    return chosen, f"The fastest plan that fits: {found.message}" if found.plan else found.message
+    # A whole live DPO reference that does not fit: what to change, before the search's answer.
+    advice = chosen.reference_advice
+    advice = f"{advice[0].upper()}{advice[1:]} " if advice else ""
+    return chosen, advice + (f"The fastest plan that fits: {found.message}" if found.plan else found.message)

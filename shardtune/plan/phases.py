@@ -137,7 +137,8 @@ def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backw
                 eval_batch: int, seq: int, peft: Peft | None = None, foreach: bool = True,
                 host: float = 0.0, export_bytes: int = 2, attn: str = "sdpa", graph: float = 0.0,
                 optim: str = "adamw_torch", stochastic: bool = False,
-                peak_moment: dict[str, float] | None = None) -> dict[str, dict]:
+                peak_moment: dict[str, float] | None = None, eval_head_positions: int | None = None
+                ) -> dict[str, dict]:
     """Per GPU, each phase's parts and total; `forward_backward` is the step's (model states, activations,
     buffers). Gradients are freed by the step (the trainer's zero_grad sets them to None), so eval and save hold
     the weights and optimizer states; DDP's gradients are views into its reducer's buckets, which stay, and
@@ -146,7 +147,9 @@ def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backw
     host gradients freed by the step), NVMe offload's pinned buffers, an optimizer step that runs on the host and
     the save's host copy. `graph`: what the last micro-batch's spent graph still holds while the optimizer steps.
     `peak_moment`: the gradients, activations and buffers of forward/backward's largest moment
-    (backward_moments.forward_backward_parts), in place of `forward_backward`'s."""
+    (backward_moments.forward_backward_parts), in place of `forward_backward`'s. `eval_batch` counts rows (a DPO
+    eval's pairs twice) and `eval_head_positions` where the eval's head computes otherwise than in
+    EVAL_CHUNK_POSITIONS per row (a DPO eval: preference.head_positions)."""
     params = shape.params
     states = {key: forward_backward[key] for key in ("weights", "gradients", "optimizer")}
     kept = {"weights": states["weights"], "optimizer": states["optimizer"],
@@ -173,7 +176,8 @@ def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backw
                  # under the sequence split each GPU runs its slice of the rows, without a mask
                  "activations": eval_activation_bytes(shape, eval_batch, seq // strategy.sequence_split, mode,
                                                       attn != "flash" and strategy.sequence_split == 1,
-                                                      peft is not None and "up_proj" in peft.target_names())},
+                                                      peft is not None and "up_proj" in peft.target_names(),
+                                                      eval_head_positions)},
         "save": {**kept, "gathered": gathered},
     }
     for parts in phases.values():

@@ -14,7 +14,7 @@ from shardtune.checks import (
     check_packed_attention,
     check_pad_to_multiple_of,
 )
-from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe, padded_length
+from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe, padded_length, reference_mode
 from shardtune.flops import ModelShape, recipe_fields
 from shardtune.hardware import Hardware
 from shardtune.liger import check_liger_kernel
@@ -58,6 +58,12 @@ def check_planned(recipe: Recipe, model_config: object) -> None:
     problems.raise_any()
 
 
+def recipe_reference(recipe: Recipe) -> str | None:
+    """The reference mode a DPO recipe holds, None for SFT (the fields read here, each a planner flag)."""
+    return reference_mode(recipe.method, recipe.use_peft, recipe.precompute_ref_log_probs,
+                          recipe.ref_model_name_or_path)
+
+
 def recipe_peft(recipe: Recipe) -> Peft | None:
     return Peft(recipe.lora_r, recipe.lora_target_modules, recipe.load_in_4bit) if recipe.use_peft else None
 
@@ -88,7 +94,7 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
                 optim=recipe.optim, bf16_stochastic_round=recipe.bf16_stochastic_round,
                 gradient_accumulation_steps=recipe_accumulation(recipe, hardware.world_size),
                 torch_compile=recipe.torch_compile, use_liger_kernel=recipe.use_liger_kernel,
-                checkpointing_interval=recipe.gradient_checkpointing_interval)
+                checkpointing_interval=recipe.gradient_checkpointing_interval, reference=recipe_reference(recipe))
 
 
 def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held: Collection[str] = (),
@@ -112,4 +118,4 @@ def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held
                   recipe.optim if "optim" in held else None,
                   recipe.bf16_stochastic_round if "bf16_stochastic_round" in held else None,
                   use_liger_kernel=recipe.use_liger_kernel,
-                  checkpointing_interval=recipe.gradient_checkpointing_interval)
+                  checkpointing_interval=recipe.gradient_checkpointing_interval, reference=recipe_reference(recipe))

@@ -17,9 +17,18 @@ from shardtune.plan.activations import (
 )
 from shardtune.plan.backward_moments import forward_backward_parts, gradients_fresh_each_micro_batch
 from shardtune.plan.buffers import buffers, freed_under_layer_gradients
+from shardtune.plan.host import loading_host_bytes
 from shardtune.plan.host_fit import host_ram_peak, host_ram_terms
 from shardtune.plan.layouts import hpz_secondary_bytes
-from shardtune.plan.phases import PHASES, phase_bytes
+from shardtune.plan.phases import phase_bytes
+from shardtune.plan.preference import (
+    PAIR_SEQUENCES,
+    dpo_phases,
+    head_positions,
+    reference_advice,
+    reference_resident,
+    reference_whole,
+)
 from shardtune.plan.states import Peft, model_states, peft_states
 from shardtune.plan.strategy import PlanError, Strategy
 
@@ -85,6 +94,11 @@ class MemoryPlan:
     # activations (measured 12.6% below eager's forward/backward peak, docs/planner.md): eager's bytes bound it.
     torch_compile: bool = False
     use_liger_kernel: bool = False  # Liger's layers and fused loss (activations.py's `liger` terms)
+    # --method dpo: micro_batch counts pairs, each two sequences; the reference's mode (preference.py), "" for SFT.
+    method: str = "sft"
+    reference_mode: str = ""
+    reference_layout: str = ""  # a live reference's: "whole on every GPU" or "sharded as the policy"
+    reference_advice: str = ""  # what to change where a whole live reference is what does not fit (a note too)
 
     @property
     def fits(self) -> bool:
@@ -135,8 +149,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
          foreach: bool = True, export_bytes: int = 2, checkpointing_mode: str = "full",
          activation_offloading: bool = False, chunked_cross_entropy: bool = False, optim: str = "adamw_torch",
          bf16_stochastic_round: bool = False, gradient_accumulation_steps: int | None = None,
-         torch_compile: bool = False, use_liger_kernel: bool = False, checkpointing_interval: int = 1
-         ) -> MemoryPlan:
+         torch_compile: bool = False, use_liger_kernel: bool = False, checkpointing_interval: int = 1,
+         reference: str | None = None) -> MemoryPlan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
     headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
@@ -156,7 +170,10 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     starts (backward_moments), unknown (None) is planned as accumulating. `torch_compile` is recorded and planned
     as eager (MemoryPlan.torch_compile). `use_liger_kernel`: Liger's RMSNorm and SwiGLU in the layers and its fused
     linear cross-entropy in place of the tiles, which it needs (chunked_cross_entropy). `checkpointing_interval`:
-    with `checkpointing`, every k-th layer recomputed (activations.recomputed_layers), the others saving all."""
+    with `checkpointing`, every k-th layer recomputed (activations.recomputed_layers), the others saving all.
+    `reference`: a DPO run's reference mode (shardtune.config.reference_mode; None: SFT): `micro_batch` and
+    `eval_batch` are pairs, each two padded sequences (never packed), and the reference is planned as its mode holds
+    it (preference.dpo_phases)."""
     params = shape.params
     if use_liger_kernel and not chunked_cross_entropy:
         raise PlanError("--use_liger_kernel replaces the tiled loss with Liger's fused loss: it needs "
@@ -187,7 +204,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         states.host += secondary
     else:
         states.weights += secondary
-    rows, length = (1, micro_batch * seq) if packing else (micro_batch, seq)
+    pair = PAIR_SEQUENCES if reference else 1
+    rows, length = (1, micro_batch * seq) if packing and not reference else (micro_batch * pair, seq)
     masked = attn != "flash"  # SDPA and eager get a dense mask: a padded batch's, or a packed row's block-diagonal
     # Activations are those of this GPU's tokens, with the model's shape as its attention sees them (sequence_split).
     seen, length, masked = sequence_split(shape, length, masked, strategy.sequence_split)
@@ -215,12 +233,23 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     # that graph is alive (the trainer drops it before stepping any other strategy).
     graph = 2.0 * dtype_bytes(mode)[1] * rows * length * shape.hidden \
         if peft and checkpointing and strategy.kind == "deepspeed" else 0.0
-    phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch, seq, peft, foreach, states.host,
-                         export_bytes, attn, graph, optim, bf16_stochastic_round, peak_moment)
-    peak_phase = max(PHASES, key=lambda name: phases[name]["total"])
+    eval_split_seq = seq // strategy.sequence_split
+    phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch * pair, seq, peft, foreach, states.host,
+                         export_bytes, attn, graph, optim, bf16_stochastic_round, peak_moment,
+                         head_positions(eval_batch * pair, eval_split_seq, loss_tile) if reference else None)
+    resident = reference_resident(strategy, shape, world, reference)
+    if reference:
+        phases = dpo_phases(phases, strategy, shape, reference, resident, 0.0 if fresh else states.gradients,
+                            states.optimizer if strategy.kind == "deepspeed" else 0.0, rows,
+                            pair * max(micro_batch, eval_batch), length, masked, loss_tile)
+        states.nvme += resident.nvme
+    peak_phase = max(phases, key=lambda name: phases[name]["total"])
     per_gpu["total"] = phases[peak_phase]["total"]
     host = host_ram_terms(strategy, shape, world, hardware.gpus_per_node, states.host, peft, async_save,
                           save_only_model, export_bytes, bf16_stochastic_round)
+    if reference == "live":  # loaded once the policy is prepared, like it (16-bit, one copy per process or node)
+        host["reference_loading"] = loading_host_bytes(strategy, params, hardware.gpus_per_node, bf16_weights=True)
+        host["reference_offloaded"] = resident.host * hardware.gpus_per_node
     if activation_offloading:
         host["offloaded_activations"] = hardware.gpus_per_node * offloaded_host_bytes(shape, rows, length, mode)
     capacity = usable_capacity(hardware)
@@ -228,6 +257,10 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     if strategy.kind == "ddp" and mode == "autocast":
         notes.append("DDP autocast: 16-bit weight copies cached during forward are counted in the buffers of "
                      "forward/backward and eval")
+    # Refused with what to change where a whole live reference is what does not fit the GPUs.
+    binding_reference = per_gpu["total"] > capacity >= per_gpu["total"] - resident.gpu
+    advice = reference_advice(strategy, reference, resident.gpu) if binding_reference else ""
+    notes += [advice] if advice else []
     return MemoryPlan(
         model=shape.name, hardware=hardware.name, config=strategy.name, params=params,
         trainable_params=peft.trainable_params(shape) if peft else params, world_size=hardware.world_size,
@@ -244,5 +277,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         gradient_checkpointing_interval=checkpointing_interval if checkpointing else 1,
         activation_offloading=activation_offloading, layout=strategy.layout(hardware.world_size),
         gradient_accumulation_steps=gradient_accumulation_steps, torch_compile=torch_compile,
-        use_liger_kernel=use_liger_kernel,
+        use_liger_kernel=use_liger_kernel, method="dpo" if reference else "sft", reference_mode=reference or "",
+        reference_layout=("whole on every GPU" if reference_whole(strategy) else "sharded as the policy")
+        if reference == "live" else "", reference_advice=advice,
     )

@@ -7,21 +7,31 @@ from shardtune.plan.planner import GPU_FIXED_RESERVE, GPU_HEADROOM_FRACTION, GiB
 # The parts of per-GPU memory as the plan, the table and the chart show them: the peak phase's parts
 # (phases.phase_bytes), each under one of these names, summing to the plan's total. Gathered parameters are
 # buffers, as in forward/backward; the spent graph the optimizer step still holds is activations; "step" is the
-# optimizer's own transient (torch AdamW's temporaries).
+# optimizer's own transient (torch AdamW's temporaries). A live DPO reference (preference.py) is a part of its own,
+# REFERENCE_COMPONENT, shown where a plan holds one.
 PEAK_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers", "step")
+REFERENCE_COMPONENT = "reference"
 PART_COMPONENT = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer",
                   "activations": "activations", "graph": "activations", "buffers": "buffers",
-                  "gathered": "buffers", "persistent": "buffers", "step": "step"}
+                  "gathered": "buffers", "persistent": "buffers", "step": "step", "reference": REFERENCE_COMPONENT}
 NOT_PER_GPU = ("total", "on_host")  # a phase's sum, and the host RAM it holds
+# Phase names as the plan prints them; the others with their underscores as slashes ("forward/backward").
+PHASE_WORDS = {"reference_forward": "reference forward", "reference_precompute": "reference precompute"}
+
+
+def components(plans: list[MemoryPlan]) -> tuple[str, ...]:
+    """PEAK_COMPONENTS, and REFERENCE_COMPONENT where one of `plans` holds a live reference."""
+    live = any(p.reference_mode == "live" for p in plans)
+    return PEAK_COMPONENTS + ((REFERENCE_COMPONENT,) if live else ())
 
 
 def peak_components(p: MemoryPlan) -> dict[str, float]:
-    """The peak phase's parts per GPU under PEAK_COMPONENTS' names: they sum to p.per_gpu["total"]."""
-    components = dict.fromkeys(PEAK_COMPONENTS, 0.0)
+    """The peak phase's parts per GPU under components' names: they sum to p.per_gpu["total"]."""
+    parts = dict.fromkeys(components([p]), 0.0)
     for name, value in p.phases[p.peak_phase].items():
         if name not in NOT_PER_GPU:
-            components[PART_COMPONENT[name]] += value
-    return components
+            parts[PART_COMPONENT[name]] += value
+    return parts
 
 
 def checkpointing_words(on: bool, mode: str | None, interval: int = 1) -> str:
@@ -49,13 +59,27 @@ def optimizer_words(optim: str, bf16_stochastic_round: bool) -> str:
 
 
 def phase_name(phase: str) -> str:
-    return phase.replace("_", "/")
+    return PHASE_WORDS.get(phase, phase.replace("_", "/"))
+
+
+def method_line(p: MemoryPlan) -> list[str]:
+    """A DPO plan's line: what a micro-batch runs and how the reference is held; none for SFT."""
+    if p.method != "dpo":
+        return []
+    held = {"adapter": "the base with the LoRA adapter off, no second model",
+            "precomputed": "log-probs precomputed before training, none held",
+            "live": f"a frozen {p.mixed_precision if p.mixed_precision != 'no' else 'fp32'} copy, "
+                    f"{p.reference_layout}"}
+    return [f"  method dpo: each pair 2 sequences ({2 * p.micro_batch} per micro-batch), reference "
+            f"{p.reference_mode} ({held[p.reference_mode]})"]
 
 
 HOST_EXTRAS = (("pinned_rounding", "pinned-memory rounding"),
                ("resume", "a resume's copies off its mapped optimizer shards"),
                ("export", "the final export's largest output shard"),
-               ("offloaded_activations", "offloaded activations"))
+               ("offloaded_activations", "offloaded activations"),
+               ("reference_loading", "the live reference loading"),
+               ("reference_offloaded", "the live reference's offloaded partitions"))
 
 
 def loss_words(p: MemoryPlan) -> str:
@@ -73,7 +97,7 @@ def format_plan(p: MemoryPlan) -> str:
             f"{optimizer_words(p.optim, p.bf16_stochastic_round)}"
             f"{', layers compiled (planned as eager)' if p.torch_compile else ''}"
             f"{', Liger RMSNorm, SwiGLU and RoPE' if p.use_liger_kernel else ''}",
-            f"  states {p.layout}"]
+            f"  states {p.layout}", *method_line(p)]
     rows.append(f"  per GPU at the peak, {phase_name(p.peak_phase)}:")
     rows += [f"  {name:<12}{gb(value):>12}" for name, value in peak_components(p).items()]
     rows.append(f"  {'total':<12}{gb(p.per_gpu['total']):>12}")
@@ -99,11 +123,12 @@ def format_plan(p: MemoryPlan) -> str:
 
 def format_compare(plans: list[MemoryPlan]) -> str:
     """One row per config: the peak phase's parts per GPU (they sum to the total), its name, and host RAM."""
-    header = (f"{'config':<30}" + "".join(f"{c:>12}" for c in (*PEAK_COMPONENTS, "total")) + f"  {'peak':<18}"
+    header = (f"{'config':<30}" + "".join(f"{c:>12}" for c in (*components(plans), "total")) + f"  {'peak':<18}"
               + f"{'host/node':>10}  fits")
     lines = [header]
     for p in plans:
-        cells = "".join(f"{value / 1e9:>11.1f}G" for value in (*peak_components(p).values(), p.per_gpu["total"]))
+        parts = {**dict.fromkeys(components(plans), 0.0), **peak_components(p)}
+        cells = "".join(f"{value / 1e9:>11.1f}G" for value in (*parts.values(), p.per_gpu["total"]))
         lines.append(f"{p.config:<30}{cells}  {phase_name(p.peak_phase):<18}{p.host_ram_per_node / 1e9:>9.1f}G"
                      f"  {'yes' if p.fits else 'no'}")
     lines.append(f"usable per GPU: {gb(plans[0].capacity)}. Each row is its config's peak phase, whose parts sum to "
@@ -113,7 +138,8 @@ def format_compare(plans: list[MemoryPlan]) -> str:
 
 def chart_bars(plans: list[MemoryPlan]) -> dict[str, list[float]]:
     """The chart's stacked bars in GB: per component, one height per plan (peak_components, the table's)."""
-    return {component: [peak_components(p)[component] / 1e9 for p in plans] for component in PEAK_COMPONENTS}
+    return {component: [peak_components(p).get(component, 0.0) / 1e9 for p in plans]
+            for component in components(plans)}
 
 
 def write_chart(plans: list[MemoryPlan], path: str) -> dict[str, float]:

@@ -89,6 +89,8 @@ class Search:
     use_liger_kernel: bool = False
     # Every k-th layer recomputed where the search recomputes: the recipe's, held (1: every layer).
     checkpointing_interval: int = 1
+    # --method dpo: its reference mode (shardtune.config.reference_mode), held; None: SFT.
+    reference: str | None = None
 
     def fixed(self) -> str:
         """What the search holds as given, in words: '' when it varies all of it."""
@@ -175,7 +177,7 @@ def planned_group(shape: ModelShape, hardware: Hardware, search: Search, group: 
                             activation_offloading=search.activation_offloading,
                             chunked_cross_entropy=search.chunked_cross_entropy, optim=optim,
                             bf16_stochastic_round=stochastic, use_liger_kernel=search.use_liger_kernel,
-                            checkpointing_interval=search.checkpointing_interval),
+                            checkpointing_interval=search.checkpointing_interval, reference=search.reference),
                        accumulation, offload)
 
 
@@ -185,9 +187,11 @@ def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: st
     rest): DeepSpeed with torch's AdamW alone; the rounding over bf16 full fine-tuning, under FSDP2 sharded
     over every GPU or one process (replicas would round apart: DDP's, hybrid sharding's); activation offloading
     not beside DeepSpeed's offload (checks.check_activation_offloading); and a sequence split where the trainer
-    runs one (split_runs)."""
+    runs one (split_runs), never under DPO."""
     if strategy.sequence_split > 1 and not split_runs(strategy.sequence_split, hardware, search, shape):
         return False
+    if strategy.sequence_split > 1 and search.reference:
+        return False  # DPO's step is not wired for the split (shardtune.methods.checks refuses it)
     if strategy.float8 and (not strategy.takes_float8 or search.peft is not None):
         return False  # --mixed_precision fp8: full fine-tuning under FSDP2 without offload or DDP (check_fp8)
     if search.activation_offloading and strategy.kind == "deepspeed" and strategy.offloads:
@@ -272,7 +276,9 @@ def launch_command(chosen: MemoryPlan, recipe: str) -> str:
             + (f" --gradient_checkpointing_interval {chosen.gradient_checkpointing_interval}"
                if chosen.gradient_checkpointing and chosen.gradient_checkpointing_interval > 1 else "")
             + f" --optim {chosen.optim} --bf16_stochastic_round {str(chosen.bf16_stochastic_round).lower()}"
-            + (" --mixed_precision fp8" if chosen.mixed_precision == "fp8" else ""))
+            + (" --mixed_precision fp8" if chosen.mixed_precision == "fp8" else "")
+            + (" --method dpo" if chosen.method == "dpo" else "")
+            + (" --precompute_ref_log_probs true" if chosen.reference_mode == "precomputed" else ""))
 
 
 def fewest_nodes(shape: ModelShape, hardware: Hardware, search: Search,
@@ -322,5 +328,7 @@ def nothing_fits(shape: ModelShape, hardware: Hardware, search: Search) -> str:
             text += (f" Without offload it fits on {fast[0]} nodes: "
                      f"{describe_plan(fast[1].plan, fast[1].accumulation)}." if fast else
                      f" Without offload it fits on no number of nodes up to {MAX_NODES} with this global batch.")
+    if search.reference == "live":
+        text += " DPO's live reference is a second model: --precompute_ref_log_probs true holds none while training."
     return text + ("" if search.peft else " LoRA or QLoRA (--use_peft true) needs far less.")
 

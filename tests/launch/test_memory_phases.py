@@ -39,11 +39,12 @@ from tests.launch.test_strategies import CONFIG_NAMES
 
 # The issue's bar; the worst phase of these runs is printed with every comparison.
 RTOL = 0.10
-def measured_peaks(folder: Path, ranks: int) -> tuple[dict[str, int], dict[str, list[int]]]:
+def measured_peaks(folder: Path, ranks: int, phases: tuple[str, ...] = PHASES
+                   ) -> tuple[dict[str, int], dict[str, list[int]]]:
     """Per phase, the most any rank held at once (each rank writes memory_rank<r>.json), and the largest batch
     (rows, length) any rank ran in the training and the eval forward."""
     figures = [json.loads((folder / f"memory_rank{rank}.json").read_text()) for rank in range(ranks)]
-    peaks = {name: max(rank["peak"][name] for rank in figures) for name in PHASES}
+    peaks = {name: max(rank["peak"][name] for rank in figures) for name in phases}
     batches = {name: max((rank["largest_batch"][name] for rank in figures), key=lambda shape: shape[0] * shape[1])
                for name in ("forward_backward", "eval")}
     return peaks, batches

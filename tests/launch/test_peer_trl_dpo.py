@@ -2,8 +2,9 @@
 preference pairs with the same optimizer, schedule and batches. Their token ids per sequence, and each step's loss,
 gradient norm, learning rate and reward metrics must agree, for the sigmoid loss on text pairs (one chosen answer
 already ending in the EOS text, several sequences cut by the length), IPO on chat pairs with the prompt implied (the
-shared leading turns), and RPO (sigmoid + 0.5 x sft) with the reference's log-probs precomputed by shardtune while
-TRL runs its live reference.
+shared leading turns), RPO (sigmoid + 0.5 x sft) with the reference's log-probs precomputed by shardtune while
+TRL runs its live reference, and every other loss TRL has that shardtune takes (hinge, robust, exo_pair, ...) at
+once, each with its own weight.
 
 TRL runs in a process of its own (tests/launch/trl_dpo_peer.py): trl is a test dependency, imported neither by the
 package nor by this test process. Where the conventions could differ, and why they agree here:
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.config import Recipe
+from shardtune.config import DPO_LOSS_TYPES, Recipe
 from shardtune.data import load_splits
 from shardtune.methods.dpo_loss import PAIR_METRICS
 from shardtune.model import load_tokenizer
@@ -73,6 +74,8 @@ def chat_pairs() -> list[dict]:
     return rows
 
 
+EVERY_LOSS = tuple(name for name in DPO_LOSS_TYPES if name not in ("sigmoid", "ipo", "sft"))
+WEIGHTS = [round(0.3 + 0.1 * index, 1) for index in range(len(EVERY_LOSS))]
 CASES = {  # rows, max length, shardtune's flags, TRL's
     "text-sigmoid": (text_pairs, MAX_LENGTH, (), {}),
     "chat-ipo": (chat_pairs, CHAT_MAX_LENGTH, ("--loss_type", "ipo", "--beta", "0.5"),
@@ -80,6 +83,10 @@ CASES = {  # rows, max length, shardtune's flags, TRL's
     "text-rpo-precomputed": (text_pairs, MAX_LENGTH, ("--loss_type", "sigmoid", "sft", "--loss_weights", "1", "0.5",
                                                       "--precompute_ref_log_probs", "true"),
                              {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}),
+    # every other pairwise loss at once, each weighted differently, so that a wrong term moves the sum
+    "text-every-loss": (text_pairs, MAX_LENGTH, ("--loss_type", *EVERY_LOSS, "--loss_weights", *map(str, WEIGHTS),
+                                                 "--label_smoothing", "0.1"),
+                        {"loss_type": list(EVERY_LOSS), "loss_weights": WEIGHTS, "label_smoothing": 0.1}),
 }
 
 
@@ -123,6 +130,11 @@ def test_dpo_trainer_and_shardtune_agree(case, tmp_path, tiny_assets):
     logged = [row for row in peer["log_history"] if "loss" in row]
     assert [row["step"] for row in steps] == [row["step"] for row in logged] == [1, 2, 3, 4]
     assert [row["lr"] for row in steps] == [row["learning_rate"] for row in logged]
+    deviations = {name: max(abs(mine[name] - theirs[name]) / max(abs(theirs[name]), REWARD_ATOL)
+                            for mine, theirs in zip(steps, logged, strict=True))
+                  for name in ("loss", "grad_norm", *PAIR_METRICS)}
+    print(f"{case}: largest relative deviation from TRL over 4 steps: "
+          + ", ".join(f"{name} {value:.1e}" for name, value in deviations.items()))
     for mine, theirs in zip(steps, logged, strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=RTOL), (mine, theirs)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL), (mine, theirs)

@@ -18,7 +18,8 @@ from tests.unit.documented_commands import agrees, outside_a_launch, run, same_s
 
 RECIPES = sorted(path for path in (REPO / "recipes").glob("*.py") if path.stem != "tiny")
 EXPECTED = {"llama1b", "llama3b", "llama8b", "llama70b", "llama70b_no_offload", "llama405b", "mistral7b", "qwen2_5_7b",
-            "llama8b_lora", "llama70b_lora", "llama70b_qlora", "llama8b_128k", "llama70b_long"}
+            "llama8b_lora", "llama70b_lora", "llama70b_qlora", "llama8b_128k", "llama70b_long", "llama8b_dpo",
+            "llama70b_dpo_lora"}
 
 
 # The plan a header states (scripts/plan_table.py writes it), each figure as the header rounds it.

@@ -4,6 +4,7 @@ accelerate config, a config.json of another size than its weights, and `~` the s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ from transformers import AutoTokenizer
 
 from shardtune.checkpoint.run_settings import check_resume_settings, run_settings
 from shardtune.checks import batch_sizes
-from shardtune.config import ConfigError, Recipe
+from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.data import load_splits
 from shardtune.data_sources import check_dataset_path
 from shardtune.flags import parse_flags
@@ -81,6 +82,20 @@ def test_resume_through_a_symlink_is_the_same_run(tiny_assets, tmp_path, monkeyp
     moved = Recipe(model_name_or_path=model, dataset="data.jsonl", per_device_train_batch_size=16, global_batch_size=32)
     with pytest.raises(ConfigError, match="--dataset .* differs from the checkpoint's"):
         check_resume_settings("out/checkpoint-2", 2, saved, run_settings(moved, launch, batch_sizes(moved, 1)))
+
+
+def test_a_resume_keeps_the_dpo_loss():
+    """A DPO checkpoint resumed with another loss, beta or method would go on optimising another objective from the
+    same optimizer state: refused, naming the checkpoint's values as flags to resume with."""
+    launch, batching = LaunchDescription(), BatchSizes(4, 1, 1)
+    dpo = Recipe(method="dpo", loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5], beta=0.1)
+    saved = run_settings(dpo, launch, batching)
+    assert check_resume_settings("out/checkpoint-2", 2, saved, run_settings(dpo, launch, batching)) == []
+    with pytest.raises(ConfigError) as refusal:
+        check_resume_settings("out/checkpoint-2", 2, saved, run_settings(
+            dataclasses.replace(dpo, loss_type=["ipo"], beta=0.5, method="sft"), launch, batching))
+    assert len(refusal.value.messages) == 3, refusal.value.messages
+    assert "resume with --loss_type sigmoid sft" in " ".join(refusal.value.messages)
 
 
 def test_a_deepspeed_json_given_as_the_accelerate_config_says_so():
