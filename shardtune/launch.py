@@ -268,8 +268,7 @@ def checked_parallelism(world_size: int, uses_fsdp: bool, uses_deepspeed: bool =
     if sizes["sp"] != 1:
         return 0, 0, checked_sequence_split(sizes, world_size, uses_deepspeed), 1
     if sizes["tp"] != 1:
-        tp = checked_tensor_parallel(sizes, world_size, uses_fsdp, uses_deepspeed,
-                                     uses_fsdp and env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"))
+        tp = checked_tensor_parallel(sizes, world_size, uses_fsdp, uses_deepspeed)
         return sizes["dp_shard"] if uses_fsdp else 0, sizes["dp_replicate"] if uses_fsdp else 0, 1, tp
     if not uses_fsdp:
         raise ConfigError("The accelerate config's parallelism_config sets data-parallel sizes and shardtune shards "

@@ -65,7 +65,13 @@ from shardtune.optimizers import make_optimizer
 from shardtune.output_dir import clear_output_dir
 from shardtune.packing import pack_rows
 from shardtune.parallel.sequence import check_right_padding, plain_loader, sequence_split, split_in_eval
-from shardtune.parallel.tensor import apply_tensor_parallel, prepare_without_tp, tensor_parallel_size
+from shardtune.parallel.tensor import (
+    apply_tensor_parallel,
+    prepare_without_tp,
+    rank0_full_state,
+    shard_and_fill,
+    tensor_parallel_size,
+)
 from shardtune.plan.planned_run import recipe_peft
 from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.profiling import begin_phase, end_phase, phase, profile_memory, start_phases
@@ -148,7 +154,10 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume
     if recipe.use_liger_kernel:  # before sharding: the wrappers find the patched modules' forwards in place
         apply_liger_kernels(model)
     fsdp = accelerator.distributed_type == DistributedType.FSDP
+    full_state = None  # TP under rank-0 loading: rank 0's whole weights, filled into the shards after sharding
     if tensor_parallel_size(accelerator) > 1:  # before sharding: FSDP2 shards each rank's slices over the data ranks
+        if fsdp and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
+            full_state = rank0_full_state(model, accelerator.is_main_process)
         apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
     if recipe.mixed_precision == "fp8":  # before sharding: FSDP2 then gathers the wrapped weights in float8
         convert_linears(model, all_gather=fsdp)
@@ -156,7 +165,8 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume
         # Shard first (accelerate's own FSDP2 preparation; `prepare` below finds the model sharded) and build the
         # optimizer on the shards: the ranks that loaded no weights hold meta parameters, which all share
         # data_ptr 0, the key by which `prepare` would map the optimizer's parameters to the sharded ones.
-        model = fsdp2_prepare_model(accelerator, model)
+        model = fsdp2_prepare_model(accelerator, model) if full_state is None else \
+            shard_and_fill(accelerator, model, full_state)
         if recipe.mixed_precision == "fp8":
             rewrap_loaded_shards(model)
     # torch AdamW's fused kernel on CUDA (TrainingArguments' default); DeepSpeed steps its flat partitions as before.

@@ -46,7 +46,8 @@ def run_settings(recipe: Recipe, launch: LaunchDescription, batching: BatchSizes
     settings = resolved_paths({name: getattr(recipe, name) for name in sorted(HELD_FIELDS)})
     return {**settings, "explicit_max_steps": recipe.max_steps, "global_batch": batching.global_batch,
             "micro_batch": batching.micro_batch, "accumulation": batching.accumulation, "strategy": launch.kind,
-            "zero_stage": launch.deepspeed_settings.get("stage") if launch.uses_deepspeed else None}
+            "zero_stage": launch.deepspeed_settings.get("stage") if launch.uses_deepspeed else None,
+            "tp_size": launch.tp_size}
 
 
 # The held settings that may name local files (eval_split: a file, or a split's name).

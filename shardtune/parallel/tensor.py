@@ -5,7 +5,12 @@ device mesh accelerate builds from the launch's parallelism_config ([dp_replicat
 a group is consecutive ranks, the GPUs of one node). FSDP2 shards what each rank holds over the dp_shard axis.
 
 How the trainer drives it:
-- Loading. Every rank loads the model as without TP, then keeps its slice of each planned weight
+- Loading. Under FSDP's RAM-efficient loading (fsdp_cpu_ram_efficient_loading, fsdp_tp.yaml's) rank 0 alone
+  reads the weights and the others build the model on the meta device; rank 0 sets its whole state dict aside
+  and empties its model too (rank0_full_state), every rank splits and shards the meta model, and rank 0's tensors
+  are broadcast one at a time into each rank's (dp_shard, tp) shard (shard_and_fill: accelerate's
+  fsdp2_load_full_state_dict, which distributes each whole tensor by the 2-D placements). Host RAM per node is one
+  full copy, rank 0's. Without it every rank loads the model, then keeps its slice of each planned weight
   (apply_tensor_parallel). transformers' own tensor-parallel loading (from_pretrained's
   DistributedConfig(tp_size=N)) builds a mesh of its own over the whole world (distributed/utils.py
   initialize_distributed_mesh): it cannot load onto accelerate's tp axis beside a dp_shard axis, and 5.24's
@@ -62,13 +67,56 @@ def apply_tensor_parallel(model: PreTrainedModel, mesh: DeviceMesh) -> None:
     replicate_unplanned(model, mesh)
 
 
+def rank0_full_state(model: torch.nn.Module, main_process: bool) -> dict[str, torch.Tensor]:
+    """Before the split, under RAM-efficient loading: rank 0's whole weights set aside (its state dict; empty on
+    the other ranks, whose models are on the meta device already) and rank 0's parameters moved to the meta device,
+    so that every rank splits and shards the same empty model (shard_and_fill fills it). Accelerate's own fill
+    would read the state dict after the split: rank 0's slices, not the whole weights. The buffers stay (rotary
+    frequencies, computed, as on the meta ranks); a parameter shared by two modules (tied embeddings) stays
+    shared."""
+    import torch
+
+    if not main_process:
+        return {}
+    full = model.state_dict()  # holds the loaded tensors: one copy, rank 0's, until the fill has sent them
+    empty: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in empty:
+                    empty[id(param)] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                module._parameters[name] = empty[id(param)]
+    return full
+
+
+def shard_and_fill(accelerator: Accelerator, model: PreTrainedModel, full: dict[str, torch.Tensor]
+                   ) -> PreTrainedModel:
+    """FSDP2's sharding of the split meta `model` (accelerate's fsdp2_prepare_model, its own rank-0 fill held off),
+    then rank 0's whole tensors `full` (rank0_full_state) broadcast one at a time and cut by every rank into its
+    (dp_shard, tp) DTensor shard (accelerate's fsdp2_load_full_state_dict: distribute_tensor with each
+    parameter's 2-D placements). A collective: every rank calls it."""
+    from accelerate.utils import fsdp2_load_full_state_dict, fsdp2_prepare_model
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin = accelerator.state.fsdp_plugin
+    plugin.cpu_ram_efficient_loading = False  # the model is on the meta device already; the fill is below
+    try:
+        model = fsdp2_prepare_model(accelerator, model)
+    finally:
+        plugin.cpu_ram_efficient_loading = True
+    fsdp2_load_full_state_dict(accelerator, model, full, cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy))
+    full.clear()
+    model.tie_weights()  # loading by assignment replaced the shared parameter by two
+    return model
+
+
 def replicate_unplanned(model: torch.nn.Module, mesh: DeviceMesh) -> None:
     """The parameters no rule splits (the norms) as DTensors replicated over the tp `mesh`, their modules taking
     and returning plain tensors: every gradient is then a DTensor of one mesh, which gradient clipping's norm
     needs (torch stacks the per-parameter norms). accelerate's own replication (accelerator.py `_prepare_tp`)
     imports transformers' ReplicateParallel, which 5.24 no longer has."""
     import torch
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 
     def to_replicated(_module: torch.nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
         return tuple(DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
@@ -78,9 +126,18 @@ def replicate_unplanned(model: torch.nn.Module, mesh: DeviceMesh) -> None:
     def to_local(_module: torch.nn.Module, output: Any, _mesh: DeviceMesh) -> Any:
         return output.to_local() if isinstance(output, DTensor) else output
 
+    def replicated(_name: str, module: torch.nn.Module, device_mesh: DeviceMesh) -> None:
+        # Each rank's own values (src_data_rank None): equal on every rank, or meta under rank-0 loading, where
+        # torch's default broadcast from the group's first rank has no data to send.
+        for key, param in list(module._parameters.items()):
+            if param is not None and not isinstance(param, DTensor):
+                module.register_parameter(key, torch.nn.Parameter(
+                    distribute_tensor(param.data, device_mesh, [Replicate()], src_data_rank=None),
+                    requires_grad=param.requires_grad))
+
     for module in list(model.modules()):
         if any(not isinstance(param, DTensor) for param in module.parameters(recurse=False)):
-            distribute_module(module, mesh, input_fn=to_replicated, output_fn=to_local)
+            distribute_module(module, mesh, partition_fn=replicated, input_fn=to_replicated, output_fn=to_local)
 
 
 @contextmanager
@@ -151,14 +208,12 @@ def check_tensor_parallel_heads(config: PretrainedConfig, tp_size: int) -> None:
 
 
 
-def checked_tensor_parallel(sizes: Mapping[str, int], world_size: int, uses_fsdp: bool, uses_deepspeed: bool,
-                            rank0_loading: bool) -> int:
+def checked_tensor_parallel(sizes: Mapping[str, int], world_size: int, uses_fsdp: bool, uses_deepspeed: bool) -> int:
     """The tp_size of the launch's parallelism_config `sizes` (accelerate's names: dp_replicate, dp_shard, tp),
     refused where accelerate or the trainer cannot run it: under DeepSpeed; beside DDP replicas (accelerate's
     ParallelismConfig refuses TP with dp_replicate alone); under FSDP2 without a dp_shard axis (accelerate's
-    _validate_accelerator refuses it: TP alone runs under a DDP config); with FSDP's rank-0 loading, whose
-    broadcast (accelerate's fsdp2_load_full_state_dict) sends rank 0's tp slice where the others expect the
-    whole weight."""
+    _validate_accelerator refuses it: TP alone runs under a DDP config). FSDP's rank-0 loading runs
+    (shard_and_fill)."""
     tp, shard, replicate = sizes["tp"], sizes["dp_shard"], sizes["dp_replicate"]
     fix = ("launch accelerate_configs/fsdp_tp.yaml with --parallelism_config_tp_size <GPUs per node> "
            "--parallelism_config_dp_shard_size <processes / tp_size>")
@@ -182,9 +237,4 @@ def checked_tensor_parallel(sizes: Mapping[str, int], world_size: int, uses_fsdp
     if uses_fsdp and replicate * shard * tp != world_size:
         raise ConfigError(f"parallelism_config dp_replicate_size {replicate} x dp_shard_size {shard} x tp_size {tp} "
                           f"is not the {world_size} processes launched: {fix}.")
-    if rank0_loading:
-        raise ConfigError(f"fsdp_cpu_ram_efficient_loading true with tp_size {tp}: accelerate's rank-0 loading "
-                          "broadcasts rank 0's tensor-parallel slice as the whole weight. Set "
-                          "fsdp_cpu_ram_efficient_loading: false in the fsdp_config (every rank loads, then keeps "
-                          "its slice).")
     return tp

@@ -2,17 +2,34 @@
 parallelism_config_tp_size 2: accelerate runs it without DDP), and accelerate_configs/fsdp_tp.yaml over 4 ranks (tp 2 x
 dp_shard 2), with the same global batch. fp32 losses, gradient norms and the final eval equal to one process; each
 rank holds its slice of the split weights (the norms whole, FSDP-sharded over the data ranks), which shows that the
-layers were split; the export gathers the full weights."""
+layers were split; the export gathers the full weights. Under fsdp_tp.yaml only rank 0 reads the weights
+(RAM-efficient loading); a rank killed mid-run resumes from the last checkpoint to the uninterrupted run's losses
+and weights, bit for bit; the run's export equals the one-process export of its last checkpoint, bit for bit."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import CONFIGS, grad_norms, read_metrics, run_recipe, train_losses
+from shardtune.checkpoint.markers import read_marker
+from shardtune.preemption import FAULT_ENV
+from tests.conftest import (
+    CONFIGS,
+    grad_norms,
+    kill_tree,
+    read_metrics,
+    run_recipe,
+    start_recipe,
+    train_losses,
+    wait_all,
+    wait_for_ranks,
+)
 from tests.launch.test_batch_split import WEIGHT_ATOL, WEIGHT_RTOL
+from tests.launch.test_checkpoint import export, wait_for_text
 from tests.launch.test_strategies import FP32_RTOL
 
 # 4 fp32 steps of 32 sequences: 1 x 8 x 4 accumulation alone and under TP alone (one data rank), 2 data ranks x 8 x 2
@@ -20,6 +37,10 @@ from tests.launch.test_strategies import FP32_RTOL
 TP_ARGS = ("--max_steps", "4", "--save_steps", "0", "--mixed_precision", "no", "--per_device_train_batch_size", "8",
            "--global_batch_size", "32", "--weight_decay", "0.1", "--warmup_ratio", "0")
 TINY_NORM_PARAMS = 64 * (2 * 2 + 1)  # hidden 64: two norms per layer, two layers, and the final norm
+# tp 2 x dp_shard 2 on 4 processes, saving at steps 2 and 4.
+FSDP_TP = dict(config="fsdp_tp", processes=4, launch_args=("--num_machines", "1", "--parallelism_config_tp_size", "2",
+                                                            "--parallelism_config_dp_shard_size", "2"))
+FSDP_TP_ARGS = (*TP_ARGS, "--save_steps", "2")
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +48,13 @@ def single_run(tiny_assets, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("tp-single") / "out"
     run_recipe(output_dir, tiny_assets, *TP_ARGS)
     return output_dir
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp_run(tiny_assets, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("fsdp-tp") / "out"
+    result = run_recipe(output_dir, tiny_assets, *FSDP_TP_ARGS, **FSDP_TP)
+    return output_dir, result
 
 
 def final_eval(output_dir) -> dict[str, float]:
@@ -69,12 +97,60 @@ def test_tensor_parallel_alone_matches_one_process(single_run, tiny_assets, tmp_
     assert_equal_to_one_process(output_dir, single_run)
 
 
-def test_fsdp_with_tensor_parallel_matches_one_process(single_run, tiny_assets, tmp_path):
-    output_dir = tmp_path / "out"
-    result = run_recipe(output_dir, tiny_assets, *TP_ARGS, config="fsdp_tp", processes=4,
-                        launch_args=("--num_machines", "1", "--parallelism_config_tp_size", "2",
-                                     "--parallelism_config_dp_shard_size", "2"))
+def test_fsdp_with_tensor_parallel_matches_one_process(single_run, fsdp_tp_run):
+    output_dir, result = fsdp_tp_run
     assert ("FSDP2 FULL_SHARD, tensor parallel over 2 ranks | global batch 32 = 8 x 2 accumulation x 2 ranks"
             in result.stdout), result.stdout[-3000:]
     assert held_weight_bytes(output_dir) == split_bytes(single_run, tp=2, dp=2)
     assert_equal_to_one_process(output_dir, single_run)
+
+
+def test_fsdp_with_tensor_parallel_reads_the_weights_on_rank_0_only(single_run, fsdp_tp_run):
+    """fsdp_tp.yaml's RAM-efficient loading: rank 0 holds the whole fp32 model after loading, every other rank
+    nothing (its model on the meta device) until rank 0's tensors reach its shards one at a time."""
+    output_dir, _ = fsdp_tp_run
+    (row,) = [row for row in read_metrics(output_dir) if "held_weights_bytes" in row]
+    loaded = [row[f"loaded_parameter_bytes_rank{rank}"] for rank in range(4)]
+    assert loaded == [held_weight_bytes(single_run), 0, 0, 0]
+
+
+def test_fsdp_with_tensor_parallel_resumes_a_killed_run_bit_for_bit(fsdp_tp_run, tiny_assets, tmp_path):
+    """Rank 1 killed inside step 3's accumulation cycle; the resume from checkpoint-2 gives steps 3 and 4 and the
+    final weights of the uninterrupted run bit for bit. The checkpoint records its tp_size."""
+    reference, _ = fsdp_tp_run
+    killed = tmp_path / "killed"
+    fault = "rank=1,step=3,micro_batch=0,signal=SIGKILL"
+    launcher = start_recipe(killed, tiny_assets, *FSDP_TP_ARGS, env={FAULT_ENV: fault}, **FSDP_TP)
+    ranks = wait_for_ranks(launcher, 4)
+    wait_for_text(tmp_path / "killed.log", "rank 1 sends itself SIGKILL at step 3, micro-batch 0", [launcher])
+    kill_tree(launcher, ranks)
+    assert max(row["step"] for row in read_metrics(killed) if "loss" in row) == 2
+    assert read_marker(str(killed / "checkpoint-2"))["run"]["tp_size"] == 2
+
+    resumed = start_recipe(killed, tiny_assets, *FSDP_TP_ARGS, "--resume_from_checkpoint", "auto",
+                           log_name="resumed", **FSDP_TP)
+    wait_all([resumed], timeout=600)
+    log = (tmp_path / "resumed.log").read_text()
+    assert resumed.returncode == 0, log[-4000:]
+    assert f"resumed from {killed}/checkpoint-2 at step 2" in log, log[-4000:]
+    assert [row["step"] for row in read_metrics(killed) if "loss" in row] == [1, 2, 3, 4]
+    assert train_losses(killed) == train_losses(reference)  # bitwise
+    assert grad_norms(killed) == grad_norms(reference)
+    ours, theirs = load_file(killed / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key, tensor in theirs.items():
+        assert torch.equal(ours[key], tensor), key
+
+
+def test_fsdp_with_tensor_parallel_export_equals_its_checkpoint(fsdp_tp_run, tmp_path):
+    """The final export gathers each (dp_shard, tp) DTensor whole and writes it in the model's dtype: bit for bit
+    what scripts/export_hf.py writes from the last checkpoint on one process (torch.distributed.checkpoint reads
+    the 2-D shards as whole tensors)."""
+    output_dir, _ = fsdp_tp_run
+    export(output_dir / "checkpoint-4", tmp_path / "exported")
+    ours, theirs = load_file(output_dir / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
+    stated = json.loads((output_dir / "config.json").read_text())["dtype"]
+    assert ours.keys() == theirs.keys()
+    for key, tensor in theirs.items():
+        assert str(ours[key].dtype) == f"torch.{stated}", key
+        assert torch.equal(ours[key], tensor), key

@@ -51,7 +51,6 @@ LAUNCH_REFUSALS = {
                                               "parallelism_config_tp_size 4 does not divide the 6 processes"),
     "sizes that miss the ranks": ("fsdp", 8, {"tp_size": "2", "dp_shard_size": "2"},
                                   "dp_replicate_size 1 x dp_shard_size 2 x tp_size 2 is not the 8 processes"),
-    "rank-0 loading": ("fsdp", 4, {"tp_size": "2", "dp_shard_size": "2"}, "fsdp_cpu_ram_efficient_loading true"),
 }
 
 
@@ -59,8 +58,6 @@ LAUNCH_REFUSALS = {
 def test_a_tensor_parallel_launch_the_trainer_cannot_run_is_refused_in_one_line(case, monkeypatch):
     kind, world, sizes, message = LAUNCH_REFUSALS[case]
     tp_launch(monkeypatch, kind, world, **sizes)
-    if case == "rank-0 loading":
-        monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
     with pytest.raises(ConfigError) as error:
         LaunchDescription.from_env()
     (line,) = error.value.messages
