@@ -90,6 +90,9 @@ def check_resume_settings(checkpoint: str, step: int, saved: dict, current: dict
         problems.append(f"{checkpoint} was saved under {name(saved)} and this launch is {name(current)}: each "
                         f"writes its states in its own layout. Resume under the accelerate config it was saved "
                         f"with, {fresh}.")
+    elif saved.get("tp_size", 1) != current["tp_size"]:  # markers before TP: 1
+        tp_change = tensor_parallel_change(checkpoint, saved, current, fresh)
+        (notes if saved["strategy"] == "fsdp" else problems).append(tp_change)
     compared = resolved_paths(saved)  # an older marker holds paths as they were given, or absolute
     for held_by, names in HELD_BY.items():
         for key in names:
@@ -122,6 +125,19 @@ def check_resume_settings(checkpoint: str, step: int, saved: dict, current: dict
     if problems:
         raise ConfigError(problems)
     return notes
+
+
+def tensor_parallel_change(checkpoint: str, saved: dict, current: dict, fresh: str) -> str:
+    """What a resume under another tp_size gets. FSDP2's sharded state (torch.distributed.checkpoint) holds each
+    weight and optimizer state by its place in the whole tensor, and loads into any (dp_shard, tp) mesh: measured,
+    a tp 2 x dp_shard 2 checkpoint resumed under FSDP2 alone on the same 4 ranks trains on to the same losses.
+    Other layouts hold whole tensors per rank: refused."""
+    had, has = saved.get("tp_size", 1), current["tp_size"]
+    if saved["strategy"] == "fsdp":
+        return (f"tensor parallelism over {has} rank(s) where the checkpoint had {had}: torch.distributed.checkpoint "
+                "reshards its FSDP2 states")
+    return (f"{checkpoint} was saved with tp_size {had} and this launch has tp_size {has}: outside FSDP2 a "
+            f"checkpoint holds each rank's own tensors. Resume with parallelism_config_tp_size {had}, {fresh}.")
 
 
 def check_resumed_length(checkpoint: str, saved: dict, max_steps: int) -> None:

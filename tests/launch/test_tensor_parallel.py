@@ -4,7 +4,8 @@ dp_shard 2), with the same global batch. fp32 losses, gradient norms and the fin
 rank holds its slice of the split weights (the norms whole, FSDP-sharded over the data ranks), which shows that the
 layers were split; the export gathers the full weights. Under fsdp_tp.yaml only rank 0 reads the weights
 (RAM-efficient loading); a rank killed mid-run resumes from the last checkpoint to the uninterrupted run's losses
-and weights, bit for bit; the run's export equals the one-process export of its last checkpoint, bit for bit."""
+and weights, bit for bit; its checkpoint resumes under FSDP2 without TP (resharded); the run's export equals the
+one-process export of its last checkpoint, bit for bit."""
 
 from __future__ import annotations
 
@@ -140,6 +141,24 @@ def test_fsdp_with_tensor_parallel_resumes_a_killed_run_bit_for_bit(fsdp_tp_run,
     assert ours.keys() == theirs.keys()
     for key, tensor in theirs.items():
         assert torch.equal(ours[key], tensor), key
+
+
+def test_a_tensor_parallel_checkpoint_resumes_under_fsdp2_alone(fsdp_tp_run, tiny_assets, tmp_path):
+    """torch.distributed.checkpoint reshards: tp 2 x dp_shard 2's checkpoint-2 resumed under FSDP2 over the same 4
+    ranks without TP trains steps 3 and 4 as the TP run did (the Adam moments came along: step 4 follows from
+    them), to fp32 rounding."""
+    reference, _ = fsdp_tp_run
+    output_dir = tmp_path / "out"
+    result = run_recipe(output_dir, tiny_assets, *FSDP_TP_ARGS, "--resume_from_checkpoint",
+                        str(reference / "checkpoint-2"), config="fsdp_full_shard", processes=4)
+    assert ("tensor parallelism over 1 rank(s) where the checkpoint had 2: torch.distributed.checkpoint reshards"
+            in result.stdout), result.stdout[-3000:]
+    assert [row["step"] for row in read_metrics(output_dir) if "loss" in row] == [3, 4]
+    assert train_losses(output_dir) == pytest.approx(train_losses(reference)[2:], rel=FP32_RTOL)
+    assert grad_norms(output_dir) == pytest.approx(grad_norms(reference)[2:], rel=FP32_RTOL)
+    ours, theirs = load_file(output_dir / "model.safetensors"), load_file(reference / "model.safetensors")
+    for key, tensor in theirs.items():
+        torch.testing.assert_close(ours[key], tensor, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL, msg=key)
 
 
 def test_fsdp_with_tensor_parallel_export_equals_its_checkpoint(fsdp_tp_run, tmp_path):

@@ -128,6 +128,17 @@ def test_a_checkpoint_resumes_only_under_its_own_sharding_and_length():
         "training to step 20 where the checkpoint's run went to 10 (the constant schedule is the same)"]
     assert check_resume_settings("ckpt", 4, {}, run_settings(longer, zero3, batching)) == []  # an older marker
 
+    # Another tp_size: FSDP2's sharded state reshards (tests/launch/test_tensor_parallel.py), TP alone is refused.
+    fsdp_tp = LaunchDescription(world_size=2, uses_fsdp=True, tp_size=2)
+    assert check_resume_settings("ckpt", 4, saved, run_settings(recipe, fsdp_tp, batching)) == [
+        "tensor parallelism over 2 rank(s) where the checkpoint had 1: torch.distributed.checkpoint reshards its "
+        "FSDP2 states"]
+    saved_tp_alone = {**run_settings(recipe, LaunchDescription(world_size=2, tp_size=2), batching), "max_steps": 10}
+    with pytest.raises(ConfigError, match="saved with tp_size 2 and this launch has tp_size 1") as error:
+        check_resume_settings("ckpt", 4, saved_tp_alone, run_settings(recipe, LaunchDescription(world_size=2),
+                                                                      batching))
+    assert "\n" not in error.value.messages[0]
+
     by_epochs = {**run_settings(Recipe(), fsdp, batching), "max_steps": 30}
     check_resumed_length("ckpt", by_epochs, 30)
     with pytest.raises(ConfigError, match="trained for 30 steps and this run's data makes 28: the data changed"):
