@@ -18,6 +18,7 @@ from shardtune.plan.planned_run import HELD_OPTIMIZER, planned_recipe, recipe_se
 from shardtune.plan.planner import MemoryPlan
 from shardtune.plan.report import checkpointing_words, optimizer_words
 from shardtune.plan.search import Recommendation, Search, describe_plan, fewest_nodes, recommend
+from shardtune.plan.strategy import read_accelerate_config
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE_DOC = REPO / "docs" / "plan-table.md"
@@ -100,12 +101,16 @@ def doc_with_table(doc: str) -> str:
 
 
 def recipe_plan(path: Path) -> tuple[int, Recommendation]:
-    """The fastest plan for a recipe's own fields on the fewest RECIPE_NODE nodes that hold it: (nodes, plan)."""
+    """The fastest plan for a recipe's own fields on the fewest RECIPE_NODE nodes that hold it: (nodes, plan); for
+    a recipe that launches tensor parallelism, on the fewest that hold it without offload (its sibling offloads
+    on fewer)."""
     recipe = planned_recipe(str(path), {})
     # The search varies micro-batch, checkpointing and its mode: the recipe's own must be what it finds fastest.
     hardware = parse_hardware(RECIPE_NODE)
+    launched = re.search(r"--config_file\s+(\S+\.yaml)", path.read_text())
+    tensor = bool(launched) and read_accelerate_config(str(REPO / launched.group(1))).tensor_parallel > 1
     found = fewest_nodes(resolve_model(str(path)), hardware,
-                         recipe_search(recipe, hardware, recipe.mixed_precision, HELD_OPTIMIZER))
+                         recipe_search(recipe, hardware, recipe.mixed_precision, HELD_OPTIMIZER), gpu_only=tensor)
     if found is None:
         raise SystemExit(f"{path.name}: nothing fits on up to 64 nodes of {RECIPE_NODE}")
     return found

@@ -25,6 +25,7 @@ from shardtune.plan.strategy import (
     deepspeed_yaml_settings,
     fsdp_strategy,
     resolve_deepspeed_json,
+    tensor_parallel_launch_args,
 )
 
 ON = "true"  # how `accelerate launch` exports a boolean
@@ -149,10 +150,11 @@ class LaunchDescription:
         if self.kind == "fsdp":
             reshard = self.fsdp_reshard_after_forward
             offload = "cpu" if self.fsdp_offload_params else "none"
-            return fsdp_strategy(f"FSDP {'FULL_SHARD' if reshard else 'SHARD_GRAD_OP'}", reshard, offload,
-                                 self.fsdp_cpu_ram_efficient_loading, mixed_precision,
-                                 self.dp_shard_size if self.hybrid_shard else 0)
-        return Strategy("DDP", "ddp", 0, mixed_precision=mixed_precision)
+            strategy = fsdp_strategy(f"FSDP {'FULL_SHARD' if reshard else 'SHARD_GRAD_OP'}", reshard, offload,
+                                     self.fsdp_cpu_ram_efficient_loading, mixed_precision,
+                                     self.dp_shard_size if self.hybrid_shard else 0)
+            return dataclasses.replace(strategy, tensor_parallel=self.tp_size)
+        return Strategy("DDP", "ddp", 0, mixed_precision=mixed_precision, tensor_parallel=self.tp_size)
 
 
 def env_int(name: str, default: int) -> int:
@@ -405,7 +407,8 @@ def planned_launch_environment(config_file: str, nodes: int, gpus_per_node: int)
     world = nodes * gpus_per_node
     args = launch_command_parser().parse_args([
         "--config_file", config_file, "--num_processes", str(world), "--num_machines", str(nodes),
-        "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", "29500", "recipe.py"])
+        "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", "29500",
+        *tensor_parallel_launch_args(config_file, world), "recipe.py"])
     logging.getLogger("accelerate.commands.launch").setLevel(logging.ERROR)  # its notes on defaults it fills
     try:
         args, defaults, precision_from_config = _validate_launch_command(args)

@@ -31,11 +31,13 @@ from shardtune.plan.planned_run import (
     plan_recipe,
     planned_recipe,
     recipe_peft,
+    recipe_reference,
     recipe_search,
 )
 from shardtune.plan.report import format_compare, format_plan, write_chart
 from shardtune.plan.search import config_paths, launch_command, recommend
 from shardtune.plan.strategy import PlanError, read_accelerate_config
+from shardtune.plan.tensor import tensor_parallel_problems
 
 # The flags that set a field of the planned run: the recipe's own, with its help and choices; each overrides the
 # recipe's value.
@@ -227,6 +229,12 @@ def _run(args: argparse.Namespace) -> int:
         strategies = [read_accelerate_config(path, precision) for path in config_paths()]
         # The multi-node layouts on one node are fsdp_full_shard, and ds_zero3 with a second copy of the weights.
         planned = [strategy for strategy in strategies if hardware.nodes > 1 or not strategy.multi_node_layout]
+        # Tensor parallelism where it runs on this hardware (fsdp_tp: a dp_shard axis of 2 or more): said below.
+        refusals = {strategy.name: tensor_parallel_problems(strategy, shape, hardware.world_size, peft,
+                                                            recipe_reference(recipe), recipe.use_liger_kernel)
+                    for strategy in planned}
+        split = [strategy for strategy in planned if refusals[strategy.name]]
+        planned = [strategy for strategy in planned if strategy not in split]
         # fp8 trains under FSDP2 without offload and DDP only (shardtune.float8): the others are left out, and said.
         untaken = [strategy for strategy in planned if strategy.float8 and not strategy.takes_float8]
         plans = [plan_recipe(shape, hardware, strategy, recipe) for strategy in planned if strategy not in untaken]
@@ -236,6 +244,9 @@ def _run(args: argparse.Namespace) -> int:
         if untaken and not args.json:
             names = ", ".join(strategy.name for strategy in untaken)
             print(f"Not planned: {names} (--mixed_precision fp8 trains under FSDP2 without offload or DDP).")
+        if split and not args.json:
+            print(f"Not planned: {', '.join(strategy.name for strategy in split)} (tensor parallelism does not run "
+                  f"here: {refusals[split[0].name][0]})")
         return 0
     if args.config_file:
         result = plan_recipe(shape, hardware, read_accelerate_config(args.config_file, precision), recipe)

@@ -92,7 +92,8 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
                 eval_batch=recipe.per_device_eval_batch_size, checkpointing_mode=recipe.gradient_checkpointing_mode,
                 activation_offloading=recipe.activation_offloading, chunked_cross_entropy=recipe.chunked_cross_entropy,
                 optim=recipe.optim, bf16_stochastic_round=recipe.bf16_stochastic_round,
-                gradient_accumulation_steps=recipe_accumulation(recipe, hardware.world_size),
+                gradient_accumulation_steps=recipe_accumulation(
+                    recipe, hardware.world_size // strategy.tensor_parallel),  # the data-parallel ranks
                 torch_compile=recipe.torch_compile, use_liger_kernel=recipe.use_liger_kernel,
                 checkpointing_interval=recipe.gradient_checkpointing_interval, reference=recipe_reference(recipe))
 
@@ -106,7 +107,7 @@ def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held
     global_batch = recipe.global_batch_size
     fix_micro_batch = "per_device_train_batch_size" in held
     if fix_micro_batch and (global_batch is not None or recipe.gradient_accumulation_steps is not None):
-        global_batch = batch_sizes(recipe, hardware.world_size).global_batch
+        global_batch = kept_global_batch(recipe, hardware)
     return Search(global_batch, planned_length(recipe, mixed_precision), mixed_precision, configs_dir,
                   PLANNED_ATTENTION[recipe.attn_implementation], recipe_peft(recipe), recipe.packing,
                   recipe.per_device_train_batch_size if fix_micro_batch else None,
@@ -119,3 +120,15 @@ def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held
                   recipe.bf16_stochastic_round if "bf16_stochastic_round" in held else None,
                   use_liger_kernel=recipe.use_liger_kernel,
                   checkpointing_interval=recipe.gradient_checkpointing_interval, reference=recipe_reference(recipe))
+
+
+def kept_global_batch(recipe: Recipe, hardware: Hardware) -> int:
+    """The global batch the recipe's micro-batch makes over every GPU of `hardware`, or over its nodes where only
+    tensor parallelism within each node keeps it (its data-parallel ranks); the first refusal where neither."""
+    try:
+        return batch_sizes(recipe, hardware.world_size).global_batch
+    except ConfigError as error:
+        try:
+            return batch_sizes(recipe, hardware.world_size, hardware.gpus_per_node).global_batch
+        except ConfigError:
+            raise error from None

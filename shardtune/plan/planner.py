@@ -31,6 +31,14 @@ from shardtune.plan.preference import (
 )
 from shardtune.plan.states import Peft, model_states, peft_states
 from shardtune.plan.strategy import PlanError, Strategy
+from shardtune.plan.tensor import (
+    activation_shape,
+    check_tensor_parallel_plan,
+    collective_bytes,
+    sliced_shape,
+    whole_model_phases,
+    whole_model_terms,
+)
 
 GiB = 1024**3
 # Headroom kept free on every GPU: the CUDA context and NCCL's communicator buffers (about 0.5-1 GiB each on an
@@ -89,6 +97,7 @@ class MemoryPlan:
     gradient_checkpointing_interval: int = 1  # every k-th layer recomputed
     activation_offloading: bool = False
     layout: str = ""  # how the states lie over the GPUs (Strategy.layout)
+    tensor_parallel: int = 1  # each layer split over this many GPUs (plan.tensor); data parallel: world / it
     gradient_accumulation_steps: int | None = None
     # Planned memory-neutral: a compiled layer saves only what its backward graph reads, at most eager's
     # activations (measured 12.6% below eager's forward/backward peak, docs/planner.md): eager's bytes bound it.
@@ -175,6 +184,10 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     `eval_batch` are pairs, each two padded sequences (never packed), and the reference is planned as its mode holds
     it (preference.dpo_phases)."""
     params = shape.params
+    tp = strategy.tensor_parallel
+    check_tensor_parallel_plan(strategy, shape, hardware.world_size, peft, reference, use_liger_kernel)
+    if tp > 1:  # the plain loss over the whole logits: the tiled loss runs as lm_head's forward, which TP wraps
+        chunked_cross_entropy = False
     if use_liger_kernel and not chunked_cross_entropy:
         raise PlanError("--use_liger_kernel replaces the tiled loss with Liger's fused loss: it needs "
                         "--chunked_cross_entropy true.")
@@ -195,10 +208,12 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         raise PlanError(OFFLOADING_UNDER_DEEPSPEED_OFFLOAD)
     # Every term below is per GPU over the GPUs the states are sharded over: all of them, or under hybrid
     # sharding one replica's (its own copy of everything, as if the job were that replica alone).
-    world = strategy.sharded_over(hardware.world_size)
+    # Under TP the states are the plan of each GPU's slice (plan.tensor.sliced_shape) over the data-parallel ranks.
+    world = strategy.sharded_over(hardware.world_size) // tp
+    whole, shape = shape, sliced_shape(shape, tp)
     mode = activation_mode(strategy)
     states = peft_states(strategy, shape, world, peft, optim) if peft else \
-        model_states(strategy, params, world, shape, optim, bf16_stochastic_round=bf16_stochastic_round)
+        model_states(strategy, shape.params, world, shape, optim, bf16_stochastic_round=bf16_stochastic_round)
     secondary = hpz_secondary_bytes(strategy, shape, world, peft)  # ZeRO++ hpZ: beside the primary partitions
     if strategy.offload_params in ("cpu", "nvme"):  # made on the partitions' device (remote_device)
         states.host += secondary
@@ -208,7 +223,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     rows, length = (1, micro_batch * seq) if packing and not reference else (micro_batch * pair, seq)
     masked = attn != "flash"  # SDPA and eager get a dense mask: a padded batch's, or a packed row's block-diagonal
     # Activations are those of this GPU's tokens, with the model's shape as its attention sees them (sequence_split).
-    seen, length, masked = sequence_split(shape, length, masked, strategy.sequence_split)
+    # Under TP: 1/tp of the heads and the MLP width, the residual stream and logits whole (plan.tensor).
+    seen, length, masked = sequence_split(activation_shape(whole, tp), length, masked, strategy.sequence_split)
     lora = (peft.rank, tuple(peft.target_names())) if peft else (0, ())
     selective = checkpointing and checkpointing_mode == "selective"
     loss_tile = LOSS_TILE_POSITIONS if chunked_cross_entropy else None
@@ -221,10 +237,11 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     buffer = buffers(strategy, shape, params, world, mode, peft, bf16_stochastic_round)
     buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked, peft,
                                           bf16_stochastic_round, use_liger_kernel)
+    buffer += collective_bytes(whole, rows, length, mode, tp)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
                "activations": float(acts["total"]), "buffers": float(buffer)}
     cache = buffer if strategy.kind == "ddp" else 0.0  # DDP's buffers are autocast's weight copies alone
-    fresh = gradients_fresh_each_micro_batch(strategy.kind, world, gradient_accumulation_steps)
+    fresh = tp == 1 and gradients_fresh_each_micro_batch(strategy.kind, world, gradient_accumulation_steps)
     peak_moment = forward_backward_parts(seen, rows, length, mode, checkpointing, acts, states.gradients, cache,
                                          buffer - cache, fresh, attn, masked, peft, selective, loss_tile,
                                          use_liger_kernel, recomputed)
@@ -237,6 +254,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch * pair, seq, peft, foreach, states.host,
                          export_bytes, attn, graph, optim, bf16_stochastic_round, peak_moment,
                          head_positions(eval_batch * pair, eval_split_seq, loss_tile) if reference else None)
+    phases = whole_model_phases(phases, strategy, whole, eval_batch * pair, eval_split_seq, attn, export_bytes)
     resident = reference_resident(strategy, shape, world, reference)
     if reference:
         phases = dpo_phases(phases, strategy, shape, reference, resident, 0.0 if fresh else states.gradients,
@@ -247,6 +265,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     per_gpu["total"] = phases[peak_phase]["total"]
     host = host_ram_terms(strategy, shape, world, hardware.gpus_per_node, states.host, peft, async_save,
                           save_only_model, export_bytes, bf16_stochastic_round)
+    host = whole_model_terms(host, strategy, whole, hardware.gpus_per_node, export_bytes, bf16_stochastic_round)
     if reference == "live":  # loaded once the policy is prepared, like it (16-bit, one copy per process or node)
         host["reference_loading"] = loading_host_bytes(strategy, params, hardware.gpus_per_node, bf16_weights=True)
         host["reference_offloaded"] = resident.host * hardware.gpus_per_node
@@ -257,6 +276,9 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     if strategy.kind == "ddp" and mode == "autocast":
         notes.append("DDP autocast: 16-bit weight copies cached during forward are counted in the buffers of "
                      "forward/backward and eval")
+    if tp > 1:
+        notes.append(f"tensor parallel over {tp} GPUs: the loss is the plain one over the whole logits (the tiled "
+                     "loss is not used under TP)")
     # Refused with what to change where a whole live reference is what does not fit the GPUs.
     binding_reference = per_gpu["total"] > capacity >= per_gpu["total"] - resident.gpu
     advice = reference_advice(strategy, reference, resident.gpu) if binding_reference else ""
@@ -276,6 +298,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         gradient_checkpointing_mode=checkpointing_mode if checkpointing else "full",
         gradient_checkpointing_interval=checkpointing_interval if checkpointing else 1,
         activation_offloading=activation_offloading, layout=strategy.layout(hardware.world_size),
+        tensor_parallel=tp,
         gradient_accumulation_steps=gradient_accumulation_steps, torch_compile=torch_compile,
         use_liger_kernel=use_liger_kernel, method="dpo" if reference else "sft", reference_mode=reference or "",
         reference_layout=("whole on every GPU" if reference_whole(strategy) else "sharded as the policy")

@@ -18,6 +18,7 @@ from shardtune.plan.planner import MemoryPlan, gb, plan
 from shardtune.plan.report import checkpointing_words, optimizer_words, plan_checkpointing_words
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import CONFIGS_DIR, Strategy, read_accelerate_config
+from shardtune.plan.tensor import tensor_parallel_problems
 
 # Fastest first: least sharding, then offload. On several nodes hybrid sharding (the states sharded within a node:
 # only the gradients' all-reduce crosses nodes) comes before ZeRO++ hpZ (the layers gathered within the node from a
@@ -25,10 +26,12 @@ from shardtune.plan.strategy import CONFIGS_DIR, Strategy, read_accelerate_confi
 # fsdp_full_shard, and ds_zero3 with a second copy). The sequence split (Ulysses) comes after ZeRO-3 alone: it adds
 # two all-to-alls of q, k, v and the attention output per layer, and is planned where the rows are too long for
 # one GPU's activations. Among offloads DeepSpeed's SIMD CPU Adam is faster than FSDP's
-# CPU-side torch AdamW step, and NVMe is slowest.
+# CPU-side torch AdamW step, and NVMe is slowest. Tensor parallelism (fsdp_tp: each layer split over a node's GPUs,
+# FSDP2 over the nodes) comes after every GPU-only config without it, and before offload: its all-reduces of every
+# layer's activations stay within a node's NVLink, where offload moves the states over PCIe every step.
 SPEED_ORDER = (
     "ddp", "ds_zero1", "fsdp_shard_grad_op", "ds_zero2", "fsdp_hybrid_shard", "ds_zero3_hpz", "fsdp_full_shard",
-    "ds_zero3", "ds_zero3_ulysses",
+    "ds_zero3", "ds_zero3_ulysses", "fsdp_tp",
     "ds_zero3_offload_optimizer", "ds_zero3_offload_optimizer_ulysses", "ds_zero3_cpu_offload",
     "fsdp_full_shard_cpu_offload", "ds_zero3_nvme_offload",
 )
@@ -44,20 +47,22 @@ PROGRESS_EVERY_S = 5.0  # a search over node counts says where it is on stderr a
 
 
 def config_paths(configs_dir: str = CONFIGS_DIR) -> list[str]:
-    """Every YAML in the directory, fastest first (SPEED_ORDER), unknown names last; not those with tensor
-    parallelism, which the planner has no term for yet (it would plan them as their data-parallel strategy)."""
-    paths = [path for path in glob.glob(os.path.join(configs_dir, "*.yaml")) if not tensor_parallel(path)]
+    """Every YAML in the directory, fastest first (SPEED_ORDER), unknown names last."""
+    paths = glob.glob(os.path.join(configs_dir, "*.yaml"))
     rank = {name: index for index, name in enumerate(SPEED_ORDER)}
     return sorted(paths, key=lambda p: (rank.get(os.path.splitext(os.path.basename(p))[0], len(rank)), p))
 
 
-def tensor_parallel(path: str) -> bool:
-    """Whether the accelerate config at `path` splits layers (parallelism_config_tp_size above 1)."""
-    import yaml
+def data_parallel(hardware: Hardware, strategy: Strategy) -> int:
+    """The ranks that run their own rows: every GPU, or under tensor parallelism one per tp group."""
+    return max(1, hardware.world_size // strategy.tensor_parallel)
 
-    with open(path) as file:
-        parallelism = (yaml.safe_load(file) or {}).get("parallelism_config") or {}
-    return int(parallelism.get("parallelism_config_tp_size", 1)) > 1
+
+def keeps_batch(search: Search, hardware: Hardware) -> bool:
+    """Whether some micro-batch keeps the global batch over the GPUs, or over one rank per node (tensor
+    parallelism within the node)."""
+    return any(micro_batches(search.global_batch, ranks, search.micro_batch)
+               for ranks in {hardware.world_size, hardware.nodes})
 
 
 @dataclass(frozen=True)
@@ -147,29 +152,35 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
     then full (Search.recomputations),
     configs in SPEED_ORDER, then the largest micro-batch that keeps the global batch (accumulation derived; it
     must divide). A micro-batch or checkpointing the search fixes is the only one tried."""
-    pairs = micro_batches(search.global_batch, hardware.world_size, search.micro_batch)
     strategies = [strategy for strategy in (read_accelerate_config(path, search.mixed_precision)
                                             for path in config_paths(search.configs_dir))
                   if hardware.nodes > 1 or not strategy.multi_node_layout]
     # Recomputation (selective a few per cent more compute, full ~1/3 more) costs more than sharding on NVLink,
     # offload more than both. The sequence split is for rows too long for one GPU: tried once nothing unsplit fits
-    # under the same optimizer. Precision is traded (the optimizer ladder) only where no exact run fits.
+    # under the same optimizer, and tensor parallelism after it. Precision is traded (the optimizer ladder) only
+    # where no exact run fits.
     for offload in (False, True):
         for optim, stochastic in search.optimizers():
-            for split in (False, True):
-                group = [s for s in strategies if s.offloads == offload and (s.sequence_split > 1) == split]
-                yield from planned_group(shape, hardware, search, group, pairs, optim, stochastic, offload)
+            for axis in ("data", "sequence", "tensor"):
+                group = [s for s in strategies if s.offloads == offload and parallel_axis(s) == axis]
+                yield from planned_group(shape, hardware, search, group, optim, stochastic, offload)
+
+
+def parallel_axis(strategy: Strategy) -> str:
+    """"tensor" (layers split), "sequence" (rows split) or "data" (neither)."""
+    return "tensor" if strategy.tensor_parallel > 1 else "sequence" if strategy.sequence_split > 1 else "data"
 
 
 def planned_group(shape: ModelShape, hardware: Hardware, search: Search, group: list[Strategy],
-                  pairs: list[tuple[int, int]], optim: str, stochastic: bool, offload: bool
-                  ) -> Iterator[tuple[MemoryPlan, int, bool]]:
+                  optim: str, stochastic: bool, offload: bool) -> Iterator[tuple[MemoryPlan, int, bool]]:
     """candidates' plans of one group of configs under one optimizer: no recomputation, then selective, then full,
-    the configs in SPEED_ORDER, the largest micro-batch first."""
+    the configs in SPEED_ORDER, the largest micro-batch that keeps the global batch over the data-parallel ranks
+    first."""
     for checkpointing, mode in search.recomputations():
         for strategy in group:
             if not runs_under(strategy, hardware, search, optim, stochastic, shape):
                 continue
+            pairs = micro_batches(search.global_batch, data_parallel(hardware, strategy), search.micro_batch)
             for micro, accumulation in pairs:
                 yield (plan(shape, hardware, strategy, micro, search.seq, checkpointing, search.attn, search.peft,
                             search.packing, async_save=search.async_save, save_only_model=search.save_only_model,
@@ -187,7 +198,12 @@ def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: st
     rest): DeepSpeed with torch's AdamW alone; the rounding over bf16 full fine-tuning, under FSDP2 sharded
     over every GPU or one process (replicas would round apart: DDP's, hybrid sharding's); activation offloading
     not beside DeepSpeed's offload (checks.check_activation_offloading); and a sequence split where the trainer
-    runs one (split_runs), never under DPO."""
+    runs one (split_runs), never under DPO; tensor parallelism where the launch and the trainer run it
+    (plan.tensor.tensor_parallel_problems), one group per node at most (its all-reduces stay on NVLink)."""
+    if strategy.tensor_parallel > 1 and (
+            hardware.gpus_per_node % strategy.tensor_parallel or tensor_parallel_problems(
+                strategy, shape, hardware.world_size, search.peft, search.reference, search.use_liger_kernel)):
+        return False
     if strategy.sequence_split > 1 and not split_runs(strategy.sequence_split, hardware, search, shape):
         return False
     if strategy.sequence_split > 1 and search.reference:
@@ -219,7 +235,7 @@ def recommend(shape: ModelShape, hardware: Hardware, search: Search | None = Non
     """The fastest plan that fits the GPUs and the host RAM (see `candidates` for the order); when none does,
     what binds and the smallest number of such nodes on which one does."""
     search = search or Search()
-    if not micro_batches(search.global_batch, hardware.world_size, search.micro_batch):
+    if not keeps_batch(search, hardware):
         per = f"micro-batch {search.micro_batch} x " if search.micro_batch is not None else ""
         return Recommendation(None, False, None, f"Global batch {search.global_batch} is not divisible by {per}the "
                               f"{hardware.world_size} GPUs of {hardware.name}: no micro-batch keeps it.")
@@ -268,7 +284,10 @@ def _fit_message(chosen: MemoryPlan, accumulation: int, offload: bool, shape: Mo
 
 def launch_command(chosen: MemoryPlan, recipe: str) -> str:
     """The plan as the command that launches it: the accelerate config, the recipe, the fields the plan chose."""
-    return (f"accelerate launch --config_file accelerate_configs/{chosen.config}.yaml {recipe} "
+    # Under TP the data-parallel size is the processes over tp_size (the config's is for 2 nodes).
+    tensor = (f"--parallelism_config_dp_shard_size {chosen.world_size // chosen.tensor_parallel} "
+              if chosen.tensor_parallel > 1 else "")
+    return (f"accelerate launch --config_file accelerate_configs/{chosen.config}.yaml {tensor}{recipe} "
             f"--per_device_train_batch_size "
             f"{chosen.micro_batch} --gradient_checkpointing {str(chosen.gradient_checkpointing).lower()}"
             + (f" --gradient_checkpointing_mode {chosen.gradient_checkpointing_mode}"
@@ -294,8 +313,8 @@ def fewest_nodes(shape: ModelShape, hardware: Hardware, search: Search,
                   flush=True)
             said = time.monotonic()
         bigger = hardware.with_nodes(nodes)
-        if not micro_batches(search.global_batch, bigger.world_size, search.micro_batch):
-            continue  # the global batch does not divide over these GPUs
+        if not keeps_batch(search, bigger):
+            continue  # the global batch does not divide over these GPUs, nor over their nodes
         for candidate, accumulation, offload in candidates(shape, bigger, search):
             if candidate.fits and not (gpu_only and offload):
                 return nodes, Recommendation(candidate, not offload, accumulation, "")

@@ -64,6 +64,10 @@ class Strategy:
     # The sequence split (accelerate's parallelism_config_sp_size under DeepSpeed: Ulysses): each sequence over
     # this many GPUs, 1 for none (shardtune.parallel.sequence).
     sequence_split: int = 1
+    # Tensor parallelism (accelerate's parallelism_config_tp_size, shardtune.parallel.tensor): every layer's
+    # matmuls split over groups of this many GPUs, FSDP2 sharding each GPU's slices over the rest (world / tp);
+    # 1 for none (plan.tensor).
+    tensor_parallel: int = 1
 
     @property
     def multi_node_layout(self) -> bool:
@@ -86,6 +90,10 @@ class Strategy:
             text += f", a copy of the weights sharded over {min(self.hpz_partition, world)}"
         if self.sequence_split > 1:
             text += f", each sequence split over {self.sequence_split} GPUs"
+        if self.tensor_parallel > 1:  # FSDP2 shards each GPU's slices over the data-parallel ranks
+            data = shard // self.tensor_parallel
+            text = (f"each layer split over {self.tensor_parallel} GPUs (tensor parallel)"
+                    + ("" if self.kind == "ddp" else f", its slices sharded over {data} GPUs"))
         return text
 
     @property
@@ -137,7 +145,8 @@ def read_accelerate_config(path: str, mixed_precision: str | None = None,
         precision = settings.pop("mixed_precision") or mixed_precision or config.get("mixed_precision") or "bf16"
         strategy = deepspeed_strategy(name, settings, bool(ds.get("zero3_init_flag", False)),
                                       _precision(path, precision))
-        return replace(strategy, sequence_split=sequence_split_size(path, config.get("parallelism_config") or {}))
+        return replace(strategy, sequence_split=sequence_split_size(path, config.get("parallelism_config") or {}),
+                       tensor_parallel=tensor_parallel_size(path, config.get("parallelism_config") or {}))
     precision = _precision(path, mixed_precision or config.get("mixed_precision") or "no")
     if kind == "FSDP":
         fsdp = config.get("fsdp_config") or {}
@@ -145,10 +154,13 @@ def read_accelerate_config(path: str, mixed_precision: str | None = None,
         if isinstance(reshard, str):  # FSDP1 names, also accepted by accelerate for FSDP2
             reshard = {"FULL_SHARD": True, "1": True, "SHARD_GRAD_OP": False, "2": False}.get(reshard.upper(), True)
         offload = "cpu" if fsdp.get("fsdp_offload_params") else "none"
-        return fsdp_strategy(name, bool(reshard), offload, bool(fsdp.get("fsdp_cpu_ram_efficient_loading", False)),
-                             precision, hybrid_shard_size(path, config.get("parallelism_config") or {}))
+        strategy = fsdp_strategy(name, bool(reshard), offload,
+                                 bool(fsdp.get("fsdp_cpu_ram_efficient_loading", False)), precision,
+                                 hybrid_shard_size(path, config.get("parallelism_config") or {}))
+        return replace(strategy, tensor_parallel=tensor_parallel_size(path, config.get("parallelism_config") or {}))
     if kind in ("MULTI_GPU", "NO", "MULTI_CPU"):
-        return Strategy(name, "ddp", 0, mixed_precision=precision)
+        return Strategy(name, "ddp", 0, mixed_precision=precision,
+                        tensor_parallel=tensor_parallel_size(path, config.get("parallelism_config") or {}))
     raise PlanError(f"{path}: distributed_type {kind!r} is not planned (use NO, MULTI_GPU, FSDP or DEEPSPEED).")
 
 
@@ -169,6 +181,31 @@ def sequence_split_size(path: str, parallelism: dict) -> int:
         return int(parallelism.get("parallelism_config_sp_size", 1))
     except (TypeError, ValueError) as error:
         raise PlanError(f"{path}: parallelism_config_sp_size must be a whole number ({error}).") from error
+
+
+def tensor_parallel_size(path: str, parallelism: dict) -> int:
+    """The tp_size of a YAML's parallelism_config: each layer split over that many GPUs, 1 without TP."""
+    try:
+        return int(parallelism.get("parallelism_config_tp_size", 1))
+    except (TypeError, ValueError) as error:
+        raise PlanError(f"{path}: parallelism_config_tp_size must be a whole number ({error}).") from error
+
+
+def tensor_parallel_launch_args(config_file: str, world: int) -> list[str]:
+    """A tensor-parallel config's data-parallel size on `world` processes, as its launch line gives it
+    (--parallelism_config_dp_shard_size <processes / tp_size>: fsdp_tp.yaml's tp groups within a node, dp_shard
+    over the nodes, as scripts/slurm/train.sbatch launches it); [] for any other config, or where tp_size does not
+    divide the processes (the launch checks refuse that)."""
+    try:
+        with open(config_file) as file:
+            parallelism = (yaml.safe_load(file) or {}).get("parallelism_config") or {}
+        tp = int(parallelism.get("parallelism_config_tp_size", 1))
+        replicate = int(parallelism.get("parallelism_config_dp_replicate_size", 1))
+    except (OSError, yaml.YAMLError, TypeError, ValueError, AttributeError):
+        return []  # accelerate's launcher reports what is wrong with the file
+    if tp <= 1 or replicate != 1 or world % tp:
+        return []
+    return ["--parallelism_config_dp_shard_size", str(world // tp)]
 
 
 def _precision(path: str, precision: str) -> str:

@@ -17,7 +17,8 @@ from tests.conftest import CONFIGS, REPO
 from tests.unit.documented_commands import agrees, outside_a_launch, run, same_sentence
 
 RECIPES = sorted(path for path in (REPO / "recipes").glob("*.py") if path.stem != "tiny")
-EXPECTED = {"llama1b", "llama3b", "llama8b", "llama70b", "llama70b_no_offload", "llama405b", "mistral7b", "qwen2_5_7b",
+EXPECTED = {"llama1b", "llama3b", "llama8b", "llama70b", "llama70b_no_offload", "llama405b", "llama405b_tp",
+            "mistral7b", "qwen2_5_7b",
             "llama8b_lora", "llama70b_lora", "llama70b_qlora", "llama8b_128k", "llama70b_long", "llama8b_dpo",
             "llama70b_dpo_lora"}
 
@@ -106,7 +107,9 @@ def test_header_plan_is_the_recipes_dry_run(path, tmp_path, monkeypatch):
         if not (agrees(claimed_value, found) if numeric else claimed_value == found):
             wrong.append(f"{name}: header {claimed_value}, --dry_run {found}")
     recipe = load(path)
-    accumulation = recipe.global_batch_size // (int(claimed["micro"]) * hardware.world_size)
+    # The data-parallel ranks: every GPU, or under tensor parallelism one per tp group.
+    ranks = hardware.world_size // read_accelerate_config(str(REPO / launch_config(path))).tensor_parallel
+    accumulation = recipe.global_batch_size // (int(claimed["micro"]) * ranks)
     if int(claimed["accumulation"]) != accumulation:
         wrong.append(f"accumulation: header {claimed['accumulation']}, the recipe's batch over the GPUs {accumulation}")
     launch_nodes = LAUNCH_NODES.search(text)
