@@ -22,7 +22,7 @@ from shardtune.config import ConfigError, Recipe
 from shardtune.data import IGNORE_INDEX, load_splits, tokenize
 from shardtune.methods.pair_batches import PreferenceCollator
 from shardtune.methods.preference import PAIR_COLUMNS
-from tests.conftest import load_script
+from tests.conftest import launch_env, load_script
 
 MAX_LENGTH = 48  # cuts the longer pairs (keep_start) and drops the one whose prompt fills it
 SYSTEM = {"role": "system", "content": "be brief"}
@@ -81,8 +81,10 @@ print(json.dumps(out))
 def trl_pairs(tiny_assets) -> dict:
     """TRL's tokenized pairs and collated batch of each of SOURCES."""
     settings = {"model_dir": tiny_assets[0], "max_length": MAX_LENGTH, "sources": SOURCES}
+    # the launches' scrubbed environment: a rank's variables another test left in this process would make TRL's
+    # accelerate state start a process group
     result = subprocess.run([sys.executable, "-c", PEER, json.dumps(settings)], capture_output=True, text=True,
-                            timeout=300)
+                            timeout=300, env=launch_env())
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
