@@ -90,7 +90,7 @@ def check_resume_settings(checkpoint: str, step: int, saved: dict, current: dict
         problems.append(f"{checkpoint} was saved under {name(saved)} and this launch is {name(current)}: each "
                         f"writes its states in its own layout. Resume under the accelerate config it was saved "
                         f"with, {fresh}.")
-    elif saved.get("tp_size", 1) != current["tp_size"]:  # markers before TP: 1
+    elif saved.get("tp_size", 1) != current.get("tp_size", 1):  # markers before TP: 1
         tp_change = tensor_parallel_change(checkpoint, saved, current, fresh)
         (notes if saved["strategy"] == "fsdp" else problems).append(tp_change)
     compared = resolved_paths(saved)  # an older marker holds paths as they were given, or absolute
@@ -132,7 +132,7 @@ def tensor_parallel_change(checkpoint: str, saved: dict, current: dict, fresh: s
     weight and optimizer state by its place in the whole tensor, and loads into any (dp_shard, tp) mesh: measured,
     a tp 2 x dp_shard 2 checkpoint resumed under FSDP2 alone on the same 4 ranks trains on to the same losses.
     Other layouts hold whole tensors per rank: refused."""
-    had, has = saved.get("tp_size", 1), current["tp_size"]
+    had, has = saved.get("tp_size", 1), current.get("tp_size", 1)
     if saved["strategy"] == "fsdp":
         return (f"tensor parallelism over {has} rank(s) where the checkpoint had {had}: torch.distributed.checkpoint "
                 "reshards its FSDP2 states")
