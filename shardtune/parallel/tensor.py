@@ -190,6 +190,13 @@ def check_tensor_parallel(recipe: Recipe, tp_size: int, given: frozenset[str] = 
     for flag in [flag for flag, on in levers.items() if on]:
         problems.append(f"{flag} under tensor parallelism (tp_size {tp_size}) is not wired: it replaces the layers "
                         "that TP splits. Remove it, or launch without parallelism_config_tp_size.")
+    # torch 2.13's dynamo recurses without end through transformers' TP wrappers (measured on CPU, aot_eager);
+    # TRL's activation offloader has not run on DTensor activations.
+    unproven = {"--torch_compile true": recipe.torch_compile, "--activation_offloading true":
+                recipe.activation_offloading}
+    for flag in [flag for flag, on in unproven.items() if on]:
+        problems.append(f"{flag} under tensor parallelism (tp_size {tp_size}) is not supported yet: remove it, or "
+                        "launch without parallelism_config_tp_size.")
     if problems:
         raise ConfigError(problems)
 

@@ -84,6 +84,10 @@ RECIPE_REFUSALS = {
                                                                       "parallelism"),
     "LoRA": (["--use_peft", "true"], "--use_peft true under tensor parallelism"),
     "fp8": (["--mixed_precision", "fp8"], "--mixed_precision fp8 under tensor parallelism"),
+    "compile": (["--torch_compile", "true"], "--torch_compile true under tensor parallelism (tp_size 2) is not "
+                                            "supported yet"),
+    "activation offloading": (["--activation_offloading", "true"], "--activation_offloading true under tensor "
+                                                                  "parallelism"),
 }
 
 
