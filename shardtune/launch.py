@@ -267,6 +267,10 @@ def checked_parallelism(world_size: int, uses_fsdp: bool, uses_deepspeed: bool =
         raise ConfigError(f"The accelerate config's parallelism_config sets cp_size {sizes['cp']}: torch's context "
                           "parallelism is not wired into shardtune's trainer; split sequences with DeepSpeed's "
                           "Ulysses instead (accelerate_configs/ds_zero3_ulysses.yaml, parallelism_config_sp_size).")
+    if sizes["sp"] != 1 and sizes["tp"] != 1:
+        raise ConfigError(f"The accelerate config's parallelism_config sets sp_size {sizes['sp']} and tp_size "
+                          f"{sizes['tp']}: the sequence split runs through DeepSpeed's Ulysses and tensor parallelism "
+                          "under FSDP2, so the two do not compose: keep one of them.")
     if sizes["sp"] != 1:
         return 0, 0, checked_sequence_split(sizes, world_size, uses_deepspeed), 1
     if sizes["tp"] != 1:

@@ -118,6 +118,9 @@ def test_a_hybrid_launch_is_planned_and_described_as_launched(monkeypatch):
                              "the 16 processes launched"),
     ({"tp_size": "2", "dp_shard_size": "4"}, "dp_replicate_size 2 beside tp_size 2: hybrid sharding with tensor "
                                               "parallelism is not wired"),
+    # Ulysses is DeepSpeed's and TP FSDP2's: a config giving both would otherwise run one of them silently
+    ({"tp_size": "2", "sp_size": "2"}, "sets sp_size 2 and tp_size 2: the sequence split runs through DeepSpeed's "
+                                       "Ulysses and tensor parallelism under FSDP2, so the two do not compose"),
 ])
 def test_a_parallelism_config_the_trainer_cannot_run_is_refused(sizes, message, monkeypatch):
     launch_env(monkeypatch, **sizes)
