@@ -111,12 +111,15 @@ def save_gather_bytes(strategy: Strategy, shape: ModelShape, params: int, world:
     - FSDP2: full_tensor() of the fp32 parameter, plus its cast;
     - ZeRO-3: the parameter gathered in the compute dtype (GatheredParameters), plus its cast; an fp32 export of
       a 16-bit run assembles a trained parameter's fp32 master instead (safe_get_full_fp32_param), no larger;
-    - ZeRO-1/2 and DDP: the whole local parameter, cast into a new tensor where the export dtype differs.
+    - ZeRO-1/2 and DDP: the whole local parameter, cast into a new tensor where the export dtype differs;
+    - under tensor parallelism, whatever the config (TP alone runs under DDP's): every parameter is a DTensor
+      split or replicated over the tp group, so full_tensor() of the fp32 parameter, as under FSDP2.
     A PEFT model gathers its adapters alone, fp32, all of them on the main process's host (adapter_state_dict)."""
     low = strategy.compute_bytes
     largest = float(largest_parameter(shape))
     stored = 4 if strategy.kind in ("fsdp", "ddp") else low  # FSDP2 and DDP keep fp32 parameters
-    if strategy.kind == "fsdp" or (strategy.kind == "deepspeed" and strategy.shard >= 3):
+    dtensors = strategy.kind == "fsdp" or strategy.tensor_parallel > 1
+    if dtensors or (strategy.kind == "deepspeed" and strategy.shard >= 3):
         gathered = stored * largest
     else:
         gathered = 0.0

@@ -6,20 +6,31 @@ slice; the recommendation's order (no TP first, TP before offload), its refusals
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from shardtune.flops import resolve_model
+from shardtune.flops import resolve_model, shape_from_config
 from shardtune.hardware import parse_hardware
 from shardtune.launch import LaunchDescription, planned_launch_environment
-from shardtune.plan.activations import activation_bytes, layer_backward_bytes, loss_transient_bytes
+from shardtune.plan.activations import (
+    activation_bytes,
+    layer_backward_bytes,
+    loss_transient_bytes,
+    saved_activation_bytes,
+)
 from shardtune.plan.buffers import buffers, freed_under_layer_gradients, gathered_layer_bytes
 from shardtune.plan.planner import plan
 from shardtune.plan.search import Search, recommend
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import PlanError, read_accelerate_config
 from shardtune.plan.tensor import activation_shape, sliced_shape
-from tests.conftest import CONFIGS
+from shardtune.tiny import tiny_llama_config
+from tests.conftest import CONFIGS, REPO, free_port
 
 TP = read_accelerate_config(str(CONFIGS / "fsdp_tp.yaml"), "bf16")
 FULL_SHARD = read_accelerate_config(str(CONFIGS / "fsdp_full_shard.yaml"), "bf16")
@@ -66,6 +77,86 @@ def test_layer_inputs_and_logits_are_whole_and_the_inner_activations_split():
     inner = 2 * 2 * N * SHAPE.intermediate  # the MLP backward's two intermediate-size gradients
     assert layer_backward_bytes(activation_shape(SHAPE, 8), 1, N, "half", False) == inner // 8
     assert chosen.per_gpu["activations"] == split["total"] == split["saved"] + split["loss"]
+
+
+# A tiny Llama whose logits outweigh a layer (vocabulary 512 against hidden 64), split over 2 ranks: 4 heads and 2
+# key/value heads each (SDPA repeats them under the padding mask), 88 of the MLP's 176.
+SAVED_CONFIG = dict(vocab_size=512, num_attention_heads=8, num_key_value_heads=4)
+SAVED_BATCH, SAVED_SEQ = 4, 24
+
+
+def saved_under_tp(rank: int, port: str, out: str) -> None:
+    """One rank of a 2-rank gloo group: the tiny model split by the trainer (apply_tensor_parallel), one padded
+    forward with labels; rank 0 writes the bytes saved for backward (local storages, each once, parameters
+    excluded) to `out`."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaForCausalLM
+
+    from shardtune.parallel.tensor import apply_tensor_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    config = tiny_llama_config(**SAVED_CONFIG)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    model.train()
+
+    def storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+
+    weights = {storage(param).data_ptr() for param in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if storage(tensor).data_ptr() not in weights:
+            saved.setdefault(storage(tensor).data_ptr(), storage(tensor).nbytes())
+        return tensor
+
+    ids = torch.randint(3, config.vocab_size, (SAVED_BATCH, SAVED_SEQ), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    if rank == 0:
+        Path(out).write_text(json.dumps(sum(saved.values())))
+    dist.destroy_process_group()
+
+
+def test_what_a_split_model_saves_is_the_planned_activation_shape(tmp_path):
+    """The trainer's TP split (transformers' plan on 2 gloo ranks, fp32, SDPA with a padding mask) saves for
+    backward what saved_activation_bytes plans for activation_shape: the inner activations at 1/tp of the heads
+    and MLP width, the residual stream and the fp32 log-probabilities of the gathered logits whole, byte for byte
+    but the loss scalar; the vocabulary split as the weights are (sliced_shape) would plan the logits at half."""
+    out, port = tmp_path / "saved.json", free_port()
+    code = "import sys; from tests.unit.test_plan_tp import saved_under_tp as run; run(int(sys.argv[1]), *sys.argv[2:])"
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(port), str(out)], cwd=REPO,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    for rank in ranks:
+        _, stderr = rank.communicate(timeout=300)
+        assert rank.returncode == 0, stderr[-3000:]
+    measured = json.loads(out.read_text())
+    shape = shape_from_config(tiny_llama_config(**SAVED_CONFIG))
+    planned = saved_activation_bytes(activation_shape(shape, 2), SAVED_BATCH, SAVED_SEQ, "fp32", False)
+    assert abs(planned - measured) <= 8, (planned, measured)
+    split_logits = saved_activation_bytes(sliced_shape(shape, 2), SAVED_BATCH, SAVED_SEQ, "fp32", False)
+    assert planned - split_logits == 4 * SAVED_BATCH * SAVED_SEQ * shape.vocab // 2
+    assert planned - split_logits > 0.1 * measured
+
+
+def test_tp_alone_plans_the_export_s_gather_as_fsdp2_does():
+    """TP alone runs under DDP's config, but every parameter is a DTensor: the final export's full_tensor() gathers
+    the largest one whole on every rank, as under FSDP2 (the embedding: 4 bytes x vocab x hidden in fp32)."""
+    alone = dataclasses.replace(read_accelerate_config(str(CONFIGS / "ddp.yaml"), "bf16"), tensor_parallel=8)
+    chosen = plan(SHAPE, parse_hardware("8xh100-80gb"), alone, 1, N, True, export_bytes=4)
+    assert chosen.phases["save"]["gathered"] == 4 * SHAPE.vocab * SHAPE.hidden
 
 
 def test_buffers_are_the_slice_s_plus_one_layer_s_all_reduce():
