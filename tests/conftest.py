@@ -488,15 +488,28 @@ def splits_sequences(config: str) -> bool:
     return "parallelism_config_sp_size" in parallelism
 
 
+# The tests launch a tensor-parallel config (fsdp_tp.yaml: 8 GPUs of a node x 2 nodes) as tp 2 x dp_shard
+# processes / 2 (tests/launch/test_tensor_parallel.py).
+TESTED_TP_SIZE = 2
+
+
+def tensor_parallel_launch_args(processes: int) -> tuple[str, ...]:
+    """The launch arguments of fsdp_tp.yaml on `processes` CPU processes: TESTED_TP_SIZE x the rest as dp_shard."""
+    return ("--parallelism_config_tp_size", str(TESTED_TP_SIZE),
+            "--parallelism_config_dp_shard_size", str(processes // TESTED_TP_SIZE))
+
+
 def strategy_as_launched(config: str, mixed_precision: str = "no", processes: int = 2):
     """The planner's Strategy for `config` as the tests launch it (DeepSpeed: with tiny_deepspeed_json; a sequence
-    split over the `processes`)."""
+    split over the `processes`; a tensor-parallel config at TESTED_TP_SIZE, tensor_parallel_launch_args)."""
     from dataclasses import replace
 
     from shardtune.plan.strategy import read_accelerate_config
 
     json_file = str(tiny_deepspeed_json(config)) if config.startswith("ds_") else None
     strategy = read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision, json_file)
+    if strategy.tensor_parallel > 1:
+        strategy = replace(strategy, tensor_parallel=TESTED_TP_SIZE)
     return replace(strategy, sequence_split=processes) if splits_sequences(config) else strategy
 
 

@@ -5,7 +5,9 @@ rank holds its slice of the split weights (the norms whole, FSDP-sharded over th
 layers were split; the export gathers the full weights. Under fsdp_tp.yaml only rank 0 reads the weights
 (RAM-efficient loading); a rank killed mid-run resumes from the last checkpoint to the uninterrupted run's losses
 and weights, bit for bit; its checkpoint resumes under FSDP2 without TP (resharded); the run's export equals the
-one-process export of its last checkpoint, bit for bit."""
+one-process export of its last checkpoint, bit for bit. Both launches measure their phases (SHARDTUNE_PROFILE_MEMORY),
+each within test_memory_phases.RTOL of the plan of the config as launched; what the plan leaves out here is the
+step's micro-batches (int64 ids, labels, masks), held for the whole step: tiny beside a real model's states."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from shardtune.checkpoint.markers import read_marker
+from shardtune.plan.strategy import read_accelerate_config
 from shardtune.preemption import FAULT_ENV
 from tests.conftest import (
     CONFIGS,
@@ -25,12 +28,15 @@ from tests.conftest import (
     read_metrics,
     run_recipe,
     start_recipe,
+    strategy_as_launched,
+    tensor_parallel_launch_args,
     train_losses,
     wait_all,
     wait_for_ranks,
 )
 from tests.launch.test_batch_split import WEIGHT_ATOL, WEIGHT_RTOL
 from tests.launch.test_checkpoint import export, wait_for_text
+from tests.launch.test_memory_phases import compare
 from tests.launch.test_strategies import FP32_RTOL
 
 # 4 fp32 steps of 32 sequences: 1 x 8 x 4 accumulation alone and under TP alone (one data rank), 2 data ranks x 8 x 2
@@ -39,9 +45,9 @@ TP_ARGS = ("--max_steps", "4", "--save_steps", "0", "--mixed_precision", "no", "
            "--global_batch_size", "32", "--weight_decay", "0.1", "--warmup_ratio", "0")
 TINY_NORM_PARAMS = 64 * (2 * 2 + 1)  # hidden 64: two norms per layer, two layers, and the final norm
 # tp 2 x dp_shard 2 on 4 processes, saving at steps 2 and 4.
-FSDP_TP = dict(config="fsdp_tp", processes=4, launch_args=("--num_machines", "1", "--parallelism_config_tp_size", "2",
-                                                            "--parallelism_config_dp_shard_size", "2"))
+FSDP_TP = dict(config="fsdp_tp", processes=4, launch_args=("--num_machines", "1", *tensor_parallel_launch_args(4)))
 FSDP_TP_ARGS = (*TP_ARGS, "--save_steps", "2")
+PROFILE = "SHARDTUNE_PROFILE_MEMORY"
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +58,25 @@ def single_run(tiny_assets, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tp_alone_run(tiny_assets, tmp_path_factory):
+    """TP 2 alone: ddp.yaml with a parallelism_config section, 2 processes; its phases measured (root/memory).
+    -> (output dir, result, the config file)."""
+    root = tmp_path_factory.mktemp("tp-alone")
+    config = yaml.safe_load((CONFIGS / "ddp.yaml").read_text())
+    config["parallelism_config"] = {"parallelism_config_tp_size": 2}
+    config_file = root / "ddp_tp.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    result = run_recipe(root / "out", tiny_assets, *TP_ARGS, config="ddp", processes=2,
+                        launch_args=("--config_file", str(config_file)), env={PROFILE: str(root / "memory")})
+    return root / "out", result, config_file
+
+
+@pytest.fixture(scope="module")
 def fsdp_tp_run(tiny_assets, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("fsdp-tp") / "out"
-    result = run_recipe(output_dir, tiny_assets, *FSDP_TP_ARGS, **FSDP_TP)
-    return output_dir, result
+    """tp 2 x dp_shard 2 under fsdp_tp.yaml; its phases measured (<output dir>/../memory)."""
+    root = tmp_path_factory.mktemp("fsdp-tp")
+    result = run_recipe(root / "out", tiny_assets, *FSDP_TP_ARGS, env={PROFILE: str(root / "memory")}, **FSDP_TP)
+    return root / "out", result
 
 
 def final_eval(output_dir) -> dict[str, float]:
@@ -84,14 +105,8 @@ def split_bytes(single_run, tp: int, dp: int) -> int:
     return (total - norms) // (tp * dp) + norms // dp
 
 
-def test_tensor_parallel_alone_matches_one_process(single_run, tiny_assets, tmp_path):
-    config = yaml.safe_load((CONFIGS / "ddp.yaml").read_text())
-    config["parallelism_config"] = {"parallelism_config_tp_size": 2}
-    config_file = tmp_path / "ddp_tp.yaml"
-    config_file.write_text(yaml.safe_dump(config))
-    output_dir = tmp_path / "out"
-    result = run_recipe(output_dir, tiny_assets, *TP_ARGS, config="ddp", processes=2,
-                        launch_args=("--config_file", str(config_file)))
+def test_tensor_parallel_alone_matches_one_process(single_run, tp_alone_run):
+    output_dir, result, _ = tp_alone_run
     assert "tensor parallel over 2 ranks | global batch 32 = 8 x 4 accumulation x 1 ranks" in result.stdout, \
         result.stdout[-3000:]
     assert held_weight_bytes(output_dir) == split_bytes(single_run, tp=2, dp=1)
@@ -173,3 +188,21 @@ def test_fsdp_with_tensor_parallel_export_equals_its_checkpoint(fsdp_tp_run, tmp
     for key, tensor in theirs.items():
         assert str(ours[key].dtype) == f"torch.{stated}", key
         assert torch.equal(ours[key], tensor), key
+
+
+def test_tensor_parallel_alone_phases_match_the_plan(tp_alone_run, tiny_assets):
+    """TP 2 alone's phases (fp32, micro-batch 8, no recomputation) against the plan of its config as launched:
+    ddp.yaml with tp_size 2 over its 2 ranks."""
+    output_dir, _, config_file = tp_alone_run
+    strategy = read_accelerate_config(str(config_file), "no")
+    assert strategy.tensor_parallel == 2
+    compare(strategy, tiny_assets, 2, False, output_dir.parent / "memory")
+
+
+def test_fsdp_with_tensor_parallel_phases_match_the_plan(fsdp_tp_run, tiny_assets):
+    """tp 2 x dp_shard 2's phases (fp32, micro-batch 8, no recomputation) against the plan of fsdp_tp.yaml as
+    launched (conftest.strategy_as_launched: tp 2 over the 4 ranks)."""
+    output_dir, _ = fsdp_tp_run
+    strategy = strategy_as_launched("fsdp_tp", processes=4)
+    assert strategy.tensor_parallel == 2
+    compare(strategy, tiny_assets, 4, False, output_dir.parent / "memory")
