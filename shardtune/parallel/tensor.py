@@ -206,6 +206,9 @@ def check_tensor_parallel_heads(config: PretrainedConfig, tp_size: int) -> None:
     if tp_size == 1:
         return
     text = config.get_text_config()
+    if not getattr(text, "base_model_tp_plan", None):  # the supported families all have one; a new one may not
+        raise ConfigError(f"transformers has no tensor-parallel plan for {text.model_type} models "
+                          "(its config's base_model_tp_plan is empty): launch without parallelism_config_tp_size.")
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):

@@ -78,6 +78,14 @@ def test_tp_must_divide_the_heads_and_the_key_value_heads(heads, kv_heads, tp, r
         check_tensor_parallel_heads(config, tp)
 
 
+def test_a_model_without_a_tensor_parallel_plan_is_refused():
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    config.base_model_tp_plan = None
+    with pytest.raises(ConfigError, match="transformers has no tensor-parallel plan for llama models"):
+        check_tensor_parallel_heads(config, 2)
+    check_tensor_parallel_heads(config, 1)  # without TP no plan is needed
+
+
 RECIPE_REFUSALS = {
     "dpo": (["--method", "dpo"], "--method dpo under tensor parallelism (tp_size 2) is not wired"),
     "the tiled loss asked for": (["--chunked_cross_entropy", "true"], "--chunked_cross_entropy true under tensor "
