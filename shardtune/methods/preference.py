@@ -30,14 +30,14 @@ def is_chat(value: object) -> bool:
     return isinstance(value, list)
 
 
-def shared_turns(chosen: list[dict], rejected: list[dict]) -> int:
-    """How many leading turns the two conversations share."""
-    count = 0
-    for mine, theirs in zip(chosen, rejected, strict=False):
-        if mine != theirs:
+def common_prefix_length(items: list, other: list) -> int:
+    """How many leading items (token ids, or a conversation's turns) the two sequences share."""
+    length = 0
+    for item, other_item in zip(items, other, strict=False):
+        if item != other_item:
             break
-        count += 1
-    return count
+        length += 1
+    return length
 
 
 def pair_parts(row: dict, chat: bool) -> tuple[str | list, str | list, str | list]:
@@ -66,7 +66,7 @@ def pair_parts(row: dict, chat: bool) -> tuple[str | list, str | list, str | lis
     if not chat:
         raise ValueError("a text pair without `prompt`: where the prompt ends in the text cannot be told; add a "
                          "`prompt` column, or give `chosen` and `rejected` as chat messages")
-    shared = shared_turns(chosen, rejected)  # the prompt is implied: the conversations' shared leading turns
+    shared = common_prefix_length(chosen, rejected)  # the prompt is implied: the conversations' shared leading turns
     if shared == 0:
         raise ValueError("`chosen` and `rejected` share no leading turn, and without `prompt` the prompt is their "
                          "shared turns: start both with the same prompt turns, or add a `prompt` column")
@@ -77,15 +77,6 @@ def pair_parts(row: dict, chat: bool) -> tuple[str | list, str | list, str | lis
         raise ValueError("after their shared turns (the implied prompt) `chosen` and `rejected` must go on with an "
                          "assistant turn: add a `prompt` column if the prompt is not those turns")
     return chosen[:shared], chosen[shared:], rejected[shared:]
-
-
-def common_prefix_length(ids: list[int], other: list[int]) -> int:
-    length = 0
-    for token, other_token in zip(ids, other, strict=False):
-        if token != other_token:
-            break
-        length += 1
-    return length
 
 
 def tokenize_pairs(batch: dict[str, list], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,
