@@ -3,6 +3,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Two CPU ranks share the cores: one thread each.
 export OMP_NUM_THREADS ?= 1
+# Every launch starts several Python processes: let them read shardtune's compiled bytecode (__pycache__, ignored
+# by git) instead of compiling it again each time.
+unexport PYTHONDONTWRITEBYTECODE
 export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's compiled CPU ops live in the virtualenv, beside the stamp that says they are built (not ~/.cache).
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
@@ -57,16 +60,20 @@ gpu-wheels: $(VENV)/installed
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .
 
+# Two pytest-xdist workers, each taking a whole test file at a time (a file's runs are made once, on one worker):
+# the ranks of a launch wait on each other, and the second worker fills the cores meanwhile.
+WORKERS := -n 2 --dist loadfile
+
 # The unit tests alone (tests/unit: nothing launched), a few minutes: for a change to the planner's arithmetic.
 unit: $(VENV)/installed
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q $(WORKERS) tests/unit
 
 # Here (and in CI, which runs this target) a skipped NVMe-offload or SLURM test counts as a failure: both are
 # installed above. A processor feature cannot be: fp16 under DeepSpeed on CPU (Intel AVX512-FP16 or AMX-FP16, no AMD
 # processor) skips where it is missing, its reason printed (-rs); SHARDTUNE_REQUIRE=nvme,slurm,cpu_fp16 on a runner
 # known to have it makes that skip a failure too.
 test: lint $(VENV)/deepspeed-ops $(VENV)/slurm
-	SHARDTUNE_REQUIRE=nvme,slurm $(PY) -m pytest -q -rs --durations=15
+	SHARDTUNE_REQUIRE=nvme,slurm $(PY) -m pytest -q -rs --durations=15 $(WORKERS)
 
 clean:
 	rm -rf $(VENV) assets outputs

@@ -40,6 +40,7 @@ from shardtune.liger import check_liger_device, check_liger_kernel
 from shardtune.methods.checks import check_dpo_flags, check_dpo_launch, check_dpo_values, check_reference_model
 from shardtune.nvme_checks import AsyncIOReadiness, check_async_io, check_nvme_path, offloads_to_nvme
 from shardtune.output_checks import check_async_save, check_checkpoints, check_exports, check_output_dir
+from shardtune.parallel.context import check_context_parallel
 from shardtune.parallel.sequence import check_sequence_split
 from shardtune.parallel.tensor import check_tensor_parallel
 from shardtune.schedule import check_schedule
@@ -339,17 +340,18 @@ def check_tracking(recipe: Recipe) -> None:
                           "--report_to none.")
 
 
-def batch_sizes(recipe: Recipe, world_size: int, tp_size: int = 1) -> BatchSizes:
-    """The micro-batch, accumulation and data-parallel ranks (the processes / tp_size) that make
+def batch_sizes(recipe: Recipe, world_size: int, tp_size: int = 1, cp_size: int = 1) -> BatchSizes:
+    """The micro-batch, accumulation and data-parallel ranks (the processes / (tp_size x cp_size)) that make
     --global_batch_size, or ConfigError when they cannot."""
     micro, gas, total = recipe.per_device_train_batch_size, recipe.gradient_accumulation_steps, recipe.global_batch_size
     too_small = below_lowest([("--per_device_train_batch_size", micro), ("--gradient_accumulation_steps", gas)])
     if too_small:
         raise ConfigError(too_small[0])
-    ranks = world_size // tp_size
-    per_step, what = micro * ranks, "processes" if tp_size == 1 else f"data ranks (processes / tp_size {tp_size})"
+    ranks = world_size // (tp_size * cp_size)
+    group = " x ".join(f"{name} {size}" for name, size in (("tp_size", tp_size), ("cp_size", cp_size)) if size > 1)
+    per_step, what = micro * ranks, f"data ranks (processes / {group})" if group else "processes"
     if total is None:
-        return BatchSizes(micro, gas or 1, world_size, tp_size)
+        return BatchSizes(micro, gas or 1, world_size, tp_size, cp_size)
     if total % per_step:
         raise ConfigError(f"--global_batch_size {total} is not divisible by per_device_train_batch_size x {what} = "
                           f"{micro} x {ranks} = {per_step}. Pick a global batch that is a multiple of {per_step}, "
@@ -357,7 +359,7 @@ def batch_sizes(recipe: Recipe, world_size: int, tp_size: int = 1) -> BatchSizes
     if gas is not None and gas * per_step != total:
         raise ConfigError(f"--gradient_accumulation_steps {gas} disagrees with --global_batch_size {total}: "
                           f"{micro} x {gas} x {ranks} {what} = {gas * per_step}. Give only one of the two.")
-    return BatchSizes(micro, total // per_step, world_size, tp_size)
+    return BatchSizes(micro, total // per_step, world_size, tp_size, cp_size)
 
 
 # Compute capability of the GPUs --hardware can name (hardware.PEAK_BF16_FLOPS), which a dry run plans fp8 on; a
@@ -443,7 +445,7 @@ def check_recipe(recipe: Recipe, problems: Problems, launch: LaunchDescription |
         return None
     problems.check(check_nvme_path, recipe, launch.nvme_offloaded, not planned)
     problems.check(check_tensor_parallel, recipe, launch.tp_size, given)
-    return problems.check(batch_sizes, recipe, launch.world_size, launch.tp_size)
+    return problems.check(batch_sizes, recipe, launch.world_size, launch.tp_size, launch.cp_size)
 
 
 def check_on_device(recipe: Recipe, problems: Problems, launch: LaunchDescription, on_gpu: bool,
@@ -462,6 +464,7 @@ def check_on_device(recipe: Recipe, problems: Problems, launch: LaunchDescriptio
     problems.check(check_async_save, recipe, launch)
     problems.check(check_fp8, recipe, capability, launch.kind, launch.fsdp_offload_params)
     problems.check(check_sequence_split, recipe, launch.sp_size, launch.deepspeed_settings)
+    problems.check(check_context_parallel, recipe, launch.cp_size, on_gpu)
     problems.check(check_dpo_launch, recipe, launch.sp_size)
 
 

@@ -111,7 +111,7 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, Laun
     if recipe.model_name_or_path:
         if is_hub_id(recipe.model_name_or_path) and not os.path.isdir(recipe.model_name_or_path):
             probe_hub()  # out of reach: the lookup fails at once, not after huggingface_hub's retries
-        problems.check(check_model, recipe, launch.sp_size, launch.tp_size)
+        problems.check(check_model, recipe, launch.sp_size, launch.tp_size, launch.cp_size)
         # The plan of the launched config, a refusal among the others if it does not fit.
         problems.check(print_memory_plan, recipe, launch, bool(recipe.hardware))
     problems.raise_any()

@@ -381,16 +381,17 @@ class Recipe:
 @dataclass(frozen=True)
 class BatchSizes:
     """global_batch_size = per_device_train_batch_size x gradient_accumulation_steps x data-parallel size, the
-    processes / tp_size: the ranks of a tensor-parallel group run the same rows."""
+    processes / (tp_size x cp_size): the ranks of a tensor- or context-parallel group run the same rows."""
 
     micro_batch: int
     accumulation: int
     world_size: int
     tp_size: int = 1
+    cp_size: int = 1
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.tp_size
+        return self.world_size // (self.tp_size * self.cp_size)
 
     @property
     def global_batch(self) -> int:

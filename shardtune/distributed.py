@@ -59,7 +59,7 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
     plugin = fsdp_plugin(precision, on_cpu, recipe.bf16_stochastic_round) if uses_fsdp else None
     # A mesh accelerate refuses to build on MULTI_CPU: set once the state is FSDP (enable_fsdp_on_cpu) or, for TP
     # alone, by mesh_on_cpu.
-    mesh_on_cpu = on_cpu and (launch.tp_size > 1 or uses_fsdp and launch.hybrid_shard)
+    mesh_on_cpu = on_cpu and (launch.tp_size > 1 or launch.cp_size > 1 or uses_fsdp and launch.hybrid_shard)
     if uses_deepspeed:
         deepspeed_launch_env(recipe, launch)
     if launch.deepspeed_offloads:

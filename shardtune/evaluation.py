@@ -20,6 +20,13 @@ from torch.utils.data import DataLoader
 from shardtune.batches import COUNTS
 from shardtune.config import EVAL_CHUNK_POSITIONS
 from shardtune.data import IGNORE_INDEX
+from shardtune.parallel.context import (
+    ContextSplit,
+    context_group,
+    context_parallel,
+    context_parallel_size,
+    context_split,
+)
 from shardtune.parallel.sequence import sequence_group, sequence_shards, split_size
 from shardtune.parallel.tensor import rows_once
 from shardtune.tiled_loss import forward_replaced, shifted_labels
@@ -102,16 +109,19 @@ def plain_head(unwrapped: torch.nn.Module) -> bool:
 def evaluate(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
     """Mean loss and next-token accuracy over every target token of the held-out split, all ranks together. A head
     that is not plain_head runs its own forward: the statistics come from its full logits, a chunk at a time.
-    Under the sequence split each batch runs split as in training (split_statistics)."""
+    Under the sequence split each batch runs split as in training (split_statistics), under context parallelism
+    too (context_statistics)."""
     model.eval()
     unwrapped = accelerator.unwrap_model(model)
     statistics = head_statistics if plain_head(unwrapped) else logits_statistics
-    split = split_size(accelerator) > 1
+    split, context = split_size(accelerator) > 1, context_split(context_parallel_size(accelerator))
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, targets, correct
     for batch in loader:
         batch.pop(COUNTS)
         if split:
             per_row = split_statistics(statistics, model, unwrapped, batch, accelerator.device)
+        elif context is not None:
+            per_row = context_statistics(statistics, model, unwrapped, batch, accelerator, context)
         else:
             per_row = statistics(model, unwrapped, batch)
         totals += rows_once(accelerator, per_row).sum(0)  # drops the rows padded in for even batches
@@ -132,3 +142,16 @@ def split_statistics(statistics: Callable[..., torch.Tensor], model: torch.nn.Mo
     slices = torch.stack([statistics(model, unwrapped, shard) for shard in sequence_shards([batch], device)])
     dist.all_reduce(slices, group=group)
     return slices[rank]
+
+
+def context_statistics(statistics: Callable[..., torch.Tensor], model: torch.nn.Module, unwrapped: torch.nn.Module,
+                       batch: dict, accelerator: Accelerator, context: ContextSplit) -> torch.Tensor:
+    """The rows' `statistics` under context parallelism: each rank of a group computes those of its chunks of the
+    group's rows (the ring attention inside, shardtune.parallel.context), and a sum over the group gives each
+    row's, the same on every rank of it (rows_once keeps the group's first)."""
+    import torch.distributed as dist
+
+    with context_parallel(accelerator, batch, context) as chunks:
+        per_row = statistics(model, unwrapped, chunks)
+    dist.all_reduce(per_row, group=context_group(accelerator))
+    return per_row

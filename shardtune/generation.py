@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from shardtune.data import IGNORE_INDEX
+from shardtune.parallel.context import context_parallel_size
 from shardtune.parallel.sequence import split_size, unsplit
 
 MAX_NEW_TOKENS = 64
@@ -74,11 +75,12 @@ def generate_samples(accelerator: Accelerator, model: torch.nn.Module, tokenizer
     on every rank together. The KV cache is on for this call only: the model's config keeps use_cache False for
     training. Returns {prompt, completion, reference} per prompt, decoded without special tokens. Under the
     sequence split without it, one prompt at a time (Ulysses drops the attention mask that left padding needs),
-    each cut to its last max_length / sp tokens, which one GPU holds (shardtune.parallel.sequence)."""
-    split = split_size(accelerator)
+    each cut to its last max_length / sp tokens, which one GPU holds (shardtune.parallel.sequence). Under context
+    parallelism outside its ring attention, all prompts at once, each cut to its last max_length / cp tokens."""
+    split, context = split_size(accelerator), context_parallel_size(accelerator)
     # under the split, one prompt at a time, cut to the length a GPU holds of a training row
     batches = [[prompt[-(held_out.max_length // split):]] for prompt in held_out.prompts] if split > 1 else \
-        [held_out.prompts]
+        [[prompt[-(held_out.max_length // context):] for prompt in held_out.prompts]]
     was_training = model.training
     model.eval()
     try:

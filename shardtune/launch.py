@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from shardtune.config import OFFLOAD_DEVICES, ZERO_STAGES, ConfigError
+from shardtune.parallel.context import checked_context_parallel
 from shardtune.parallel.tensor import checked_tensor_parallel
 from shardtune.plan.strategy import (
     PlanError,
@@ -57,6 +58,9 @@ class LaunchDescription:
     # accelerate's ParallelismConfig tp_size: every layer split over groups of this many ranks (FSDP2 shards over
     # dp_shard_size beside it; shardtune.parallel.tensor); 1 without TP.
     tp_size: int = 1
+    # accelerate's ParallelismConfig cp_size under FSDP2: every sequence cut over this many ranks by torch's ring
+    # attention (shardtune.parallel.context); 1 without CP.
+    cp_size: int = 1
 
     @classmethod
     def from_env(cls) -> LaunchDescription:
@@ -71,7 +75,8 @@ class LaunchDescription:
         check_hpz(settings.get("hpz_partition", 1), world_size)
         if uses_fsdp:
             check_fsdp_env()
-        dp_shard, dp_replicate, sp_size, tp_size = checked_parallelism(world_size, uses_fsdp, uses_deepspeed)
+        dp_shard, dp_replicate, sp_size, tp_size, cp_size = checked_parallelism(world_size, uses_fsdp,
+                                                                                uses_deepspeed)
         config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if uses_deepspeed else None
         return cls(
             world_size=world_size, local_world_size=env_int("LOCAL_WORLD_SIZE", 1), uses_deepspeed=uses_deepspeed,
@@ -83,6 +88,7 @@ class LaunchDescription:
             fsdp_offload_params=env_flag("FSDP_OFFLOAD_PARAMS", "false"),
             fsdp_cpu_ram_efficient_loading=env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"),
             dp_shard_size=dp_shard, dp_replicate_size=dp_replicate, sp_size=sp_size, tp_size=tp_size,
+            cp_size=cp_size,
         )
 
     @property
@@ -92,8 +98,8 @@ class LaunchDescription:
 
     @property
     def data_parallel_size(self) -> int:
-        """The ranks that each run their own rows: the ranks of a tensor-parallel group run the same."""
-        return self.world_size // self.tp_size
+        """The ranks that each run their own rows: the ranks of a tensor- or context-parallel group run the same."""
+        return self.world_size // (self.tp_size * self.cp_size)
 
     @property
     def description(self) -> str:
@@ -111,7 +117,8 @@ class LaunchDescription:
             if self.hybrid_shard:
                 sharding += f" over {self.dp_shard_size} ranks, replicated x{self.dp_replicate_size}"
             offload = ", parameters offloaded to cpu" if self.fsdp_offload_params else ""
-            return f"FSDP2 {sharding}{offload}" + (f", {tensor}" if tensor else "")
+            context = f", sequences split over {self.cp_size} ranks (context parallel)" if self.cp_size > 1 else ""
+            return f"FSDP2 {sharding}{offload}{context}" + (f", {tensor}" if tensor else "")
         return tensor or ("DDP" if self.world_size > 1 else "one process")
 
     @property
@@ -153,7 +160,7 @@ class LaunchDescription:
             strategy = fsdp_strategy(f"FSDP {'FULL_SHARD' if reshard else 'SHARD_GRAD_OP'}", reshard, offload,
                                      self.fsdp_cpu_ram_efficient_loading, mixed_precision,
                                      self.dp_shard_size if self.hybrid_shard else 0)
-            return dataclasses.replace(strategy, tensor_parallel=self.tp_size)
+            return dataclasses.replace(strategy, tensor_parallel=self.tp_size, context_parallel=self.cp_size)
         return Strategy("DDP", "ddp", 0, mixed_precision=mixed_precision, tensor_parallel=self.tp_size)
 
 
@@ -253,29 +260,28 @@ def check_fsdp_env() -> None:
 
 
 def checked_parallelism(world_size: int, uses_fsdp: bool, uses_deepspeed: bool = False
-                        ) -> tuple[int, int, int, int]:
-    """(dp_shard_size, dp_replicate_size, sp_size, tp_size) of the accelerate config's parallelism_config, as
-    `accelerate launch` exports them, or (0, 0, 1, 1) without one: data-parallel sizes under FSDP2 (hybrid
-    sharding), the sequence split under DeepSpeed (Ulysses), or tensor parallelism (under FSDP2, or alone); no
-    context parallel path. The sizes must cover the ranks (accelerate checks that only after the process group
-    is up)."""
+                        ) -> tuple[int, int, int, int, int]:
+    """(dp_shard_size, dp_replicate_size, sp_size, tp_size, cp_size) of the accelerate config's
+    parallelism_config, as `accelerate launch` exports them, or (0, 0, 1, 1, 1) without one: data-parallel sizes
+    under FSDP2 (hybrid sharding), the sequence split under DeepSpeed (Ulysses) or FSDP2 (context parallelism), or
+    tensor parallelism (under FSDP2, or alone). The sizes must cover the ranks (accelerate checks that only after
+    the process group is up)."""
     if not env_flag("ACCELERATE_USE_PARALLELISM_CONFIG", "false"):
-        return 0, 0, 1, 1
+        return 0, 0, 1, 1, 1
     sizes = {name: env_int(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", 1)
              for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
     if sizes["cp"] != 1:
-        raise ConfigError(f"The accelerate config's parallelism_config sets cp_size {sizes['cp']}: torch's context "
-                          "parallelism is not wired into shardtune's trainer; split sequences with DeepSpeed's "
-                          "Ulysses instead (accelerate_configs/ds_zero3_ulysses.yaml, parallelism_config_sp_size).")
+        cp = checked_context_parallel(sizes, world_size, uses_fsdp, uses_deepspeed)
+        return sizes["dp_shard"], sizes["dp_replicate"], 1, 1, cp
     if sizes["sp"] != 1 and sizes["tp"] != 1:
         raise ConfigError(f"The accelerate config's parallelism_config sets sp_size {sizes['sp']} and tp_size "
                           f"{sizes['tp']}: the sequence split runs through DeepSpeed's Ulysses and tensor parallelism "
                           "under FSDP2, so the two do not compose: keep one of them.")
     if sizes["sp"] != 1:
-        return 0, 0, checked_sequence_split(sizes, world_size, uses_deepspeed), 1
+        return 0, 0, checked_sequence_split(sizes, world_size, uses_deepspeed), 1, 1
     if sizes["tp"] != 1:
         tp = checked_tensor_parallel(sizes, world_size, uses_fsdp, uses_deepspeed)
-        return sizes["dp_shard"] if uses_fsdp else 0, sizes["dp_replicate"] if uses_fsdp else 0, 1, tp
+        return sizes["dp_shard"] if uses_fsdp else 0, sizes["dp_replicate"] if uses_fsdp else 0, 1, tp, 1
     if not uses_fsdp:
         raise ConfigError("The accelerate config's parallelism_config sets data-parallel sizes and shardtune shards "
                           "by them under FSDP2 only: keep parallelism_config_dp_replicate_size and "
@@ -287,7 +293,7 @@ def checked_parallelism(world_size: int, uses_fsdp: bool, uses_deepspeed: bool =
                           f"parallelism_config_dp_shard_size {sizes['dp_shard']} is not the {world_size} processes "
                           "launched: give accelerate launch --parallelism_config_dp_replicate_size <nodes> "
                           "--parallelism_config_dp_shard_size <processes per node>.")
-    return sizes["dp_shard"], sizes["dp_replicate"], 1, 1
+    return sizes["dp_shard"], sizes["dp_replicate"], 1, 1, 1
 
 
 def checked_sequence_split(sizes: dict[str, int], world_size: int, uses_deepspeed: bool) -> int:

@@ -22,6 +22,7 @@ from shardtune.batches import COUNT_KEYS, StepBatch
 from shardtune.config import BatchSizes
 from shardtune.flops import ModelShape, flops_per_token, mfu
 from shardtune.memory import peak_memory_gb, reset_phase_peak
+from shardtune.parallel.context import loss_counted_here
 from shardtune.parallel.tensor import counted_here
 from shardtune.step import StepOutput
 
@@ -42,16 +43,18 @@ class StepSummary:
 
 
 def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main_process: bool,
-                loss_scaled: bool = False, counted: bool = True) -> torch.Tensor:
+                loss_scaled: bool = False, counted: bool = True, loss_counted: bool = True) -> torch.Tensor:
     """[non-finite, stop, skipped, loss share, gradient norm, *counts, *method sums, next step's targets] on the
     loss's device,
     to be summed over ranks. The norm is global (the same on every rank): only the main process adds it, so the
     sum is exact; so are the counts (integers far below 2**53). With a dynamic loss scaler (`loss_scaled`, fp16)
     an infinite norm is an overflow the scaler skips the step for and lowers its scale after, as torch's
     GradScaler and DeepSpeed's do: counted as skipped, not as an error; a non-finite loss still is one. `counted`
-    false (a tensor-parallel rank after its group's first, which ran the same rows): its loss share and counts are
-    left out of the sums, so that each token counts once."""
-    share = 1.0 if counted else 0.0
+    false (a tensor- or context-parallel rank after its group's first, which ran the same rows): its counts are
+    left out of the sums, so that each token counts once; `loss_counted` false (a tensor-parallel rank after its
+    group's first, which computed the same loss): its loss share too. A context-parallel rank's loss is its own
+    positions' share: summed."""
+    share, loss_share = (1.0 if counted else 0.0), (1.0 if loss_counted else 0.0)
     device = out.loss.device
     zero = torch.zeros((), dtype=torch.float64, device=device)
     if out.grad_norm is None:  # a strategy that computes none: nothing to check, NaN logged
@@ -63,7 +66,7 @@ def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main
         non_finite if loss_scaled else torch.maximum(non_finite, overflow),
         torch.full((), float(stop_requested), dtype=torch.float64, device=device),
         overflow if loss_scaled else zero,
-        out.loss.to(torch.float64) * share,
+        out.loss.to(torch.float64) * loss_share,
         norm.to(torch.float64) if is_main_process else zero,  # not inf x 0: that would sum to NaN
         *(torch.full((), share * batch.counts[key], dtype=torch.float64, device=device) for key in COUNT_KEYS),
         *(out.method_sums.to(torch.float64) if out.method_sums is not None else ()),
@@ -91,6 +94,7 @@ class TrainMetrics:
         self.adapters, self.method_metrics = adapters, method_metrics
         self._next_targets: torch.Tensor | None = None
         self.counted = counted_here(accelerator)  # this rank's rows enter the sums (shardtune.parallel.tensor)
+        self.loss_counted = loss_counted_here(accelerator)  # and its loss share (shardtune.parallel.context)
         self.skipped_in_a_row = 0
         self.first_loss: float | None = None
         self.last_loss: float | None = None
@@ -129,7 +133,7 @@ class TrainMetrics:
 
     def after_step(self, out: StepOutput, batch: StepBatch, stop_requested: bool) -> StepSummary:
         vector = step_vector(out, batch, stop_requested, self.accelerator.is_main_process, self.loss_scaled,
-                             self.counted)
+                             self.counted, self.loss_counted)
         summed = self.accelerator.reduce(vector, "sum")  # the step's one collective
         self._next_targets = summed[-1].to(torch.long)  # stays on the device: the next step's loss divisor
         non_finite, stop, skipped, loss, grad_norm, *rest, _ = summed.tolist()  # the step's one device-to-host sync

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from shardtune.config import ConfigError, Problems, Recipe, padded_length, token_multiple
 from shardtune.liger import check_liger_model
+from shardtune.parallel.context import check_context_model
 from shardtune.parallel.sequence import check_split_heads
 from shardtune.parallel.tensor import check_tensor_parallel_heads
 
@@ -22,11 +23,12 @@ if TYPE_CHECKING:
 LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
-def check_model(recipe: Recipe, sp_size: int = 1, tp_size: int = 1) -> None:
+def check_model(recipe: Recipe, sp_size: int = 1, tp_size: int = 1, cp_size: int = 1) -> None:
     """What the model's config.json and its directory's listing (no weights read) can tell: it exists, can be
     read and is of a supported family, a local directory holds whole weights and a tokenizer, it has room for
     --max_seq_length, --lora_target_modules name some of its layers, and a sequence split over `sp_size` ranks
-    divides its attention heads, as tensor parallelism over `tp_size` ranks must."""
+    divides its attention heads, as tensor parallelism over `tp_size` ranks must; the ring attention over `cp_size`
+    ranks takes no sliding window."""
     config = read_model_config(recipe.model_name_or_path)
     problems = Problems()
     if os.path.isdir(recipe.model_name_or_path):  # a Hub id's files are fetched, and judged, when it loads
@@ -37,6 +39,7 @@ def check_model(recipe: Recipe, sp_size: int = 1, tp_size: int = 1) -> None:
     problems.check(check_liger_model, recipe, config)
     problems.check(check_split_heads, config, sp_size)
     problems.check(check_tensor_parallel_heads, config, tp_size)
+    problems.check(check_context_model, config, cp_size)
     problems.raise_any()
 
 

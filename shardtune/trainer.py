@@ -64,6 +64,7 @@ from shardtune.model import enable_activation_offloading, load_model, load_token
 from shardtune.optimizers import make_optimizer
 from shardtune.output_dir import clear_output_dir
 from shardtune.packing import pack_rows
+from shardtune.parallel.context import context_split, row_multiple
 from shardtune.parallel.sequence import check_right_padding, plain_loader, sequence_split, split_in_eval
 from shardtune.parallel.tensor import (
     apply_tensor_parallel,
@@ -123,10 +124,10 @@ class Run:
 
 
 def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume: ResumePoint | None = None,
-          sp_size: int = 1) -> Run:
+          sp_size: int = 1, cp_size: int = 1) -> Run:
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe)
-    if sp_size > 1:
+    if sp_size > 1 or cp_size > 1:
         check_right_padding(tokenizer)
     with accelerator.local_main_process_first():  # once per node: nodes need not share the datasets cache
         train_set, eval_set = load_splits(recipe, tokenizer)
@@ -177,14 +178,15 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume
     if recipe.torch_compile:  # in place: the wrappers `prepare` adds find the layers' hooks where they were
         compile_decoder_layers(model, recipe)
     # Under the sequence split every rank takes an equal slice of each micro-batch's length, by position, and no
-    # attention mask reaches a kernel (shardtune.parallel.sequence).
-    multiple, split = math.lcm(token_multiple(recipe), sp_size), sp_size > 1
+    # attention mask reaches a kernel (shardtune.parallel.sequence); under context parallelism two chunks of it.
+    multiple, split = math.lcm(token_multiple(recipe), sp_size, row_multiple(cp_size)), sp_size > 1
+    unmasked = split or cp_size > 1
     if recipe.method == "dpo":
         train_collate, eval_collate = (PreferenceCollator(tokenizer.pad_token_id, recipe.max_seq_length, multiple)
                                        for _ in range(2))
     else:
-        train_collate = make_collator(tokenizer, recipe.packing, recipe.attn_implementation, multiple, unmasked=split)
-        eval_collate = make_collator(tokenizer, multiple=multiple, unmasked=split)
+        train_collate = make_collator(tokenizer, recipe.packing, recipe.attn_implementation, multiple, unmasked)
+        eval_collate = make_collator(tokenizer, multiple=multiple, unmasked=unmasked)
     train_loader = DataLoader(train_set, batch_size=batching.micro_batch, shuffle=True, drop_last=True,
                               collate_fn=train_collate)
     eval_loader = DataLoader(eval_set, batch_size=recipe.per_device_eval_batch_size, collate_fn=eval_collate)
@@ -226,7 +228,7 @@ class BackwardHooks:
 
 def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch: LaunchDescription,
                resume: ResumePoint, stop: StopRequest) -> int:
-    run = build(accelerator, recipe, batching, resume, launch.sp_size)
+    run = build(accelerator, recipe, batching, resume, launch.sp_size, launch.cp_size)
     start_step = resume.step
     model, output_dir = run.model, recipe.resolved_output_dir
     # SHARDTUNE_PROFILE_MEMORY: peaks per phase (shardtune.profiling), from DPO's reference pass in `start` on
@@ -256,7 +258,8 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
                          # the tiles would replace the head's forward, which TP wraps (shardtune.parallel.tensor)
                          chunked_cross_entropy=recipe.chunked_cross_entropy and launch.tp_size == 1,
                          fused_loss=recipe.use_liger_kernel,
-                         sequence_split=split, method=run.dpo.step if run.dpo else None)
+                         sequence_split=split, method=run.dpo.step if run.dpo else None,
+                         context_split=context_split(launch.cp_size))
         end_phase()
         summary = metrics.after_step(out, batch, stop.requested)  # every rank's verdict reaches every rank
         if summary.non_finite:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Before anything imports `datasets`, which reads its cache location once: this session's own, removed at its end.
@@ -283,9 +284,13 @@ def no_process_left(request):
 
 # Rendezvous ports for launches: below the kernel's ephemeral range (32768-60999 by default), where no outgoing
 # connection takes one between the check here and the launcher's bind, and above scripts/slurm/train.sbatch's
-# 10000-29999. Handed out once each per session, from a start that differs between concurrent sessions.
+# 10000-29999. Handed out once each per session, from a start that differs between concurrent sessions; each
+# pytest-xdist worker of a session (`make test` runs two) draws from its own share, so two never pick one port.
 PORTS = range(30000, 32768)
-_next_ports = itertools.cycle(list(PORTS[os.getpid() % len(PORTS):]) + list(PORTS[:os.getpid() % len(PORTS)]))
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+_own_ports = list(PORTS)[WORKER::int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))]
+_start = os.getpid() % len(_own_ports)
+_next_ports = itertools.cycle(_own_ports[_start:] + _own_ports[:_start])
 _given: set[int] = set()
 
 
@@ -299,7 +304,7 @@ def ephemeral_ports() -> tuple[int, int]:
 
 def free_port() -> int:
     """A port nothing listens on, outside the ephemeral range, not handed out before in this session."""
-    for _ in range(len(PORTS)):
+    for _ in range(len(_own_ports)):
         port = next(_next_ports)
         if port in _given:
             continue
@@ -317,27 +322,45 @@ def free_port() -> int:
 # --- runs ----------------------------------------------------------------------------------------------------
 
 
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], object]) -> Path:
+    """The folder `name` that `make` fills once per session, shared by every pytest-xdist worker: the first to ask
+    makes it under a lock, the others wait for it and read it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    shared.mkdir(exist_ok=True)
+    folder, done = shared / name, shared / f"{name}.done"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> tuple[str, str]:
     # The tiny recipe's own (its module makes them when imported, as every launch does): once, not per launch.
     ensure_tiny_assets(str(REPO / "assets" / "tiny"))
-    return ensure_tiny_assets(str(tmp_path_factory.mktemp("assets") / "tiny"))
+    root = made_once(tmp_path_factory, "assets", lambda folder: ensure_tiny_assets(str(folder / "tiny")))
+    return ensure_tiny_assets(str(root / "tiny"))
 
 
 @pytest.fixture(scope="session")
 def reference_run(tiny_assets, tmp_path_factory):
     """reference_run(config) -> output dir of that strategy's reference run (None: one process), run once."""
-    done: dict[str | None, Path] = {}
+
+    def make(root: Path, config: str | None) -> None:
+        # Every reference run also measures its peaks by phase (tests/launch/test_memory_phases.py, root/memory).
+        env = {"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")}
+        run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, *nvme_args(config, root), config=config,
+                   processes=2, env=env)
 
     def run(config: str | None) -> Path:
-        if config not in done:
-            root = tmp_path_factory.mktemp(f"reference-{config or 'single'}")
-            # Every reference run also measures its peaks by phase (tests/launch/test_memory_phases.py, root/memory).
-            env = {"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")}
-            run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, *nvme_args(config, root), config=config,
-                       processes=2, env=env)
-            done[config] = root / "out"
-        return done[config]
+        name = f"reference-{config or 'single'}"
+        return made_once(tmp_path_factory, name, lambda root: make(root, config)) / "out"
 
     return run
 
@@ -353,15 +376,15 @@ BF16_CONFIGS = (None, "fsdp_full_shard", "ds_zero3")
 def bf16_run(tiny_assets, tmp_path_factory):
     """bf16_run(config) -> output dir of that config's bf16 run (BF16_CONFIGS), run once; it measures its phases
     too (root/memory) and keeps its output (root/launch.log)."""
-    done: dict[str | None, Path] = {}
+
+    def make(root: Path, config: str | None) -> None:
+        checkpointing = ("--gradient_checkpointing", "true") if config is None else ()
+        measured_run(root, tiny_assets, *REFERENCE_ARGS, "--mixed_precision", "bf16", "--save_steps", "0",
+                     *checkpointing, config=config, processes=2)
 
     def run(config: str | None) -> Path:
-        if config not in done:
-            root = tmp_path_factory.mktemp(f"bf16-{config or 'single'}")
-            checkpointing = ("--gradient_checkpointing", "true") if config is None else ()
-            done[config] = measured_run(root, tiny_assets, *REFERENCE_ARGS, "--mixed_precision", "bf16",
-                                        "--save_steps", "0", *checkpointing, config=config, processes=2)
-        return done[config]
+        name = f"bf16-{config or 'single'}"
+        return made_once(tmp_path_factory, name, lambda root: make(root, config)) / "out"
 
     return run
 
@@ -383,14 +406,11 @@ THREE_RANK_CONFIGS = tuple(THREE_RANK_RUNS)
 def three_rank_run(tiny_assets, tmp_path_factory):
     """three_rank_run(config) -> output dir of that DeepSpeed config's 3-rank bf16 run, run once; it measures its
     phases (root/memory) and keeps its output (root/launch.log)."""
-    done: dict[str, Path] = {}
 
     def run(config: str) -> Path:
-        if config not in done:
-            root = tmp_path_factory.mktemp(f"three-ranks-{config}")
-            done[config] = measured_run(root, tiny_assets, *THREE_RANK_ARGS, *THREE_RANK_RUNS[config], config=config,
-                                        processes=THREE_RANKS)
-        return done[config]
+        return made_once(tmp_path_factory, f"three-ranks-{config}", lambda root: measured_run(
+            root, tiny_assets, *THREE_RANK_ARGS, *THREE_RANK_RUNS[config], config=config,
+            processes=THREE_RANKS)) / "out"
 
     return run
 
@@ -415,14 +435,10 @@ LORA_STRATEGIES = {"ddp": (), "fsdp_full_shard": ("--packing", "true"), "ds_zero
 def lora_run(tiny_assets, tmp_path_factory):
     """lora_run(config) -> output dir of that config's LoRA run (LORA_STRATEGIES), run once; it measures its
     phases too (root/memory)."""
-    done: dict[str, Path] = {}
 
     def run(config: str) -> Path:
-        if config not in done:
-            root = tmp_path_factory.mktemp(f"lora-{config}")
-            done[config] = measured_run(root, tiny_assets, *LORA_ARGS, *LORA_STRATEGIES[config], config=config,
-                                        processes=2)
-        return done[config]
+        return made_once(tmp_path_factory, f"lora-{config}", lambda root: measured_run(
+            root, tiny_assets, *LORA_ARGS, *LORA_STRATEGIES[config], config=config, processes=2)) / "out"
 
     return run
 
@@ -479,6 +495,19 @@ def tiny_deepspeed_json(config: str) -> Path:
     return path
 
 
+def context_parallel_config(config: str) -> bool:
+    """A shipped config with context parallelism (parallelism_config_cp_size): the tests cut every sequence over
+    every process they launch (its YAML says 8, a node's GPUs), through CONTEXT_PARALLEL_PROBE: torch has no CPU
+    kernel for its ring attention, which the probe adds."""
+    import yaml
+
+    parallelism = yaml.safe_load((CONFIGS / f"{config}.yaml").read_text()).get("parallelism_config") or {}
+    return "parallelism_config_cp_size" in parallelism
+
+
+CONTEXT_PARALLEL_PROBE = REPO / "tests" / "launch" / "context_parallel_probe.py"
+
+
 def splits_sequences(config: str) -> bool:
     """A shipped config with the sequence split (parallelism_config_sp_size): the tests split over every process
     they launch (its YAML says 8, a node's GPUs)."""
@@ -501,7 +530,8 @@ def tensor_parallel_launch_args(processes: int) -> tuple[str, ...]:
 
 def strategy_as_launched(config: str, mixed_precision: str = "no", processes: int = 2):
     """The planner's Strategy for `config` as the tests launch it (DeepSpeed: with tiny_deepspeed_json; a sequence
-    split over the `processes`; a tensor-parallel config at TESTED_TP_SIZE, tensor_parallel_launch_args)."""
+    split over the `processes`; a tensor-parallel config at TESTED_TP_SIZE, tensor_parallel_launch_args; context
+    parallelism over the `processes`)."""
     from dataclasses import replace
 
     from shardtune.plan.strategy import read_accelerate_config
@@ -510,6 +540,8 @@ def strategy_as_launched(config: str, mixed_precision: str = "no", processes: in
     strategy = read_accelerate_config(str(CONFIGS / f"{config}.yaml"), mixed_precision, json_file)
     if strategy.tensor_parallel > 1:
         strategy = replace(strategy, tensor_parallel=TESTED_TP_SIZE)
+    if strategy.context_parallel > 1:  # every sequence over all the processes (tests/launch/test_context_parallel.py)
+        strategy = replace(strategy, context_parallel=processes)
     return replace(strategy, sequence_split=processes) if splits_sequences(config) else strategy
 
 
@@ -523,6 +555,10 @@ def recipe_command(
         launch_args = (*launch_args, "--deepspeed_config_file", str(tiny_deepspeed_json(config)))
     if config and splits_sequences(config) and "--parallelism_config_sp_size" not in launch_args:
         launch_args = (*launch_args, "--parallelism_config_sp_size", str(processes))
+    if config and context_parallel_config(config) and "--parallelism_config_cp_size" not in launch_args:
+        launch_args = (*launch_args, "--parallelism_config_cp_size", str(processes),
+                       "--parallelism_config_dp_shard_size", "1")
+        recipe = CONTEXT_PARALLEL_PROBE if recipe == TINY_RECIPE else recipe
     model_dir, data_file = assets
     # No generated samples unless a test asks (tests/launch/test_outputs.py): they cost every launch's final eval time.
     recipe_args = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),

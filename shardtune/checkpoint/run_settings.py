@@ -47,7 +47,7 @@ def run_settings(recipe: Recipe, launch: LaunchDescription, batching: BatchSizes
     return {**settings, "explicit_max_steps": recipe.max_steps, "global_batch": batching.global_batch,
             "micro_batch": batching.micro_batch, "accumulation": batching.accumulation, "strategy": launch.kind,
             "zero_stage": launch.deepspeed_settings.get("stage") if launch.uses_deepspeed else None,
-            "tp_size": launch.tp_size}
+            "tp_size": launch.tp_size, "cp_size": launch.cp_size}
 
 
 # The held settings that may name local files (eval_split: a file, or a split's name).
@@ -93,6 +93,10 @@ def check_resume_settings(checkpoint: str, step: int, saved: dict, current: dict
     elif saved.get("tp_size", 1) != current.get("tp_size", 1):  # markers before TP: 1
         tp_change = tensor_parallel_change(checkpoint, saved, current, fresh)
         (notes if saved["strategy"] == "fsdp" else problems).append(tp_change)
+    if saved.get("cp_size", 1) != current.get("cp_size", 1):  # CP runs under FSDP2 only: its states reshard
+        notes.append(f"each sequence split over {current.get('cp_size', 1)} rank(s) (context parallel) where the "
+                     f"checkpoint had {saved.get('cp_size', 1)}: torch.distributed.checkpoint reshards its FSDP2 "
+                     "states")
     compared = resolved_paths(saved)  # an older marker holds paths as they were given, or absolute
     for held_by, names in HELD_BY.items():
         for key in names:

@@ -207,8 +207,8 @@ def check_right_padding(tokenizer: PreTrainedTokenizerBase) -> None:
     """Padded rows under the split carry no mask: the padding must come after the real tokens."""
     if tokenizer.padding_side != "right":
         raise ConfigError(f"The tokenizer pads on the {tokenizer.padding_side}, and under the sequence split rows "
-                          "carry no attention mask (Ulysses drops it): set \"padding_side\": \"right\" in the model's "
-                          "tokenizer_config.json.")
+                          "carry no attention mask (Ulysses and the ring attention take none): set "
+                          "\"padding_side\": \"right\" in the model's tokenizer_config.json.")
 
 
 def check_sequence_split(recipe: Recipe, sp_size: int, deepspeed_settings: Mapping[str, Any]) -> None:

@@ -47,9 +47,13 @@ def tensor_parallel_size(accelerator: Accelerator) -> int:
 
 
 def counted_here(accelerator: Accelerator) -> bool:
-    """Whether this rank's loss and counts enter the sums over ranks: the first rank of its tensor-parallel group
-    (every rank without TP). The other ranks of the group ran the same rows."""
-    return tensor_parallel_size(accelerator) == 1 or accelerator.tensor_parallel_rank == 0
+    """Whether this rank's rows enter the sums over ranks (their counts and eval statistics; under TP their loss
+    too): the first rank of its tensor- and context-parallel group (every rank without either). The other ranks of
+    the group ran the same rows."""
+    from shardtune.parallel.context import context_parallel_rank
+
+    first_tp = tensor_parallel_size(accelerator) == 1 or accelerator.tensor_parallel_rank == 0
+    return first_tp and context_parallel_rank(accelerator) == 0
 
 
 def apply_tensor_parallel(model: PreTrainedModel, mesh: DeviceMesh) -> None:
@@ -160,8 +164,10 @@ def prepare_without_tp(accelerator: Accelerator) -> Iterator[None]:
 def rows_once(accelerator: Accelerator, per_row: torch.Tensor) -> torch.Tensor:
     """gather_for_metrics of `per_row` with each group's rows once: the rows of its first rank, in data-rank order,
     the padding of the last batch dropped (accelerate's gather_for_metrics would keep tp copies of every row and
-    cut the last batch at the wrong place)."""
-    size = tensor_parallel_size(accelerator)
+    cut the last batch at the wrong place). A context-parallel group's ranks, which ran the same rows, too."""
+    from shardtune.parallel.context import context_parallel_size
+
+    size = tensor_parallel_size(accelerator) * context_parallel_size(accelerator)
     if size == 1:
         return accelerator.gather_for_metrics(per_row)
     gathered = accelerator.gather(per_row).view(-1, *per_row.shape)[::size].flatten(0, 1)

@@ -9,6 +9,7 @@ from shardtune.config import TORCHAO_OPTIMIZERS
 from shardtune.flops import ModelShape
 from shardtune.plan.activations import activation_mode, eval_activation_bytes
 from shardtune.plan.buffers import buffers, gathered_layer_bytes, persistent_buffer_bytes
+from shardtune.plan.context import ring_attention_bytes
 from shardtune.plan.host import swap_buffer_bytes
 from shardtune.plan.optimizer_states import local_elements, parameter_matrices, torchao_step_bytes
 from shardtune.plan.states import (
@@ -176,11 +177,14 @@ def phase_bytes(strategy: Strategy, shape: ModelShape, world: int, forward_backw
                       "step": max(optimizer_step_bytes(strategy, shape, world, peft, foreach, optim, stochastic),
                                   persistent)},
         "eval": {**kept, "gathered": eval_gather_bytes(strategy, shape) + autocast_cache,
-                 # under the sequence split each GPU runs its slice of the rows, without a mask
-                 "activations": eval_activation_bytes(shape, eval_batch, seq // strategy.sequence_split, mode,
-                                                      attn != "flash" and strategy.sequence_split == 1,
+                 # under the sequence split (or context parallelism) each GPU runs its slice of the rows, without
+                 # a mask
+                 "activations": eval_activation_bytes(shape, eval_batch, seq // strategy.split_positions, mode,
+                                                      attn != "flash" and strategy.split_positions == 1,
                                                       peft is not None and "up_proj" in peft.target_names(),
-                                                      eval_head_positions)},
+                                                      eval_head_positions)
+                 + ring_attention_bytes(shape, eval_batch, seq // strategy.split_positions, mode,
+                                        strategy.context_parallel, backward=False)},
         "save": {**kept, "gathered": gathered},
     }
     for parts in phases.values():

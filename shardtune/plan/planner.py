@@ -17,6 +17,7 @@ from shardtune.plan.activations import (
 )
 from shardtune.plan.backward_moments import forward_backward_parts, gradients_fresh_each_micro_batch
 from shardtune.plan.buffers import buffers, freed_under_layer_gradients
+from shardtune.plan.context import context_length, ring_attention_bytes
 from shardtune.plan.host import loading_host_bytes
 from shardtune.plan.host_fit import host_ram_peak, host_ram_terms
 from shardtune.plan.layouts import hpz_secondary_bytes
@@ -225,6 +226,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     # Activations are those of this GPU's tokens, with the model's shape as its attention sees them (sequence_split).
     # Under TP: 1/tp of the heads and the MLP width, the residual stream and logits whole (plan.tensor).
     seen, length, masked = sequence_split(activation_shape(whole, tp), length, masked, strategy.sequence_split)
+    length, masked = context_length(length, masked, strategy.context_parallel)  # torch's ring attention
     lora = (peft.rank, tuple(peft.target_names())) if peft else (0, ())
     selective = checkpointing and checkpointing_mode == "selective"
     loss_tile = LOSS_TILE_POSITIONS if chunked_cross_entropy else None
@@ -238,6 +240,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     buffer -= freed_under_layer_gradients(strategy, shape, rows, length, mode, attn, masked, peft,
                                           bf16_stochastic_round, use_liger_kernel)
     buffer += collective_bytes(whole, rows, length, mode, tp)
+    buffer += ring_attention_bytes(seen, rows, length, mode, strategy.context_parallel)
     per_gpu = {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
                "activations": float(acts["total"]), "buffers": float(buffer)}
     cache = buffer if strategy.kind == "ddp" else 0.0  # DDP's buffers are autocast's weight copies alone
@@ -250,7 +253,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     # that graph is alive (the trainer drops it before stepping any other strategy).
     graph = 2.0 * dtype_bytes(mode)[1] * rows * length * shape.hidden \
         if peft and checkpointing and strategy.kind == "deepspeed" else 0.0
-    eval_split_seq = seq // strategy.sequence_split
+    eval_split_seq = seq // strategy.split_positions
     phases = phase_bytes(strategy, shape, world, per_gpu, eval_batch * pair, seq, peft, foreach, states.host,
                          export_bytes, attn, graph, optim, bf16_stochastic_round, peak_moment,
                          head_positions(eval_batch * pair, eval_split_seq, loss_tile) if reference else None)

@@ -25,13 +25,15 @@ from shardtune.plan.tensor import tensor_parallel_problems
 # second copy of the weights), and both before sharding over every GPU; on one node they are skipped (the same as
 # fsdp_full_shard, and ds_zero3 with a second copy). The sequence split (Ulysses) comes after ZeRO-3 alone: it adds
 # two all-to-alls of q, k, v and the attention output per layer, and is planned where the rows are too long for
-# one GPU's activations. Among offloads DeepSpeed's SIMD CPU Adam is faster than FSDP's
+# one GPU's activations. Context parallelism (fsdp_cp, torch's ring attention, its key/value chunks passed around
+# the GPUs of a node in every layer) comes after tensor parallelism: the last GPU-only axis, for rows that neither
+# fits. Among offloads DeepSpeed's SIMD CPU Adam is faster than FSDP's
 # CPU-side torch AdamW step, and NVMe is slowest. Tensor parallelism (fsdp_tp: each layer split over a node's GPUs,
 # FSDP2 over the nodes) comes after every GPU-only config without it, and before offload: its all-reduces of every
 # layer's activations stay within a node's NVLink, where offload moves the states over PCIe every step.
 SPEED_ORDER = (
     "ddp", "ds_zero1", "fsdp_shard_grad_op", "ds_zero2", "fsdp_hybrid_shard", "ds_zero3_hpz", "fsdp_full_shard",
-    "ds_zero3", "ds_zero3_ulysses", "fsdp_tp",
+    "ds_zero3", "ds_zero3_ulysses", "fsdp_cp", "fsdp_tp",
     "ds_zero3_offload_optimizer", "ds_zero3_offload_optimizer_ulysses", "ds_zero3_cpu_offload",
     "fsdp_full_shard_cpu_offload", "ds_zero3_nvme_offload",
 )
@@ -41,6 +43,10 @@ SPEED_ORDER = (
 # steps its own fp32 master with torch's AdamW only, and the rounding needs FSDP2 or one process (runs_under).
 OPTIMIZER_LADDER = (("adamw_torch", False), ("adamw_torch_8bit", False), ("adamw_torch_8bit", True),
                     ("adamw_torch_4bit", True))
+# Context parallelism is planned for long rows only: each GPU's chunk must keep its attention and matmuls busy
+# while FSDP2 gathers the whole model's weights for every micro-batch (data parallelism's traffic for fewer tokens)
+# and the key/value chunks go round the ring. torchtitan measures it from 32k-token rows on 8 GPUs: 4,096 per GPU.
+CONTEXT_MIN_POSITIONS = 4096
 MAX_NODES = 64  # how far "nothing fits" looks for a node count that does
 MAX_MICRO_BATCH = 64  # the largest micro-batch searched (powers of two)
 PROGRESS_EVERY_S = 5.0  # a search over node counts says where it is on stderr at most this often
@@ -54,8 +60,8 @@ def config_paths(configs_dir: str = CONFIGS_DIR) -> list[str]:
 
 
 def data_parallel(hardware: Hardware, strategy: Strategy) -> int:
-    """The ranks that run their own rows: every GPU, or under tensor parallelism one per tp group."""
-    return max(1, hardware.world_size // strategy.tensor_parallel)
+    """The ranks that run their own rows: every GPU, or under tensor or context parallelism one per group."""
+    return max(1, hardware.world_size // (strategy.tensor_parallel * strategy.context_parallel))
 
 
 def keeps_batch(search: Search, hardware: Hardware) -> bool:
@@ -157,18 +163,21 @@ def candidates(shape: ModelShape, hardware: Hardware, search: Search) -> Iterato
                   if hardware.nodes > 1 or not strategy.multi_node_layout]
     # Recomputation (selective a few per cent more compute, full ~1/3 more) costs more than sharding on NVLink,
     # offload more than both. The sequence split is for rows too long for one GPU: tried once nothing unsplit fits
-    # under the same optimizer, and tensor parallelism after it. Precision is traded (the optimizer ladder) only
-    # where no exact run fits.
+    # under the same optimizer, tensor parallelism after it, context parallelism last. Precision is traded (the
+    # optimizer ladder) only where no exact run fits.
     for offload in (False, True):
         for optim, stochastic in search.optimizers():
-            for axis in ("data", "sequence", "tensor"):
+            for axis in ("data", "sequence", "tensor", "context"):
                 group = [s for s in strategies if s.offloads == offload and parallel_axis(s) == axis]
                 yield from planned_group(shape, hardware, search, group, optim, stochastic, offload)
 
 
 def parallel_axis(strategy: Strategy) -> str:
-    """"tensor" (layers split), "sequence" (rows split) or "data" (neither)."""
-    return "tensor" if strategy.tensor_parallel > 1 else "sequence" if strategy.sequence_split > 1 else "data"
+    """"tensor" (layers split), "sequence" (rows split by Ulysses), "context" (rows split by the ring attention)
+    or "data" (none of them)."""
+    if strategy.tensor_parallel > 1:
+        return "tensor"
+    return "sequence" if strategy.sequence_split > 1 else "context" if strategy.context_parallel > 1 else "data"
 
 
 def planned_group(shape: ModelShape, hardware: Hardware, search: Search, group: list[Strategy],
@@ -206,8 +215,10 @@ def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: st
         return False
     if strategy.sequence_split > 1 and not split_runs(strategy.sequence_split, hardware, search, shape):
         return False
-    if strategy.sequence_split > 1 and search.reference:
+    if strategy.split_positions > 1 and search.reference:
         return False  # DPO's step is not wired for the split (shardtune.methods.checks refuses it)
+    if strategy.context_parallel > 1 and not context_runs(strategy.context_parallel, hardware, search):
+        return False
     if strategy.float8 and (not strategy.takes_float8 or search.peft is not None):
         return False  # --mixed_precision fp8: full fine-tuning under FSDP2 without offload or DDP (check_fp8)
     if search.activation_offloading and strategy.kind == "deepspeed" and strategy.offloads:
@@ -229,6 +240,14 @@ def split_runs(split: int, hardware: Hardware, search: Search, shape: ModelShape
                                                                     or split % shape.kv_heads == 0))
     return hardware.world_size % split == 0 and search.seq % split == 0 and heads_divide and \
         search.attn in ("sdpa", "flash") and not (search.packing and search.attn != "flash")
+
+
+def context_runs(cp: int, hardware: Hardware, search: Search) -> bool:
+    """Whether context parallelism over `cp` GPUs trains here (shardtune.parallel.context refuses the rest) and is
+    worth planning: within a node, on a length of two chunks per GPU, under SDPA, without packing or Liger, and on
+    rows of at least CONTEXT_MIN_POSITIONS positions per GPU."""
+    return hardware.gpus_per_node % cp == 0 and search.seq % (2 * cp) == 0 and search.attn == "sdpa" and \
+        not search.packing and not search.use_liger_kernel and search.seq >= CONTEXT_MIN_POSITIONS * cp
 
 
 def recommend(shape: ModelShape, hardware: Hardware, search: Search | None = None) -> Recommendation:

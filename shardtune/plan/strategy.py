@@ -68,6 +68,14 @@ class Strategy:
     # matmuls split over groups of this many GPUs, FSDP2 sharding each GPU's slices over the rest (world / tp);
     # 1 for none (plan.tensor).
     tensor_parallel: int = 1
+    # Context parallelism (accelerate's parallelism_config_cp_size under FSDP2: torch's ring attention): each
+    # sequence over this many GPUs, the states sharded over all of them; 1 for none (shardtune.parallel.context).
+    context_parallel: int = 1
+
+    @property
+    def split_positions(self) -> int:
+        """The GPUs each row's positions are split over: by Ulysses or by the ring attention."""
+        return self.sequence_split * self.context_parallel
 
     @property
     def multi_node_layout(self) -> bool:
@@ -90,6 +98,8 @@ class Strategy:
             text += f", a copy of the weights sharded over {min(self.hpz_partition, world)}"
         if self.sequence_split > 1:
             text += f", each sequence split over {self.sequence_split} GPUs"
+        if self.context_parallel > 1:
+            text += f", each sequence split over {self.context_parallel} GPUs (context parallel)"
         if self.tensor_parallel > 1:  # FSDP2 shards each GPU's slices over the data-parallel ranks
             data = shard // self.tensor_parallel
             text = (f"each layer split over {self.tensor_parallel} GPUs (tensor parallel)"
@@ -157,7 +167,9 @@ def read_accelerate_config(path: str, mixed_precision: str | None = None,
         strategy = fsdp_strategy(name, bool(reshard), offload,
                                  bool(fsdp.get("fsdp_cpu_ram_efficient_loading", False)), precision,
                                  hybrid_shard_size(path, config.get("parallelism_config") or {}))
-        return replace(strategy, tensor_parallel=tensor_parallel_size(path, config.get("parallelism_config") or {}))
+        parallelism = config.get("parallelism_config") or {}
+        return replace(strategy, tensor_parallel=tensor_parallel_size(path, parallelism),
+                       context_parallel=parallel_size(path, parallelism, "cp"))
     if kind in ("MULTI_GPU", "NO", "MULTI_CPU"):
         return Strategy(name, "ddp", 0, mixed_precision=precision,
                         tensor_parallel=tensor_parallel_size(path, config.get("parallelism_config") or {}))
@@ -185,27 +197,33 @@ def sequence_split_size(path: str, parallelism: dict) -> int:
 
 def tensor_parallel_size(path: str, parallelism: dict) -> int:
     """The tp_size of a YAML's parallelism_config: each layer split over that many GPUs, 1 without TP."""
+    return parallel_size(path, parallelism, "tp")
+
+
+def parallel_size(path: str, parallelism: dict, axis: str) -> int:
+    """The `axis` size (tp, cp) of a YAML's parallelism_config, 1 where it sets none."""
     try:
-        return int(parallelism.get("parallelism_config_tp_size", 1))
+        return int(parallelism.get(f"parallelism_config_{axis}_size", 1))
     except (TypeError, ValueError) as error:
-        raise PlanError(f"{path}: parallelism_config_tp_size must be a whole number ({error}).") from error
+        raise PlanError(f"{path}: parallelism_config_{axis}_size must be a whole number ({error}).") from error
 
 
 def tensor_parallel_launch_args(config_file: str, world: int) -> list[str]:
-    """A tensor-parallel config's data-parallel size on `world` processes, as its launch line gives it
-    (--parallelism_config_dp_shard_size <processes / tp_size>: fsdp_tp.yaml's tp groups within a node, dp_shard
-    over the nodes, as scripts/slurm/train.sbatch launches it); [] for any other config, or where tp_size does not
-    divide the processes (the launch checks refuse that)."""
+    """A tensor- or context-parallel config's data-parallel size on `world` processes, as its launch line gives it
+    (--parallelism_config_dp_shard_size <processes / group>: fsdp_tp.yaml's tp groups or fsdp_cp.yaml's cp groups
+    within a node, dp_shard over the nodes, as scripts/slurm/train.sbatch launches them); [] for any other config,
+    or where the group does not divide the processes (the launch checks refuse that)."""
     try:
         with open(config_file) as file:
             parallelism = (yaml.safe_load(file) or {}).get("parallelism_config") or {}
-        tp = int(parallelism.get("parallelism_config_tp_size", 1))
+        group = int(parallelism.get("parallelism_config_tp_size", 1)) * \
+            int(parallelism.get("parallelism_config_cp_size", 1))
         replicate = int(parallelism.get("parallelism_config_dp_replicate_size", 1))
     except (OSError, yaml.YAMLError, TypeError, ValueError, AttributeError):
         return []  # accelerate's launcher reports what is wrong with the file
-    if tp <= 1 or replicate != 1 or world % tp:
+    if group <= 1 or replicate != 1 or world % group:
         return []
-    return ["--parallelism_config_dp_shard_size", str(world // tp)]
+    return ["--parallelism_config_dp_shard_size", str(world // group)]
 
 
 def _precision(path: str, precision: str) -> str:

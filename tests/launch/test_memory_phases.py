@@ -58,7 +58,7 @@ def compare(strategy: Strategy, assets: tuple[str, str], world: int, checkpointi
     (rows, length), (eval_rows, eval_length) = batches["forward_backward"], batches["eval"]
     # Under the sequence split the model ran each rank's slice of the rows, in training and eval; the plan takes
     # them whole.
-    length, eval_length = length * strategy.sequence_split, eval_length * strategy.sequence_split
+    length, eval_length = length * strategy.split_positions, eval_length * strategy.split_positions
     assert rows == 1 if packing else rows > 1, batches
     # The tiny model is stored in fp32: its export is fp32. CPU runs step torch AdamW with its per-tensor loop.
     options = dict(checkpointing=checkpointing, peft=peft, packing=packing, foreach=False, export_bytes=4,

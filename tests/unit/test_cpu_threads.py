@@ -51,7 +51,7 @@ def run_job(config: str, stand_ins: Path, tmp_path: Path, **extra: str) -> subpr
 
 
 def test_every_shipped_config_is_judged():
-    assert CPU_OPTIMIZER_STEP < set(SHIPPED) and len(SHIPPED) == 15
+    assert CPU_OPTIMIZER_STEP < set(SHIPPED) and len(SHIPPED) == 16
 
 
 @pytest.mark.parametrize("config", SHIPPED)
@@ -84,6 +84,15 @@ def test_tensor_parallelism_splits_within_each_node_and_shards_across_nodes(stan
     assert result.returncode == 0, result.stderr
     assert "--num_processes 12" in result.stdout
     assert "--parallelism_config_tp_size 4 --parallelism_config_dp_shard_size 3" in result.stdout
+
+
+def test_context_parallelism_splits_sequences_within_each_node_and_data_across_nodes(stand_ins, tmp_path):
+    """fsdp_cp.yaml is written for one node of 8: a job of 3 nodes of 4 ranks cuts each sequence over each node's
+    4 ranks, its rows dealt over the 3 nodes."""
+    result = run_job(str(CONFIGS / "fsdp_cp.yaml"), stand_ins, tmp_path, SLURM_NNODES="3", SHARDTUNE_PROCS_PER_NODE="4")
+    assert result.returncode == 0, result.stderr
+    assert "--num_processes 12" in result.stdout
+    assert "--parallelism_config_cp_size 4 --parallelism_config_dp_shard_size 3" in result.stdout
 
 
 def test_an_unreadable_config_stops_the_job_before_srun(stand_ins, tmp_path):

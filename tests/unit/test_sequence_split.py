@@ -86,7 +86,7 @@ LAUNCH_REFUSALS = {
                                                                     "the 8 processes"),
     "data-parallel sizes beside the split": (8, {"sp_size": "2", "dp_shard_size": "4"},
                                              "sets dp_shard_size 4 beside sp_size 2"),
-    "context parallelism": (8, {"cp_size": "2"}, "torch's context parallelism is not wired into shardtune's trainer"),
+    "context parallelism": (8, {"cp_size": "2"}, "torch's context parallelism runs under FSDP2 only"),
 }
 
 
@@ -209,7 +209,9 @@ def test_the_planner_answers_the_long_question_with_a_split(capsys):
 
 
 def test_a_split_the_model_or_node_cannot_take_is_not_planned():
-    """Qwen2.5-7B's 28 heads do not divide by 8; one GPU has nothing to split over."""
-    for model, hardware in (("qwen2.5-7b", "8xh100-80gb"), ("llama-3.2-1b", "1xh100-80gb")):
-        found = recommend(resolve_model(model), parse_hardware(hardware), Search(None, 131072))
-        assert found.plan is None or "split" not in found.plan.layout, (model, found.message)
+    """Qwen2.5-7B's 28 heads do not divide by 8: not Ulysses, but context parallelism, which cuts positions, not
+    heads; one GPU has nothing to split over."""
+    qwen = recommend(resolve_model("qwen2.5-7b"), parse_hardware("8xh100-80gb"), Search(None, 131072))
+    assert qwen.plan is not None and qwen.plan.config == "fsdp_cp", qwen.message
+    found = recommend(resolve_model("llama-3.2-1b"), parse_hardware("1xh100-80gb"), Search(None, 131072))
+    assert found.plan is None or "split" not in found.plan.layout, found.message

@@ -1,0 +1,43 @@
+"""Context parallelism (accelerate_configs/fsdp_cp.yaml) on 2 CPU ranks through torch's own ring attention: torch
+has no CPU kernel for it, and tests/launch/context_parallel_probe.py maps CPU's attention op into the same ring
+before running the tiny recipe (conftest.recipe_command launches it for the config); everything else is the GPU
+path (accelerate's CP mesh and maybe_context_parallel, FSDP2 over dp_shard x cp, the trainer's shifted labels, loss
+scale and counts, eval under the split). The config's reference run (conftest.reference_run: every sequence cut
+over both ranks, one data rank of 8 x 4 as the one process) trains as one process in
+tests/launch/test_strategies.py and its phases match the plan in tests/launch/test_memory_phases.py; here, each
+token counted once in the logs and the eval, and its checkpoint resumed under FSDP2 without the split."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import REFERENCE_ARGS, grad_norms, read_metrics, run_recipe, train_losses
+from tests.launch.test_strategies import FP32_RTOL
+from tests.launch.test_tensor_parallel import final_eval
+
+
+def test_context_parallel_counts_each_token_once(reference_run):
+    """A rank that ran its rows whole, or a group whose rows were counted on every rank, would double the counts;
+    the eval's loss and accuracy are the one process's."""
+    split, single = reference_run("fsdp_cp"), reference_run(None)
+    rows = {name: [row for row in read_metrics(run) if "loss" in row] for name, run in (("cp", split), ("one", single))}
+    for key in ("tokens_per_step", "sequences_per_step"):
+        assert [row[key] for row in rows["cp"]] == [row[key] for row in rows["one"]], key
+    # the rows padded to a multiple of 2 x cp (two chunks per rank): more positions processed, the same tokens
+    for ours, theirs in zip(rows["cp"], rows["one"], strict=True):
+        assert ours["token_utilization"] < theirs["token_utilization"]
+    assert final_eval(split) == pytest.approx(final_eval(single), rel=FP32_RTOL)
+
+
+def test_a_context_parallel_checkpoint_resumes_under_fsdp2_alone(reference_run, tiny_assets, tmp_path):
+    """torch.distributed.checkpoint reshards: checkpoint-4 of cp 2 resumed under FSDP2 over the same 2 ranks without
+    the split (2 data ranks of 8 x 2) trains steps 5 to 8 as the split run did, to fp32 rounding."""
+    reference = reference_run("fsdp_cp")
+    output_dir = tmp_path / "out"
+    result = run_recipe(output_dir, tiny_assets, *REFERENCE_ARGS, "--resume_from_checkpoint",
+                        str(reference / "checkpoint-4"), config="fsdp_full_shard", processes=2)
+    assert ("each sequence split over 1 rank(s) (context parallel) where the checkpoint had 2: "
+            "torch.distributed.checkpoint reshards" in result.stdout), result.stdout[-3000:]
+    assert [row["step"] for row in read_metrics(output_dir) if "loss" in row] == [5, 6, 7, 8]
+    assert train_losses(output_dir) == pytest.approx(train_losses(reference)[4:], rel=FP32_RTOL)
+    assert grad_norms(output_dir) == pytest.approx(grad_norms(reference)[4:], rel=FP32_RTOL)
