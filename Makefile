@@ -61,8 +61,9 @@ lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .
 
 # Two pytest-xdist workers, each taking a whole test file at a time (a file's runs are made once, on one worker):
-# the ranks of a launch wait on each other, and the second worker fills the cores meanwhile.
-WORKERS := -n 2 --dist loadfile
+# the ranks of a launch wait on each other, and the second worker fills the cores meanwhile. Files in collection
+# order, the launched ones (the longest) first, the many short unit files last to even out the end.
+WORKERS := -n 2 --dist loadfile --no-loadscope-reorder
 
 # The unit tests alone (tests/unit: nothing launched), a few minutes: for a change to the planner's arithmetic.
 unit: $(VENV)/installed

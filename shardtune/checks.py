@@ -1,6 +1,5 @@
 """The recipe's checks that need no model and no data read: values, choices, the packages they need, the output
-dir, the batch over the launched ranks. Each raises ConfigError; check_recipe runs them all and collects every
-failure."""
+dir, the batch over the launched ranks. Each raises ConfigError; check_recipe runs them all, collecting each one."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def check_device(recipe: Recipe, has_cuda: bool) -> None:
 
 
 def check_attention(recipe: Recipe, on_gpu: bool, loads: bool = True) -> None:
-    """The attention kernel on this device; `loads`: the run will load it (a --dry_run plans it without its
-    package)."""
+    """The attention kernel on this device; `loads`: the run will load it (a --dry_run plans it, package or not)."""
     name = recipe.attn_implementation
     if name not in ATTENTION_PACKAGES:
         raise ConfigError(f"--attn_implementation {name!r} is unknown: use one of {', '.join(ATTENTION_PACKAGES)}.")
@@ -347,8 +345,8 @@ def batch_sizes(recipe: Recipe, world_size: int, tp_size: int = 1, cp_size: int 
     too_small = below_lowest([("--per_device_train_batch_size", micro), ("--gradient_accumulation_steps", gas)])
     if too_small:
         raise ConfigError(too_small[0])
-    ranks = world_size // (tp_size * cp_size)
-    group = " x ".join(f"{name} {size}" for name, size in (("tp_size", tp_size), ("cp_size", cp_size)) if size > 1)
+    ranks, group = world_size // (tp_size * cp_size), " x ".join(f"{name} {size}" for name, size in (
+        ("tp_size", tp_size), ("cp_size", cp_size)) if size > 1)
     per_step, what = micro * ranks, f"data ranks (processes / {group})" if group else "processes"
     if total is None:
         return BatchSizes(micro, gas or 1, world_size, tp_size, cp_size)

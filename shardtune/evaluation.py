@@ -27,8 +27,8 @@ from shardtune.parallel.context import (
     context_parallel_size,
     context_split,
 )
+from shardtune.parallel.groups import rows_once
 from shardtune.parallel.sequence import sequence_group, sequence_shards, split_size
-from shardtune.parallel.tensor import rows_once
 from shardtune.tiled_loss import forward_replaced, shifted_labels
 
 

@@ -75,8 +75,7 @@ class LaunchDescription:
         check_hpz(settings.get("hpz_partition", 1), world_size)
         if uses_fsdp:
             check_fsdp_env()
-        dp_shard, dp_replicate, sp_size, tp_size, cp_size = checked_parallelism(world_size, uses_fsdp,
-                                                                                uses_deepspeed)
+        dp_shard, dp_replicate, sp, tp, cp = checked_parallelism(world_size, uses_fsdp, uses_deepspeed)
         config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if uses_deepspeed else None
         return cls(
             world_size=world_size, local_world_size=env_int("LOCAL_WORLD_SIZE", 1), uses_deepspeed=uses_deepspeed,
@@ -87,8 +86,7 @@ class LaunchDescription:
             fsdp_reshard_after_forward=env_flag("FSDP_RESHARD_AFTER_FORWARD", ON),
             fsdp_offload_params=env_flag("FSDP_OFFLOAD_PARAMS", "false"),
             fsdp_cpu_ram_efficient_loading=env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"),
-            dp_shard_size=dp_shard, dp_replicate_size=dp_replicate, sp_size=sp_size, tp_size=tp_size,
-            cp_size=cp_size,
+            dp_shard_size=dp_shard, dp_replicate_size=dp_replicate, sp_size=sp, tp_size=tp, cp_size=cp,
         )
 
     @property

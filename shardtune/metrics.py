@@ -22,8 +22,7 @@ from shardtune.batches import COUNT_KEYS, StepBatch
 from shardtune.config import BatchSizes
 from shardtune.flops import ModelShape, flops_per_token, mfu
 from shardtune.memory import peak_memory_gb, reset_phase_peak
-from shardtune.parallel.context import loss_counted_here
-from shardtune.parallel.tensor import counted_here
+from shardtune.parallel.groups import counted_here, loss_counted_here
 from shardtune.step import StepOutput
 
 # Loss-scale overflows in a row after which a run stops as non-finite: from torch's initial scale (2^16) that many
@@ -93,8 +92,8 @@ class TrainMetrics:
         self.shape, self.peak_flops_per_gpu, self.loss_scaled = shape, peak_flops_per_gpu, loss_scaled
         self.adapters, self.method_metrics = adapters, method_metrics
         self._next_targets: torch.Tensor | None = None
-        self.counted = counted_here(accelerator)  # this rank's rows enter the sums (shardtune.parallel.tensor)
-        self.loss_counted = loss_counted_here(accelerator)  # and its loss share (shardtune.parallel.context)
+        self.counted = counted_here(accelerator)  # this rank's rows enter the sums (shardtune.parallel.groups)
+        self.loss_counted = loss_counted_here(accelerator)  # and its loss share
         self.skipped_in_a_row = 0
         self.first_loss: float | None = None
         self.last_loss: float | None = None

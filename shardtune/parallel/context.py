@@ -16,7 +16,7 @@ How the trainer drives it:
   labels in place and patches scaled_dot_product_attention for the forward and the backward inside it.
 - Loss. Each rank's chunks' target tokens over the global batch's target count: summed over the group, each token
   counted once. The rows' counts (targets, tokens, sequences) are counted on the group's first rank only
-  (shardtune.parallel.tensor.counted_here), the loss on every rank (loss_counted_here).
+  (shardtune.parallel.groups.counted_here), the loss on every rank (loss_counted_here).
 - Gradients. FSDP2 averages over every rank of its dp_shard_cp mesh (world): the step scales the loss by
   accumulation x (world / cp) x cp (ContextSplit.reduction_factor).
 - Eval runs under the split too, its per-row statistics summed over the group; generation runs unsplit, every
@@ -75,14 +75,6 @@ def context_split(cp_size: int) -> ContextSplit | None:
 def row_multiple(cp_size: int) -> int:
     """What a row's length must be a multiple of: 2 x cp, each rank's two chunks of torch's load balancing."""
     return 2 * cp_size if cp_size > 1 else 1
-
-
-def loss_counted_here(accelerator: Accelerator) -> bool:
-    """Whether this rank's loss share enters the sum over ranks: every rank of a context-parallel group holds its
-    own positions; of a tensor-parallel group only the first (they all compute the same loss)."""
-    from shardtune.parallel.tensor import tensor_parallel_size
-
-    return tensor_parallel_size(accelerator) == 1 or accelerator.tensor_parallel_rank == 0
 
 
 def with_shifted_labels(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,9 +18,9 @@ How the trainer drives it:
 - Data. The ranks of a group run the same micro-batches: accelerate's prepared loaders deal rows to world / tp data
   ranks (data_loader.py prepare_data_loader reads the mesh's tp size). The data-parallel degree is world / tp.
 - Loss. Every rank of a group computes the same loss over the global batch's targets; the loss, token counts and
-  eval statistics are counted once per group (its first rank's, counted_here). transformers' sequence parallelism
-  is not wired (DistributedConfig.enable_sequence_parallel), so norms, layer inputs and logits are whole on every
-  tp rank, the logits gathered by the head.
+  eval statistics are counted once per group (its first rank's, shardtune.parallel.groups). transformers'
+  sequence parallelism is not wired (DistributedConfig.enable_sequence_parallel), so norms, layer inputs and
+  logits are whole on every tp rank, the logits gathered by the head.
 - Gradients. DTensor's backward sums each split matmul's partial gradients inside the group; FSDP2 averages over
   the data ranks, so the step scales the loss by accumulation x (world / tp).
 """
@@ -44,16 +44,6 @@ def tensor_parallel_size(accelerator: Accelerator) -> int:
     """The ranks each layer is split over in the run (1 without TP)."""
     config = accelerator.parallelism_config
     return config.tp_size if config is not None and config.tp_enabled else 1
-
-
-def counted_here(accelerator: Accelerator) -> bool:
-    """Whether this rank's rows enter the sums over ranks (their counts and eval statistics; under TP their loss
-    too): the first rank of its tensor- and context-parallel group (every rank without either). The other ranks of
-    the group ran the same rows."""
-    from shardtune.parallel.context import context_parallel_rank
-
-    first_tp = tensor_parallel_size(accelerator) == 1 or accelerator.tensor_parallel_rank == 0
-    return first_tp and context_parallel_rank(accelerator) == 0
 
 
 def apply_tensor_parallel(model: PreTrainedModel, mesh: DeviceMesh) -> None:
@@ -159,22 +149,6 @@ def prepare_without_tp(accelerator: Accelerator) -> Iterator[None]:
         yield
     finally:
         config._set_size("tp", size)
-
-
-def rows_once(accelerator: Accelerator, per_row: torch.Tensor) -> torch.Tensor:
-    """gather_for_metrics of `per_row` with each group's rows once: the rows of its first rank, in data-rank order,
-    the padding of the last batch dropped (accelerate's gather_for_metrics would keep tp copies of every row and
-    cut the last batch at the wrong place). A context-parallel group's ranks, which ran the same rows, too."""
-    from shardtune.parallel.context import context_parallel_size
-
-    size = tensor_parallel_size(accelerator) * context_parallel_size(accelerator)
-    if size == 1:
-        return accelerator.gather_for_metrics(per_row)
-    gathered = accelerator.gather(per_row).view(-1, *per_row.shape)[::size].flatten(0, 1)
-    state = accelerator.gradient_state
-    if state.end_of_dataloader and state.remainder > 0:
-        gathered = gathered[:state.remainder]
-    return gathered
 
 
 def check_tensor_parallel(recipe: Recipe, tp_size: int, given: frozenset[str] = frozenset()) -> None:

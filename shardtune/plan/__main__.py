@@ -243,7 +243,8 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps([p.to_json() for p in plans]) if args.json else format_compare(plans))
         if untaken and not args.json:
             names = ", ".join(strategy.name for strategy in untaken)
-            print(f"Not planned: {names} (--mixed_precision fp8 trains under FSDP2 without offload or DDP).")
+            print(f"Not planned: {names} (--mixed_precision fp8 trains under FSDP2 without offload or context "
+                  "parallelism, or DDP).")
         if split and not args.json:
             print(f"Not planned: {', '.join(strategy.name for strategy in split)} (tensor parallelism does not run "
                   f"here: {refusals[split[0].name][0]})")

@@ -124,8 +124,9 @@ class Strategy:
 
     @property
     def takes_float8(self) -> bool:
-        """Whether fp8 trains under this config (shardtune.float8.check_fp8): FSDP2 without offload, or DDP."""
-        return self.kind == "ddp" or (self.kind == "fsdp" and not self.offloads)
+        """Whether fp8 trains under this config (shardtune.float8.check_fp8): FSDP2 without offload, or DDP; not
+        under context parallelism (shardtune.parallel.context refuses it)."""
+        return self.context_parallel == 1 and (self.kind == "ddp" or (self.kind == "fsdp" and not self.offloads))
 
     @property
     def offloads(self) -> bool:

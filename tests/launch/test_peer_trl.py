@@ -27,10 +27,13 @@ the same data seed (shardtune: --seed; TRL: data_seed), re-seeded per epoch; the
 
 from __future__ import annotations
 
+import contextlib
+import importlib.abc
 import json
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -103,6 +106,28 @@ def shardtune_rows(model_dir: str, data_file: str) -> list[dict]:
     return [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in train]
 
 
+@contextlib.contextmanager
+def imports_refused(package: str) -> Iterator[None]:
+    """Inside, importing `package` raises, whether or not this process imported it before (another test file run
+    in the same pytest worker may have)."""
+    held = {name: module for name, module in sys.modules.items() if name == package or name.startswith(f"{package}.")}
+
+    class Refuse(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == package or name.startswith(f"{package}."):
+                raise ImportError(f"{name} imported where it must not be")
+
+    finder = Refuse()
+    for name in held:
+        del sys.modules[name]
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.update(held)
+
+
 def start_trl(root: Path, model_dir: str, data_file: str, chat_template: str | None, extra: dict
               ) -> subprocess.Popen:
     settings = {"model_dir": model_dir, "data_file": data_file, "output_dir": str(root / "trl"),
@@ -128,8 +153,8 @@ def test_sft_trainer_and_shardtune_agree(data_format, tmp_path, tiny_assets):
     runs = {"trl": start_trl(tmp_path, model_dir, data_file, chat_template, trl_extra),  # side by side
             "shardtune": start_recipe(tmp_path / "shardtune", tiny_assets, "--dataset", data_file,
                                       "--eval_split", data_file, *SHARDTUNE_ARGS)}
-    ours = shardtune_rows(model_dir, data_file)
-    assert "trl" not in sys.modules  # shardtune's data path does not pull in trl
+    with imports_refused("trl"):  # shardtune's data path does not pull in trl
+        ours = shardtune_rows(model_dir, data_file)
     for name, process in runs.items():
         assert process.wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
     peer = json.loads((tmp_path / "trl-out.json").read_text())

@@ -129,9 +129,10 @@ def test_the_compare_table_under_fp8_leaves_out_and_names_the_configs_fp8_refuse
     output = capsys.readouterr().out
     rows = [line.split()[0] for line in output.splitlines() if line.startswith(("ddp", "fsdp", "ds_"))]
     assert rows == ["ddp", "fsdp_shard_grad_op", "fsdp_full_shard"]
-    assert ("Not planned: ds_zero1, ds_zero2, ds_zero3, ds_zero3_ulysses, ds_zero3_offload_optimizer, "
+    assert ("Not planned: ds_zero1, ds_zero2, ds_zero3, ds_zero3_ulysses, fsdp_cp, ds_zero3_offload_optimizer, "
             "ds_zero3_offload_optimizer_ulysses, ds_zero3_cpu_offload, fsdp_full_shard_cpu_offload, "
-            "ds_zero3_nvme_offload (--mixed_precision fp8 trains under FSDP2 without offload or DDP).") in output
+            "ds_zero3_nvme_offload (--mixed_precision fp8 trains under FSDP2 without offload or context "
+            "parallelism, or DDP).") in output
 
 
 def test_odd_dimensions_are_not_counted_as_float8():
