@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import sys
 import time
@@ -263,8 +262,9 @@ def shut_down(accelerator: Accelerator) -> None:
     groups destroyed, with no work left in flight."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         accelerator.wait_for_everyone()
-    accelerator.free_memory()  # DeepSpeed's engine destroyed, accelerate's references to the wrappers dropped
-    gc.collect()
+    # DeepSpeed's engine destroyed, accelerate's references to the wrappers dropped, and a full gc.collect()
+    # (accelerate's release_memory): the cycles holding them go now, while the group is registered.
+    accelerator.free_memory()
     time.sleep(0.05)  # releases the GIL: a gloo worker finishing a work item can take it
     accelerator.end_training()
 

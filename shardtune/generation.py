@@ -76,11 +76,12 @@ def generate_samples(accelerator: Accelerator, model: torch.nn.Module, tokenizer
     training. Returns {prompt, completion, reference} per prompt, decoded without special tokens. Under the
     sequence split without it, one prompt at a time (Ulysses drops the attention mask that left padding needs),
     each cut to its last max_length / sp tokens, which one GPU holds (shardtune.parallel.sequence). Under context
-    parallelism outside its ring attention, all prompts at once, each cut to its last max_length / cp tokens."""
+    parallelism too, outside its ring attention: accelerate's hooks drop every attention mask of the model it
+    prepared for CP, so left padding would be attended."""
     split, context = split_size(accelerator), context_parallel_size(accelerator)
-    # under the split, one prompt at a time, cut to the length a GPU holds of a training row
-    batches = [[prompt[-(held_out.max_length // split):]] for prompt in held_out.prompts] if split > 1 else \
-        [[prompt[-(held_out.max_length // context):] for prompt in held_out.prompts]]
+    # under a split, one prompt at a time, cut to the length a GPU holds of a training row
+    held = held_out.max_length // (split * context)
+    batches = [[prompt[-held:]] for prompt in held_out.prompts] if split * context > 1 else [held_out.prompts]
     was_training = model.training
     model.eval()
     try:

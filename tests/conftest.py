@@ -355,7 +355,10 @@ def reference_run(tiny_assets, tmp_path_factory):
     def make(root: Path, config: str | None) -> None:
         # Every reference run also measures its peaks by phase (tests/launch/test_memory_phases.py, root/memory).
         env = {"SHARDTUNE_PROFILE_MEMORY": str(root / "memory")}
-        run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, *nvme_args(config, root), config=config,
+        # Context parallelism's also answers held-out prompts (tests/launch/test_context_parallel.py): accelerate's
+        # CP hooks drop the attention mask in every forward of the model, generation's included.
+        samples = ("--generation_samples", str(CP_SAMPLES)) if config and context_parallel_config(config) else ()
+        run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, *nvme_args(config, root), *samples, config=config,
                    processes=2, env=env)
 
     def run(config: str | None) -> Path:
@@ -506,6 +509,7 @@ def context_parallel_config(config: str) -> bool:
 
 
 CONTEXT_PARALLEL_PROBE = REPO / "tests" / "launch" / "context_parallel_probe.py"
+CP_SAMPLES = 3
 
 
 def splits_sequences(config: str) -> bool:

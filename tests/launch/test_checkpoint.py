@@ -24,9 +24,9 @@ from shardtune.ranks import PEER_LOST_EXIT_CODE
 from tests.conftest import (
     ENV,
     REFERENCE_ARGS,
-    REPO,
     grad_norms,
     kill_tree,
+    load_script,
     machine_log,
     read_metrics,
     run_recipe,
@@ -56,8 +56,9 @@ def deepspeed_globals(config: str) -> list:
 
 
 def export(checkpoint, output) -> None:
-    subprocess.run([sys.executable, str(REPO / "scripts" / "export_hf.py"), str(checkpoint), str(output)],
-                   check=True, env=ENV, capture_output=True)
+    """scripts/export_hf.py's main, in this process (its command line is launched in
+    tests/launch/test_checkpoint_durable.py)."""
+    load_script("export_hf").main([str(checkpoint), str(output)])
 
 
 # Faults land where the test says, through the trainer's fault hook (shardtune.preemption.Fault): rank 1 signals

@@ -9,9 +9,23 @@ token counted once in the logs and the eval, and its checkpoint resumed under FS
 
 from __future__ import annotations
 
-import pytest
+import runpy
 
-from tests.conftest import REFERENCE_ARGS, grad_norms, read_metrics, run_recipe, train_losses
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shardtune.generation import MAX_NEW_TOKENS
+from tests.conftest import (
+    CP_SAMPLES,
+    REFERENCE_ARGS,
+    TINY_RECIPE,
+    grad_norms,
+    read_metrics,
+    run_recipe,
+    train_losses,
+)
+from tests.launch.test_outputs import read_samples
 from tests.launch.test_strategies import FP32_RTOL
 from tests.launch.test_tensor_parallel import final_eval
 
@@ -41,3 +55,21 @@ def test_a_context_parallel_checkpoint_resumes_under_fsdp2_alone(reference_run, 
     assert [row["step"] for row in read_metrics(output_dir) if "loss" in row] == [5, 6, 7, 8]
     assert train_losses(output_dir) == pytest.approx(train_losses(reference)[4:], rel=FP32_RTOL)
     assert grad_norms(output_dir) == pytest.approx(grad_norms(reference)[4:], rel=FP32_RTOL)
+
+
+def test_samples_under_context_parallelism_are_the_trained_model_s_own(reference_run, tiny_assets):
+    """The final eval's answers to held-out prompts, generated outside the ring attention by a model whose
+    attention masks accelerate's CP hooks drop: greedy, one prompt at a time, they are what the saved model
+    generates alone."""
+    output_dir = reference_run("fsdp_cp")
+    samples = [row for row in read_samples(output_dir) if row["step"] == 8]
+    assert len(samples) == CP_SAMPLES
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets[0])
+    model = AutoModelForCausalLM.from_pretrained(output_dir, dtype=torch.float32).eval()
+    max_length = runpy.run_path(str(TINY_RECIPE))["RECIPE"].max_seq_length  # where generation stops at the latest
+    for row in samples:
+        ids = tokenizer(row["prompt"], return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=min(MAX_NEW_TOKENS, max_length - ids.shape[1]), do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        assert tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == row["completion"], row
