@@ -9,7 +9,7 @@ Launch (one node, 8xH100-80GB):
         recipes/llama8b_128k.py --dataset data/train.jsonl
 Or context parallelism (torch's ring attention, GPUs only): --config_file accelerate_configs/fsdp_cp.yaml;
     python -m shardtune.plan --model recipes/llama8b_128k.py --config_file accelerate_configs/fsdp_cp.yaml
-    --hardware 8xh100-80gb prints "forward/backward 58.8 GB (peak)" and "-> fits".
+    --hardware 8xh100-80gb prints "forward/backward 59.1 GB (peak)" and "-> fits".
 Plan on 8xh100-80gb, from python -m shardtune.plan --model recipes/llama8b_128k.py --hardware 8xh100-80gb
     (scripts/plan_table.py --write keeps this current): ds_zero3_ulysses, micro-batch 1 x accumulation 1, gradient
     checkpointing on (selective): 59.0 GB of 69.9 GB usable per GPU, 32 GB of 1,800 GB usable host RAM per node.

@@ -157,7 +157,7 @@ class LaunchDescription:
             offload = "cpu" if self.fsdp_offload_params else "none"
             strategy = fsdp_strategy(f"FSDP {'FULL_SHARD' if reshard else 'SHARD_GRAD_OP'}", reshard, offload,
                                      self.fsdp_cpu_ram_efficient_loading, mixed_precision,
-                                     self.dp_shard_size if self.hybrid_shard else 0)
+                                     self.dp_shard_size * self.cp_size if self.hybrid_shard else 0)
             return dataclasses.replace(strategy, tensor_parallel=self.tp_size, context_parallel=self.cp_size)
         return Strategy("DDP", "ddp", 0, mixed_precision=mixed_precision, tensor_parallel=self.tp_size)
 

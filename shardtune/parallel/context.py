@@ -98,8 +98,25 @@ def context_parallel(accelerator: Accelerator, batch: dict[str, torch.Tensor], s
     batch = with_shifted_labels(batch)
     buffers = [batch[key] for key in SPLIT_KEYS]
     with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
-                                            no_restore_buffers=set(buffers)):
+                                            no_restore_buffers=set(buffers)), one_sequence_per_row():
         yield batch
+
+
+@contextmanager
+def one_sequence_per_row() -> Iterator[None]:
+    """transformers reads a jump in a row's position ids as the boundary of packed sequences
+    (masking_utils.find_packed_sequence_indices, with a device-to-host sync) and builds a dense mask of the chunk's
+    positions for them, which accelerate's CP hooks then drop: at 131,072 tokens over 8 ranks, 256 MiB per row in
+    every forward. Under the split each row is one sequence (packing is refused) and its jumps are the load
+    balancer's, where rank r's two chunks meet: inside, transformers is told so."""
+    from transformers import masking_utils
+
+    found = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = found
 
 
 def context_group(accelerator: Accelerator) -> object:
@@ -128,6 +145,11 @@ def check_context_parallel(recipe: Recipe, cp_size: int, on_gpu: bool = True) ->
     if not on_gpu and not ring_attention_runs_on_cpu():
         problems.append(f"Context parallelism (cp_size {cp_size}) on CPU: torch's ring attention runs CUDA's flash, "
                         f"memory-efficient or cuDNN attention only. Run it on GPUs, {fix}, which runs on CPU.")
+    if on_gpu and recipe.mixed_precision == "no":
+        problems.append(f"--mixed_precision no under context parallelism (cp_size {cp_size}): torch's ring attention "
+                        "runs the flash, memory-efficient and cuDNN kernels, and fp32 attention over grouped "
+                        "key/value heads may fall to SDPA's math kernel, which it does not dispatch. Use "
+                        "--mixed_precision bf16.")
     if recipe.attn_implementation not in CONTEXT_ATTENTION:
         problems.append(f"--attn_implementation {recipe.attn_implementation} under context parallelism (cp_size "
                         f"{cp_size}): torch's ring attention replaces SDPA only. Use --attn_implementation sdpa, "

@@ -24,9 +24,10 @@ def ring_attention_bytes(shape: ModelShape, rows: int, length: int, mode: str, c
     positions (torch/distributed/tensor/experimental/_context_parallel/_attention.py): the key and value chunks of
     the whole row, all-gathered (accelerate's default cp_comm_strategy) beside this GPU's own concatenated for the
     gather, in the compute dtype; then in the backward the fp32 gradients it accumulates for this GPU's query, key
-    and value, the key/value gradients it passes around the ring (fp32, one arriving, one leaving) and each round's
-    kernel gradients (compute dtype); in a forward alone (`backward` false: eval) the fp32 output and log-sum-exp
-    it merges the rounds into. 0 without the split."""
+    and value, the key/value gradients it passes around the ring (fp32, one arriving, one leaving), each round's
+    kernel gradients (compute dtype) and the flash kernel's own fp32 accumulator of the query's gradient; in a
+    forward alone (`backward` false: eval) the fp32 output and log-sum-exp it merges the rounds into. 0 without the
+    split."""
     if cp == 1:
         return 0.0
     compute, _ = dtype_bytes(mode)
@@ -35,5 +36,5 @@ def ring_attention_bytes(shape: ModelShape, rows: int, length: int, mode: str, c
     gathered = compute * key_value * (cp + 1)
     if not backward:
         return float(gathered + FP32_BYTES * (query + rows * length * shape.heads))
-    accumulated = FP32_BYTES * (query + key_value) + 2 * FP32_BYTES * key_value
+    accumulated = FP32_BYTES * (2 * query + key_value) + 2 * FP32_BYTES * key_value
     return float(gathered + accumulated + compute * (query + key_value))

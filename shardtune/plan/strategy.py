@@ -178,14 +178,16 @@ def read_accelerate_config(path: str, mixed_precision: str | None = None,
 
 
 def hybrid_shard_size(path: str, parallelism: dict) -> int:
-    """The dp_shard_size of a YAML's parallelism_config (as `accelerate config` writes it) where it replicates
-    (dp_replicate_size > 1): FSDP2's hybrid sharding; 0 otherwise (sharded over every GPU)."""
+    """The GPUs FSDP2 shards over where a YAML's parallelism_config (as `accelerate config` writes it) replicates
+    (dp_replicate_size > 1): hybrid sharding over dp_shard_size x cp_size (accelerate's dp_shard_cp mesh); 0
+    otherwise (sharded over every GPU)."""
     try:
         replicate = int(parallelism.get("parallelism_config_dp_replicate_size", 1))
         shard = int(parallelism.get("parallelism_config_dp_shard_size", 1))
+        context = int(parallelism.get("parallelism_config_cp_size", 1))
     except (TypeError, ValueError) as error:
         raise PlanError(f"{path}: parallelism_config sizes must be whole numbers ({error}).") from error
-    return shard if replicate > 1 else 0
+    return shard * context if replicate > 1 else 0
 
 
 def sequence_split_size(path: str, parallelism: dict) -> int:
