@@ -20,13 +20,7 @@ from torch.utils.data import DataLoader
 from shardtune.batches import COUNTS
 from shardtune.config import EVAL_CHUNK_POSITIONS
 from shardtune.data import IGNORE_INDEX
-from shardtune.parallel.context import (
-    ContextSplit,
-    context_group,
-    context_parallel,
-    context_parallel_size,
-    context_split,
-)
+from shardtune.parallel.context import context_group, context_parallel, context_parallel_size
 from shardtune.parallel.groups import rows_once
 from shardtune.parallel.sequence import sequence_group, sequence_shards, split_size
 from shardtune.tiled_loss import forward_replaced, shifted_labels
@@ -114,13 +108,13 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerato
     model.eval()
     unwrapped = accelerator.unwrap_model(model)
     statistics = head_statistics if plain_head(unwrapped) else logits_statistics
-    split, context = split_size(accelerator) > 1, context_split(context_parallel_size(accelerator))
+    split, context = split_size(accelerator) > 1, context_parallel_size(accelerator)
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, targets, correct
     for batch in loader:
         batch.pop(COUNTS)
         if split:
             per_row = split_statistics(statistics, model, unwrapped, batch, accelerator.device)
-        elif context is not None:
+        elif context > 1:
             per_row = context_statistics(statistics, model, unwrapped, batch, accelerator, context)
         else:
             per_row = statistics(model, unwrapped, batch)
@@ -145,13 +139,13 @@ def split_statistics(statistics: Callable[..., torch.Tensor], model: torch.nn.Mo
 
 
 def context_statistics(statistics: Callable[..., torch.Tensor], model: torch.nn.Module, unwrapped: torch.nn.Module,
-                       batch: dict, accelerator: Accelerator, context: ContextSplit) -> torch.Tensor:
+                       batch: dict, accelerator: Accelerator, cp_size: int) -> torch.Tensor:
     """The rows' `statistics` under context parallelism: each rank of a group computes those of its chunks of the
     group's rows (the ring attention inside, shardtune.parallel.context), and a sum over the group gives each
     row's, the same on every rank of it (rows_once keeps the group's first)."""
     import torch.distributed as dist
 
-    with context_parallel(accelerator, batch, context) as chunks:
+    with context_parallel(accelerator, batch, cp_size) as chunks:
         per_row = statistics(model, unwrapped, chunks)
     dist.all_reduce(per_row, group=context_group(accelerator))
     return per_row

@@ -20,7 +20,7 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 from shardtune.config import BatchSizes
-from shardtune.parallel.context import ContextSplit, context_parallel
+from shardtune.parallel.context import context_parallel
 from shardtune.parallel.sequence import SequenceSplit, sequence_shards
 from shardtune.tiled_loss import LABEL_KEYS, chunked_token_loss
 
@@ -40,7 +40,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
                micro_batches: list[dict], targets: torch.Tensor, batching: BatchSizes, max_grad_norm: float,
                after_backward: Callable[[int], None] | None = None, *, chunked_cross_entropy: bool,
                fused_loss: bool = False, sequence_split: SequenceSplit | None = None, method: DPOStep | None = None,
-               context_split: ContextSplit | None = None) -> StepOutput:
+               context_size: int = 1) -> StepOutput:
     """The loss of an update is (sum of all target-token losses of the global batch) / (their count), however
     the batch is split over micro-batches and ranks: `targets` is that count over every rank, on the device
     (shardtune.metrics.TrainMetrics.global_targets). `after_backward(i)` runs after the backward of micro-batch
@@ -48,7 +48,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     (shardtune.tiled_loss) instead of over the micro-batch's full logits; with `fused_loss` (--use_liger_kernel),
     Liger's fused linear cross-entropy in the tiles' place. `sequence_split`: this rank runs its slice of every
     micro-batch of its group instead (shardtune.parallel.sequence): sp x as many micro-batches, each 1/sp long,
-    whose losses over `targets` still add up, over the ranks, to the global batch's mean. `context_split`: each
+    whose losses over `targets` still add up, over the ranks, to the global batch's mean. `context_size` over 1: each
     micro-batch runs as this rank's chunks of its rows, torch's ring attention inside (shardtune.parallel.context):
     as many micro-batches, each 1/cp long. `method`: DPO's loss over the micro-batch's pairs instead, `targets`
     counting pairs (shardtune.methods.dpo)."""
@@ -58,8 +58,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     # Under tensor parallelism FSDP2 averages over the data ranks only (world / tp): the ranks of a group hold slices.
     # Under context parallelism it averages over every rank (world), cp of which share each row's tokens.
     scale = batching.accumulation * batching.data_parallel_size * \
-        (sequence_split.reduction_factor if sequence_split else 1) * \
-        (context_split.reduction_factor if context_split else 1)
+        (sequence_split.reduction_factor if sequence_split else 1) * context_size
     device = accelerator.device
     unwrapped = accelerator.unwrap_model(model)
     # Read before anything steps the scheduler: afterwards it holds the next step's rate.
@@ -68,7 +67,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     if sequence_split is not None:
         micro_batches = sequence_shards(micro_batches, device)
     for index, whole in enumerate(micro_batches):
-        with accelerator.accumulate(model), context_parallel(accelerator, whole, context_split) as batch:
+        with accelerator.accumulate(model), context_parallel(accelerator, whole, context_size) as batch:
             if method is not None:
                 loss, sums = method.loss(model, unwrapped, batch, targets)
                 method_sums = sums if method_sums is None else method_sums + sums

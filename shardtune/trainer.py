@@ -64,7 +64,7 @@ from shardtune.model import enable_activation_offloading, load_model, load_token
 from shardtune.optimizers import make_optimizer
 from shardtune.output_dir import clear_output_dir
 from shardtune.packing import pack_rows
-from shardtune.parallel.context import context_split, row_multiple
+from shardtune.parallel.context import row_multiple
 from shardtune.parallel.sequence import check_right_padding, plain_loader, sequence_split, split_in_eval
 from shardtune.parallel.tensor import (
     apply_tensor_parallel,
@@ -259,7 +259,7 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
                          chunked_cross_entropy=recipe.chunked_cross_entropy and launch.tp_size == 1,
                          fused_loss=recipe.use_liger_kernel,
                          sequence_split=split, method=run.dpo.step if run.dpo else None,
-                         context_split=context_split(launch.cp_size))
+                         context_size=launch.cp_size)
         end_phase()
         summary = metrics.after_step(out, batch, stop.requested)  # every rank's verdict reaches every rank
         if summary.non_finite:

@@ -18,7 +18,7 @@ How the trainer drives it:
   counted once. The rows' counts (targets, tokens, sequences) are counted on the group's first rank only
   (shardtune.parallel.groups.counted_here), the loss on every rank (loss_counted_here).
 - Gradients. FSDP2 averages over every rank of its dp_shard_cp mesh (world): the step scales the loss by
-  accumulation x (world / cp) x cp (ContextSplit.reduction_factor).
+  accumulation x (world / cp) x cp.
 - Eval runs under the split too, its per-row statistics summed over the group; generation runs unsplit, every
   rank of a group the same prompts, each cut to its last max_seq_length / cp tokens.
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shardtune.config import ConfigError, Recipe
@@ -44,19 +43,6 @@ CONTEXT_ATTENTION = ("sdpa",)
 SPLIT_KEYS = ("input_ids", "position_ids", "shift_labels")
 
 
-@dataclass(frozen=True)
-class ContextSplit:
-    """A launch's context split as the step needs it."""
-
-    size: int
-
-    @property
-    def reduction_factor(self) -> int:
-        """FSDP2 divides the gradients summed over the ranks by world, the data-parallel size (world / cp) times
-        this."""
-        return self.size
-
-
 def context_parallel_size(accelerator: Accelerator) -> int:
     """The ranks each sequence is cut over by the ring attention in a prepared run (1 without CP)."""
     config = accelerator.parallelism_config
@@ -66,10 +52,6 @@ def context_parallel_size(accelerator: Accelerator) -> int:
 def context_parallel_rank(accelerator: Accelerator) -> int:
     """This rank's place in its context-parallel group (0 without CP; accelerate's own property raises)."""
     return accelerator.torch_device_mesh.get_local_rank("cp") if context_parallel_size(accelerator) > 1 else 0
-
-
-def context_split(cp_size: int) -> ContextSplit | None:
-    return ContextSplit(cp_size) if cp_size > 1 else None
 
 
 def row_multiple(cp_size: int) -> int:
@@ -87,12 +69,12 @@ def with_shifted_labels(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 @contextmanager
-def context_parallel(accelerator: Accelerator, batch: dict[str, torch.Tensor], split: ContextSplit | None
+def context_parallel(accelerator: Accelerator, batch: dict[str, torch.Tensor], cp_size: int
                      ) -> Iterator[dict[str, torch.Tensor]]:
     """Run the block (a forward and its backward) on this rank's chunks of `batch`: with_shifted_labels, its
     SPLIT_KEYS tensors cut in place by accelerate's maybe_context_parallel (and left cut), SDPA patched inside.
-    Without a split, the batch as it is."""
-    if split is None:
+    Without a split (`cp_size` 1), the batch as it is."""
+    if cp_size == 1:
         yield batch
         return
     batch = with_shifted_labels(batch)
@@ -212,7 +194,7 @@ def checked_context_parallel(sizes: Mapping[str, int], world_size: int, uses_fsd
         raise ConfigError(f"The accelerate config's parallelism_config sets cp_size {cp} beside tp_size "
                           f"{sizes['tp']} and sp_size {sizes['sp']}: context parallelism composes with neither here; "
                           "keep one of them.")
-    if cp < 2 or world_size % cp or replicate * shard * cp != world_size:
+    if replicate * shard * cp != world_size:
         raise ConfigError(f"parallelism_config dp_replicate_size {replicate} x dp_shard_size {shard} x cp_size {cp} "
                           f"is not the {world_size} processes launched: {fix}.")
     return cp

@@ -18,8 +18,7 @@ def counted_here(accelerator: Accelerator) -> bool:
     """Whether this rank's rows enter the sums over ranks (their counts and eval statistics): the first rank of its
     tensor- and context-parallel group (every rank without either). The other ranks of the group ran the same
     rows."""
-    first_tp = tensor_parallel_size(accelerator) == 1 or accelerator.tensor_parallel_rank == 0
-    return first_tp and context_parallel_rank(accelerator) == 0
+    return loss_counted_here(accelerator) and context_parallel_rank(accelerator) == 0
 
 
 def loss_counted_here(accelerator: Accelerator) -> bool:

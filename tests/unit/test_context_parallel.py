@@ -12,7 +12,6 @@ from shardtune.checks import batch_sizes
 from shardtune.config import ConfigError, Recipe
 from shardtune.data import IGNORE_INDEX
 from shardtune.flops import resolve_model
-from shardtune.hardware import parse_hardware
 from shardtune.launch import LaunchDescription
 from shardtune.parallel.context import (
     check_context_model,
@@ -22,10 +21,10 @@ from shardtune.parallel.context import (
     with_shifted_labels,
 )
 from shardtune.plan.context import ring_attention_bytes
-from shardtune.plan.planner import plan
 from shardtune.plan.strategy import read_accelerate_config
 from tests.conftest import CONFIGS
 from tests.unit.test_checks_shared import no_launch  # noqa: F401 (autouse fixture)
+from tests.unit.test_sequence_split import split_and_unsplit_plans
 from tests.unit.test_tensor_parallel import tp_launch
 
 CP_CONFIG = str(CONFIGS / "fsdp_cp.yaml")
@@ -133,17 +132,9 @@ def test_the_config_cuts_every_sequence_over_a_node():
 
 
 def test_context_parallelism_divides_the_activations_not_the_states():
-    shape, hardware = resolve_model("llama-3.1-8b"), parse_hardware("8xh100-80gb")
-    split = read_accelerate_config(CP_CONFIG, "bf16")
-    unsplit = read_accelerate_config(str(CONFIGS / "fsdp_full_shard.yaml"), "bf16")
-    long, short = (plan(shape, hardware, strategy, 1, 131072, checkpointing=True, chunked_cross_entropy=True)
-                   for strategy in (split, unsplit))
-    for key in ("weights", "gradients", "optimizer"):
-        assert long.per_gpu[key] == short.per_gpu[key]
-    # 1/8 of the positions, less the mask unsplit SDPA gets (the ring attention takes none)
-    ratio = short.per_gpu["activations"] / long.per_gpu["activations"]
-    assert 8 <= ratio < 16, ratio
+    long, short = split_and_unsplit_plans("fsdp_cp", "fsdp_full_shard")
     # the ring attention's buffers for one layer: at least the whole row's keys and values, gathered in bf16
+    shape = resolve_model("llama-3.1-8b")
     ring = ring_attention_bytes(shape, 1, 131072 // 8, "half", 8)
     assert ring > 2 * 131072 * shape.kv_heads * shape.head_dim * 2
     assert long.per_gpu["buffers"] - ring == pytest.approx(short.per_gpu["buffers"], rel=0.01)
