@@ -51,10 +51,11 @@ def measured_peaks(folder: Path, ranks: int, phases: tuple[str, ...] = PHASES
 
 
 def compare(strategy: Strategy, assets: tuple[str, str], world: int, checkpointing: bool, folder: Path,
-            peft: Peft | None = None, packing: bool = False, checkpointing_mode: str = "full") -> None:
+            peft: Peft | None = None, packing: bool = False, checkpointing_mode: str = "full",
+            phases: tuple[str, ...] = PHASES) -> None:
     """Each phase's plan, at the largest batches the run had (a packed micro-batch is one row), against its peak."""
     shape, hardware = resolve_model(assets[0]), parse_hardware(f"{world}x80gb")
-    measured, batches = measured_peaks(folder, world)
+    measured, batches = measured_peaks(folder, world, phases)
     (rows, length), (eval_rows, eval_length) = batches["forward_backward"], batches["eval"]
     # Under the sequence split the model ran each rank's slice of the rows, in training and eval; the plan takes
     # them whole.
@@ -71,7 +72,7 @@ def compare(strategy: Strategy, assets: tuple[str, str], world: int, checkpointi
     # asynchronous I/O, aio block_size): measured here as host RAM.
     kept_from_nvme = training.nvme_per_node / hardware.gpus_per_node
     rows_out, errors = [], {}
-    for name in PHASES:
+    for name in phases:
         expected = planned[name]["total"] + planned[name]["on_host"] + kept_from_nvme  # one memory on CPU
         errors[name] = expected / measured[name] - 1
         rows_out.append(f"{name:<17}{expected:>14,.0f}{measured[name]:>14,}{errors[name]:>+9.1%}")
@@ -129,7 +130,10 @@ def test_lora_phases_match_the_plan(config, lora_run, tiny_assets):
 def test_full_shard_plans_an_embedding_that_outweighs_the_layers(tmp_path):
     """A model whose embedding and head hold 92% of its parameters (vocabulary 16,384, hidden 128), fp32 on 2 ranks
     under fsdp_full_shard: accelerate gives the embedding a unit of its own, resharded after its forward, so it is
-    not gathered at the backward's peak (planned as gathered, the forward/backward phase was 21% over)."""
+    not gathered at the backward's peak (planned as gathered, the forward/backward phase was 21% over). No export:
+    on gloo, one full_tensor() of an 8 MB tensor held 2 to 4 such tensors at its peak on a rank over 30 identical
+    trials (its worker threads drop the all-gather's buffers in their own time), so a save phase whose gathered
+    embedding is a third of it varies by more than the bar; the reference runs' saves are compared."""
     root = tmp_path / "assets"
     write_tiny_assets(str(root), num_examples=512)
     torch.manual_seed(0)
@@ -138,6 +142,7 @@ def test_full_shard_plans_an_embedding_that_outweighs_the_layers(tmp_path):
     assets = (str(root / "model"), str(root / "data.jsonl"))
     run_recipe(tmp_path / "out", assets, "--max_steps", "4", "--save_steps", "0", "--mixed_precision", "no",
                "--per_device_train_batch_size", "2", "--global_batch_size", "8", "--max_seq_length", "32",
-               "--gradient_checkpointing", "false", config="fsdp_full_shard", processes=2,
-               env={"SHARDTUNE_PROFILE_MEMORY": str(tmp_path / "memory")})
-    compare(strategy_as_launched("fsdp_full_shard"), assets, 2, False, tmp_path / "memory")
+               "--gradient_checkpointing", "false", "--save_model", "false", config="fsdp_full_shard",
+               processes=2, env={"SHARDTUNE_PROFILE_MEMORY": str(tmp_path / "memory")})
+    compare(strategy_as_launched("fsdp_full_shard"), assets, 2, False, tmp_path / "memory",
+            phases=("forward_backward", "optimizer", "eval"))
