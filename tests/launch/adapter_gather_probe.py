@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from shardtune.cli import checked_launch, startup_heap_frozen
 
-from shardtune.cli import checked_launch
-from shardtune.config import Recipe
-from shardtune.distributed import make_accelerator, shut_down
-from shardtune.export import save_hf_model
-from shardtune.trainer import build
+with startup_heap_frozen():  # the imports as a recipe's launch makes them (shardtune.cli.main)
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardtune.config import Recipe
+    from shardtune.distributed import make_accelerator, shut_down
+    from shardtune.export import save_hf_model
+    from shardtune.trainer import build
 
 
 def tensors(value) -> list[torch.Tensor]:

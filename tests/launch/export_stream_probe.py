@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 
-from shardtune.cli import checked_launch
-from shardtune.config import Recipe
-from shardtune.distributed import make_accelerator, shut_down
-from shardtune.export import cast_floating, save_hf_model
-from shardtune.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from shardtune.trainer import build
+from shardtune.cli import checked_launch, startup_heap_frozen
+
+with startup_heap_frozen():  # the imports as a recipe's launch makes them (shardtune.cli.main)
+    from shardtune.config import Recipe
+    from shardtune.distributed import make_accelerator, shut_down
+    from shardtune.export import cast_floating, save_hf_model
+    from shardtune.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from shardtune.trainer import build
 
 SHARD_BYTES = 4_000_000
 

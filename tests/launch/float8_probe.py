@@ -15,15 +15,17 @@ import functools
 import json
 import os
 
-import torch
+from shardtune.cli import checked_launch, startup_heap_frozen
 
-from shardtune import trainer
-from shardtune.checkpoint.run_settings import resume_point
-from shardtune.cli import checked_launch
-from shardtune.config import FP8_DIM_MULTIPLE, Recipe
-from shardtune.distributed import make_accelerator, shut_down
-from shardtune.float8 import convert_linears
-from shardtune.preemption import StopRequest
+with startup_heap_frozen():  # the imports as a recipe's launch makes them (shardtune.cli.main)
+    import torch
+
+    from shardtune import trainer
+    from shardtune.checkpoint.run_settings import resume_point
+    from shardtune.config import FP8_DIM_MULTIPLE, Recipe
+    from shardtune.distributed import make_accelerator, shut_down
+    from shardtune.float8 import convert_linears
+    from shardtune.preemption import StopRequest
 
 FLOAT8 = os.environ.get("SHARDTUNE_PROBE_FLOAT8") == "1"
 
