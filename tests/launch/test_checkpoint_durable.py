@@ -31,6 +31,7 @@ from shardtune.cli import main
 from shardtune.config import Recipe
 from shardtune.preemption import PREEMPTED_EXIT_CODE
 from tests.conftest import REFERENCE_ARGS, REPO, run_recipe, start_recipe, train_losses
+from tests.launch.test_checkpoint import export
 
 # Imported by every Python process of a run (PYTHONPATH): logs each os.fsync (with the path of its file
 # descriptor), os.rename and shutil.rmtree, with the system-wide monotonic clock, to <log>.<rank>.<pid>.
@@ -280,8 +281,7 @@ def test_save_only_model(config, tiny_assets, tmp_path, capsys, monkeypatch):
     checkpoint = output_dir / "checkpoint-4"
     marker = json.loads((checkpoint / MARKER).read_text())
     assert marker["model_only"] and not [name for name in marker["files"] if "optim" in name or "random" in name]
-    subprocess.run([sys.executable, str(REPO / "scripts" / "export_hf.py"), str(checkpoint), str(tmp_path / "exp")],
-                   check=True, env=harness.ENV, capture_output=True)
+    export(checkpoint, tmp_path / "exp")
     final = AutoModelForCausalLM.from_pretrained(output_dir, dtype=torch.float32).state_dict()
     for key, tensor in AutoModelForCausalLM.from_pretrained(tmp_path / "exp", dtype=torch.float32).state_dict().items():
         assert torch.equal(tensor, final[key]), key

@@ -5,14 +5,12 @@ stage3_max_reuse_distance; only the sizes that scale with the model are set here
 two matrices (several swapped, the norms' sub-group too small to swap), parameter buffers of one matrix
 partition, no partition kept in host RAM (max_in_cpu 0). A kill -9 at step 3 and a resume give the uninterrupted
 run's losses, Adam states (swap files and the unswapped sub-group) and weights bit for bit, and export_hf.py on
-an NVMe checkpoint writes the run's own final weights."""
+an NVMe checkpoint (in this process) writes the run's own final weights."""
 
 from __future__ import annotations
 
 import filecmp
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,8 +20,6 @@ from shardtune.preemption import FAULT_ENV
 from shardtune.tiny import write_tiny_assets
 from tests.conftest import (
     CONFIGS,
-    ENV,
-    REPO,
     grad_norms,
     kill_tree,
     nvme_args,
@@ -33,7 +29,7 @@ from tests.conftest import (
     wait_all,
     wait_for_ranks,
 )
-from tests.launch.test_checkpoint import wait_for_text
+from tests.launch.test_checkpoint import export, wait_for_text
 
 CONFIG = "ds_zero3_nvme_offload"
 WIDE_LLAMA = {"hidden_size": 1024, "intermediate_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 4}
@@ -118,8 +114,7 @@ def test_kill_resume_and_export_under_nvme_offload(wide_setup, tmp_path):
         assert torch.equal(resumed_weights[key], tensor), key
 
     # The NVMe checkpoint exports to the run's own final weights.
-    subprocess.run([sys.executable, str(REPO / "scripts" / "export_hf.py"), str(ours / final), str(tmp_path / "out")],
-                   check=True, env=ENV, capture_output=True)
+    export(ours / final, tmp_path / "out")
     exported = load_file(tmp_path / "out" / "model.safetensors")
     assert exported.keys() == final_weights.keys()
     for key, tensor in final_weights.items():
