@@ -2,7 +2,7 @@
 inductor's code generation, which takes minutes on CPU; tests/unit/test_compile.py runs inductor in one process):
 the same losses and gradient norms as the plain run under FSDP2, and the compiled frames stop growing
 once the batches' lengths vary (padded batches of varying length: a recompilation per step would show); FSDP2's
-peak per phase at most the plain run's, which the plan (eager's bytes) is checked against in
+peak per phase it runs in at most the plain run's, which the plan (eager's bytes) is checked against in
 tests/launch/test_memory_phases.py. DDP and ZeRO-1/2 compile the same way (the layers in place, before
 `prepare`), as the one-process inductor test does; ZeRO-3 is refused (tests/unit/test_compile.py)."""
 
@@ -20,9 +20,13 @@ from tests.conftest import (
 )
 from tests.launch.test_memory_phases import measured_peaks
 
-# The allocator's rounding of the same tensors in two runs, and the save phase's timing: the eager reference run's
-# save peak measured 1,026,196 bytes in one suite and 1,009,812 in another (1.6%).
+# The allocator's rounding of the same tensors in two runs.
 NEUTRAL_RTOL = 0.02
+# The phases the compiled layers run in. The save runs none (the export gathers each parameter), and on gloo its
+# peak moves by a gathered tensor from run to run: the eager reference run's save measured 1,026,196 bytes in one
+# suite and 1,009,812 in another, the compiled run's 1,042,508 once (gloo's worker threads release an all-gather's
+# buffers in their own time: tests/launch/test_memory_phases.py).
+COMPILED_PHASES = ("forward_backward", "optimizer", "eval")
 
 COMPILE_ARGS = ("--torch_compile", "true", "--torch_compile_backend", "aot_eager", "--save_steps", "0")
 # (config, arguments over the plain run's, the plain run's fixture)
@@ -56,4 +60,4 @@ def test_compiled_layers_train_as_eager(config, request, tiny_assets, tmp_path):
         print("phase, compiled peak, eager peak:", {name: (compiled[name], eager[name]) for name in eager})
         # The same batches and states; only the layers' saved tensors may differ (AOT autograd's partition keeps
         # what the backward reads): at most eager's, up to the allocator's rounding.
-        assert all(compiled[name] <= eager[name] * (1 + NEUTRAL_RTOL) for name in eager), (compiled, eager)
+        assert all(compiled[name] <= eager[name] * (1 + NEUTRAL_RTOL) for name in COMPILED_PHASES), (compiled, eager)
