@@ -39,6 +39,9 @@ from tests.launch.test_strategies import CONFIG_NAMES
 
 # The issue's bar; the worst phase of these runs is printed with every comparison.
 RTOL = 0.10
+# Every phase but the export's, for runs whose save is left out: on gloo its peak moves by a gathered tensor or two
+# between runs (its worker threads release an all-gather's buffers in their own time).
+PHASES_BUT_SAVE = tuple(name for name in PHASES if name != "save")
 def measured_peaks(folder: Path, ranks: int, phases: tuple[str, ...] = PHASES
                    ) -> tuple[dict[str, int], dict[str, list[int]]]:
     """Per phase, the most any rank held at once (each rank writes memory_rank<r>.json), and the largest batch
@@ -145,4 +148,4 @@ def test_full_shard_plans_an_embedding_that_outweighs_the_layers(tmp_path):
                "--gradient_checkpointing", "false", "--save_model", "false", config="fsdp_full_shard",
                processes=2, env={"SHARDTUNE_PROFILE_MEMORY": str(tmp_path / "memory")})
     compare(strategy_as_launched("fsdp_full_shard"), assets, 2, False, tmp_path / "memory",
-            phases=("forward_backward", "optimizer", "eval"))
+            phases=PHASES_BUT_SAVE)
