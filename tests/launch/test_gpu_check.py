@@ -142,15 +142,18 @@ CHECK_IMPORTS = ("import shardtune.trainer, shardtune.gpu_check_figures, deepspe
 
 
 def device_site(root: Path) -> Path:
-    """A folder holding what the GPU machine has installed, taken from this virtualenv: the distributions
-    scripts/gpu_wheels.py's DEVICE_HAS require, transitively, linked file by top-level entry."""
+    """A folder holding what the GPU machine has installed, taken from this virtualenv: the distributions of
+    scripts/device_packages.txt installed here, linked file by top-level entry."""
     import importlib.metadata
 
     wheels = load_script("gpu_wheels")
     site = root / "device-site"
     site.mkdir()
-    for name in wheels.closure(wheels.DEVICE_HAS):
-        distribution = importlib.metadata.distribution(name)
+    for name in wheels.read_device_packages():
+        try:
+            distribution = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
         base = Path(distribution.locate_file(""))
         for entry in {Path(str(file)).parts[0] for file in distribution.files or []}:
             if (base / entry).exists() and not (site / entry).exists() and entry not in ("..", "__pycache__"):
