@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import os
 
-from shardtune.checkpoint.markers import MARKER, holds_a_run
+from shardtune.checkpoint.markers import MARKER
 from shardtune.config import SAVE_DTYPES, ConfigError, Recipe
 from shardtune.data_sources import dataset_sources
 from shardtune.launch import LaunchDescription
-from shardtune.output_dir import in_use, in_use_message, is_rank_zero
+from shardtune.output_dir import clear_problem, described, in_use, in_use_message, is_rank_zero, strangers
 
 
 def check_checkpoints(recipe: Recipe) -> None:
@@ -49,17 +49,24 @@ def check_output_dir(recipe: Recipe) -> None:
 
 
 def check_not_occupied(recipe: Recipe) -> None:
-    """A new run (neither resumed nor overwriting) starts in an empty --output_dir. Checked with the flags, and again
-    once the run holds the directory's lock: a run started beside it may have written there in between."""
+    """A new run (neither resumed nor overwriting) starts in an empty --output_dir; --overwrite_output_dir true
+    clears only a directory that holds nothing but a run's files (shardtune.output_dir.clear_problem). Checked with
+    the flags, and again once the run holds the directory's lock: a run started beside it may have written there in
+    between."""
     output_dir = recipe.resolved_output_dir
+    if recipe.overwrite_output_dir and not recipe.resume_from_checkpoint:
+        problem = clear_problem(output_dir)
+        if problem:
+            raise ConfigError(problem)
+        return
     entries = sorted(name for name in os.listdir(output_dir) if not name.startswith(".")) \
         if os.path.isdir(output_dir) else []
-    if entries and recipe.overwrite_output_dir and not holds_a_run(output_dir):
-        raise ConfigError(f"--overwrite_output_dir true empties --output_dir {output_dir!r}, which holds no run (no "
-                          f"metrics.jsonl, checkpoint or lock) but {len(entries)} other entries "
-                          f"({', '.join(entries[:3])}{', ...' * (len(entries) > 3)}): it would delete them. Give "
-                          "--output_dir a directory of its own.")
-    if entries and not (recipe.resume_from_checkpoint or recipe.overwrite_output_dir):
+    if entries and not recipe.resume_from_checkpoint:
+        foreign = set(strangers(output_dir))
+        others = [name for name in entries if name in foreign]
+        if others:  # --overwrite_output_dir would refuse them: not the fix to name
+            raise ConfigError(f"--output_dir {output_dir!r} already holds {described(others)}, which no run wrote: "
+                              "give a new or empty directory.")
         raise ConfigError(
             f"--output_dir {output_dir!r} already holds files of another run. Resume it with "
             "--resume_from_checkpoint auto, replace it with --overwrite_output_dir true, or pick another directory."

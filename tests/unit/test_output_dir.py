@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from shardtune.checkpoint.markers import resolve_resume, write_marker
+from shardtune.checkpoint.markers import describe_files, resolve_resume, write_marker
 from shardtune.config import ConfigError, Recipe
 from shardtune.output_checks import check_checkpoints, check_output_dir
-from shardtune.output_dir import LOCK_FILE, OutputDirLock, clear_output_dir, in_use
+from shardtune.output_dir import LOCK_FILE, OutputDirLock, clear_output_dir, in_use, strangers
 
 HOLD = "import sys, time; from shardtune.output_dir import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(False); " \
        "print('held', flush=True); time.sleep(600)"
@@ -143,3 +143,151 @@ def test_a_checkpoint_resumes_only_under_its_own_sharding_and_length():
     check_resumed_length("ckpt", by_epochs, 30)
     with pytest.raises(ConfigError, match="trained for 30 steps and this run's data makes 28: the data changed"):
         check_resumed_length("ckpt", by_epochs, 28)
+
+
+# ------------------------------------------------------------------------------- --overwrite_output_dir's rule
+
+
+def tree(root) -> dict[str, bytes | None]:
+    """Every entry under `root`, hidden ones included, with its content (None: a directory)."""
+    return {str(path.relative_to(root)): None if path.is_dir() else path.read_bytes()
+            for path in sorted(root.rglob("*"))}
+
+
+def overwrite_refusal(tiny_assets, output_dir, capsys, monkeypatch) -> str:
+    """The tiny recipe's entry point in this process with --overwrite_output_dir true into `output_dir`: exit code
+    2 and one error line, returned. A run let through fails the test at the trainer."""
+    from shardtune.cli import main
+
+    for name in [*os.environ]:
+        if name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") or \
+                name.startswith(("ACCELERATE_", "FSDP_")):
+            monkeypatch.delenv(name)
+
+    def reached_the_trainer(*args, **kwargs):
+        raise AssertionError("not refused: the run reached the trainer")
+
+    monkeypatch.setattr("shardtune.trainer.train", reached_the_trainer)
+    argv = ["--model_name_or_path", tiny_assets[0], "--dataset", tiny_assets[1], "--output_dir", str(output_dir),
+            "--report_to", "none", "--use_cpu", "true", "--overwrite_output_dir", "true"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(Recipe(name="tiny", max_seq_length=64, per_device_train_batch_size=16, global_batch_size=32), argv)
+    assert exited.value.code == 2
+    stderr = capsys.readouterr().err
+    lines = [line for line in stderr.splitlines() if line.startswith("shardtune: error:")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
+    return lines[0]
+
+
+DOTFILES = {".bashrc": "alias ll='ls -l'\n", ".ssh/id_ed25519": "-----BEGIN OPENSSH PRIVATE KEY-----\n",
+            ".config/app.toml": "x = 1\n"}
+REPOSITORY = {".git/HEAD": "ref: refs/heads/main\n", ".git/config": "[core]\n"}
+
+
+@pytest.mark.parametrize("files", [DOTFILES, REPOSITORY], ids=["dotfiles", "git"])
+def test_overwrite_leaves_a_directory_of_hidden_entries_untouched(files, tiny_assets, tmp_path, capsys, monkeypatch):
+    """A directory holding only dot-entries (a home's .bashrc, .ssh, .config) or only a .git was emptied with exit
+    0: the start-up check skipped dot-names and the clearing deleted everything. Both are refused, in one line
+    naming what is there, and stay as they were; the clearing itself deletes none of it either."""
+    output_dir = tmp_path / "out"
+    for name, content in files.items():
+        (output_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (output_dir / name).write_text(content)
+    before = tree(output_dir)
+    line = overwrite_refusal(tiny_assets, output_dir, capsys, monkeypatch)
+    if files is DOTFILES:
+        assert "also holds 3 entries no run wrote (.bashrc, .config, .ssh): move them out" in line, line
+    else:
+        assert "which is the root of a repository (it holds .git): it is never cleared" in line, line
+    assert tree(output_dir) == before
+    assert clear_output_dir(str(output_dir)) == ([] if files is REPOSITORY else [".bashrc", ".config", ".ssh"])
+    assert tree(output_dir) == before
+
+
+def test_overwrite_never_clears_home_root_repository_or_the_working_directory(tmp_path, monkeypatch):
+    """Each holds nothing but an earlier run's metrics, and is refused for what it is."""
+    def refusal(output_dir) -> str:
+        with pytest.raises(ConfigError) as error:
+            check_output_dir(Recipe(output_dir=str(output_dir), overwrite_output_dir=True))
+        assert len(error.value.messages) == 1
+        return error.value.messages[0]
+
+    run = {"metrics.jsonl": '{"step": 1}\n', LOCK_FILE: ""}
+    home, repository, work = tmp_path / "home", tmp_path / "repo", tmp_path / "work"
+    for directory in (home, repository, work):
+        directory.mkdir()
+        for name, content in run.items():
+            (directory / name).write_text(content)
+    (repository / ".git").write_text("gitdir: ../elsewhere\n")  # a worktree's or submodule's .git is a file
+    monkeypatch.setenv("HOME", str(home))
+    assert "which is the home directory: it is never cleared" in refusal(home)
+    assert "which is the home directory" in refusal(tmp_path / "home" / ".." / "home")  # compared resolved
+    assert "which is the root of a filesystem" in refusal("/")
+    assert "which is the root of a repository (it holds .git)" in refusal(repository)
+    monkeypatch.chdir(work)
+    assert "which is the working directory" in refusal(work)
+    assert "which is the working directory" in refusal(".")
+    (work / "sub").mkdir()
+    monkeypatch.chdir(work / "sub")
+    assert "which holds the working directory" in refusal(work)
+    monkeypatch.chdir(tmp_path)
+    check_output_dir(Recipe(output_dir=str(work / "sub"), overwrite_output_dir=True))  # empty: nothing to clear
+    (work / "sub").rmdir()
+    check_output_dir(Recipe(output_dir=str(work), overwrite_output_dir=True))  # a run's own: replaced
+    for directory in (home, repository, work):
+        assert (directory / "metrics.jsonl").is_file()  # the checks delete nothing
+
+
+def test_overwrite_clears_every_file_a_run_writes_and_nothing_else(tmp_path):
+    """An earlier run's files of every kind go (the lock stays: this run holds it); a file put in its checkpoint,
+    or any other entry, makes the directory refused and stays where the clearing meets it."""
+    output_dir = tmp_path / "out"
+    checkpoint = output_dir / "checkpoint-2"
+    (checkpoint / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (checkpoint / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"shard")
+    (checkpoint / "config.json").write_text("{}")
+    write_marker(str(checkpoint), {"step": 2, "world_size": 1, "files": describe_files(str(checkpoint))})
+    written = {LOCK_FILE: "", "metrics.jsonl": "{}\n", "samples.jsonl": "{}\n", "run_config.json": "{}",
+               "wandb_run_id": "abcd1234", "metrics.png": "png", "config.json": "{}", "generation_config.json": "{}",
+               "model-00001-of-00002.safetensors": "w", "model-00002-of-00002.safetensors": "w",
+               "model.safetensors.index.json": "{}", "tokenizer.json": "{}", "tokenizer_config.json": "{}",
+               "chat_template.jinja": "{{ x }}", "adapter_model.safetensors": "w", "adapter_config.json": "{}",
+               "README.md": "---\nlibrary_name: peft\nbase_model: x\n---\n# Model card\n",
+               "wandb/offline-run-1/run-1.wandb": "w", "reference_log_probs/train.pt": "t",
+               "checkpoint-4/optimizer.bin": "unfinished save", ".checkpoint-6.tmp/model.safetensors": "crashed",
+               ".shardtune-shared-" + "0" * 32: "probe"}
+    for name, content in written.items():
+        (output_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (output_dir / name).write_text(content)
+    assert strangers(str(output_dir)) == []
+    check_output_dir(Recipe(output_dir=str(output_dir), overwrite_output_dir=True))
+    assert clear_output_dir(str(output_dir)) == []
+    assert os.listdir(output_dir) == [LOCK_FILE]
+
+    # Strangers: a file added to a marked checkpoint, a README of one's own, a link, a hidden file.
+    (output_dir / "checkpoint-2").mkdir()
+    write_marker(str(output_dir / "checkpoint-2"), {"step": 2, "world_size": 1, "files": {}})
+    (output_dir / "checkpoint-2" / "notes.txt").write_text("mine")
+    (output_dir / "README.md").write_text("# My experiments\n")
+    (output_dir / "data").symlink_to(tmp_path)
+    (output_dir / ".env").write_text("TOKEN=x")
+    (output_dir / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"also holds 4 entries no run wrote \(.env, README.md, checkpoint-2 and 1 "
+                                          r"more\): move them out, or give --output_dir a directory of the run's own"):
+        check_output_dir(Recipe(output_dir=str(output_dir), overwrite_output_dir=True))
+    assert strangers(str(output_dir)) == [".env", "README.md", "checkpoint-2", "data"]
+    # Put there after the check: the clearing keeps them, says so, and takes the run's file alone.
+    assert clear_output_dir(str(output_dir)) == [".env", "README.md", "checkpoint-2", "data"]
+    assert sorted(os.listdir(output_dir)) == sorted([".env", "README.md", "checkpoint-2", "data", LOCK_FILE])
+    assert (output_dir / "checkpoint-2" / "notes.txt").read_text() == "mine" and os.listdir(tmp_path / "out" / "data")
+
+
+def test_a_new_run_refuses_a_strangers_directory_without_pointing_to_overwrite(tmp_path):
+    """--overwrite_output_dir true would refuse it too: the fix named is a new directory."""
+    output_dir = tmp_path / "out"
+    (output_dir / "src").mkdir(parents=True)
+    (output_dir / "NOTES.txt").write_text("notes")
+    with pytest.raises(ConfigError, match=r"already holds NOTES.txt, src, which no run wrote: give a new or empty "
+                                          r"directory\.$"):
+        check_output_dir(Recipe(output_dir=str(output_dir)))

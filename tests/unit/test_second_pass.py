@@ -206,13 +206,18 @@ def test_a_chat_template_that_no_row_goes_through_is_said(tiny_assets, tmp_path,
 
 def test_overwrite_output_dir_refuses_a_directory_that_holds_no_run(tiny_assets, tmp_path):
     """transformers 4's --overwrite_output_dir deleted nothing; here it emptied a project directory given as
-    --output_dir (its sources and notes gone, exit 0). A directory that holds a run is still replaced."""
+    --output_dir (its sources and notes gone, exit 0). It is refused, a run's files beside them or not; a
+    directory that holds only a run is still replaced."""
     project = tmp_path / "project"
     (project / "src").mkdir(parents=True)
     (project / "NOTES.txt").write_text("notes")
-    message = output_dir_refusal(model_name_or_path=tiny_assets[0], dataset=tiny_assets[1], output_dir=str(project),
-                                 overwrite_output_dir=True)
-    assert "holds no run (no metrics.jsonl, checkpoint or lock) but 2 other entries (NOTES.txt, src)" in message
-    (project / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    for with_a_run in (False, True):
+        if with_a_run:
+            (project / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+        message = output_dir_refusal(model_name_or_path=tiny_assets[0], dataset=tiny_assets[1],
+                                     output_dir=str(project), overwrite_output_dir=True)
+        assert "also holds 2 entries no run wrote (NOTES.txt, src): move them out" in message
+    shutil.rmtree(project / "src")
+    (project / "NOTES.txt").unlink()
     check_output_dir(Recipe(model_name_or_path=tiny_assets[0], dataset=tiny_assets[1], output_dir=str(project),
                             overwrite_output_dir=True))
