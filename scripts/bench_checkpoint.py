@@ -37,10 +37,13 @@ RESULT = "bench_checkpoint result: "
 
 def disk_rate(directory: Path, megabytes: int) -> float:
     """Bytes per second of one sequential writer with fdatasync at the end, as dd reports it."""
-    target = directory / "dd.bin"
-    result = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, megabytes // 16)}",
-                             "conv=fdatasync"], capture_output=True, text=True, check=True)
-    target.unlink()
+    fd, target = tempfile.mkstemp(prefix="dd-", suffix=".bin", dir=directory)  # a new file: no one else's is written
+    os.close(fd)
+    try:
+        result = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, megabytes // 16)}",
+                                 "conv=fdatasync"], capture_output=True, text=True, check=True)
+    finally:
+        os.unlink(target)
     match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", result.stderr)
     return int(match.group(1)) / float(match.group(2))
 
@@ -107,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
             row[mode if save == 1 and mode == "sync" else f"{mode}{save}"] = figures
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            shutil.rmtree(recipe.output_dir)
+            shutil.rmtree(recipe.output_dir)  # under the directory main made for this benchmark
     if accelerator.is_main_process:
         print(RESULT + json.dumps(row), flush=True)
     accelerator.end_training()
@@ -170,7 +173,9 @@ def table(rows: list[dict], rates: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: a new temp dir)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where checkpoints go, in a new directory of the benchmark's own, deleted at the end "
+                             "(default: the working directory)")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
                         help="the shipped configs to run (default: all)")
     parser.add_argument("--params", type=float, default=300e6,
@@ -186,13 +191,19 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    args.dir = args.dir or Path(tempfile.mkdtemp(prefix="bench_checkpoint-", dir=os.getcwd()))
-    args.dir.mkdir(parents=True, exist_ok=True)
-    rates, rows = [disk_rate(args.dir, args.dd_megabytes)], []  # before and after: the disk's rate drifts
-    for strategy in args.strategies:
-        rows.append(launch(args, strategy))
-        print(f"bench_checkpoint: {strategy} done", file=sys.stderr, flush=True)
-    rates.append(disk_rate(args.dir, args.dd_megabytes))
+    parent = args.dir or Path(os.getcwd())
+    parent.mkdir(parents=True, exist_ok=True)
+    # Everything the benchmark writes goes into a new directory of its own inside --dir, deleted at the end: what
+    # --dir held before is never written over or deleted.
+    args.dir = Path(tempfile.mkdtemp(prefix=".bench_checkpoint-", dir=parent))
+    try:
+        rates, rows = [disk_rate(args.dir, args.dd_megabytes)], []  # before and after: the disk's rate drifts
+        for strategy in args.strategies:
+            rows.append(launch(args, strategy))
+            print(f"bench_checkpoint: {strategy} done", file=sys.stderr, flush=True)
+        rates.append(disk_rate(args.dir, args.dd_megabytes))
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
     print(table(rows, rates))
 
 

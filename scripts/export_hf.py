@@ -120,9 +120,12 @@ def main(argv: list[str] | None = None) -> None:
     if problem:
         sys.exit(refusal(problem))
     scratch = args.output.with_name(f".{args.output.name}.tmp")
-    try:
-        shutil.rmtree(scratch, ignore_errors=True)
-        scratch.mkdir(parents=True)
+    try:  # made here, never there before: the one directory a failed export deletes is its own
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        scratch.mkdir()
+    except FileExistsError:
+        sys.exit(refusal(f"{scratch} already exists (an export that did not finish, or not an export's): remove it "
+                         "or give another output directory."))
     except OSError as error:
         sys.exit(refusal(f"cannot create {scratch} ({error.strerror}): give an output directory you can write to."))
     try:
@@ -130,9 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     except Refused as error:
         shutil.rmtree(scratch, ignore_errors=True)
         sys.exit(refusal(str(error)))
+    except BaseException:  # a crash or ^C: the half export goes, so that the next export is not stopped by it
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     durable(str(scratch))  # every file on disk before the output takes its name: a crash leaves no half model
     if args.output.exists():
-        args.output.rmdir()
+        args.output.rmdir()  # empty (input_problem): the export takes its place; a file put there since stops it
     os.rename(scratch, args.output)  # the output appears only when complete
     fsync_path(str(args.output.parent))  # and the rename survives a crash too
     print(f"export_hf: wrote {args.output} (the {written})")

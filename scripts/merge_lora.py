@@ -138,18 +138,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     output_dir = args.output_dir.rstrip("/") or "/"
     scratch = os.path.join(os.path.dirname(output_dir), f".{os.path.basename(output_dir)}.tmp")
+    made = ""
     try:
         problem = input_problem(args.adapter_dir, output_dir)
         if problem:
             raise Refused(problem)
         base = base_model(args.adapter_dir, args.base)
-        shutil.rmtree(scratch, ignore_errors=True)
+        if os.path.lexists(scratch):  # not this run's: never deleted
+            raise Refused(f"{scratch} already exists (a merge that did not finish, or not a merge's): remove it or "
+                          "give another output directory.")
         os.makedirs(scratch)
+        made = scratch  # the one directory a failed merge deletes: its own
         merge(args.adapter_dir, base, scratch, args.dtype)
     except (Refused, OSError) as error:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
         print(f"merge_lora: error: {error if isinstance(error, Refused) else first_line(error)}", file=sys.stderr)
         return 2
+    except BaseException:  # a crash or ^C: the half merge goes, so that the next merge is not stopped by it
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
     from shardtune.checkpoint.durable import durable, fsync_path
 
     durable(scratch)  # every file on disk before the output takes its name

@@ -251,12 +251,19 @@ def host_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def remove_stale_shards(output_dir: str, layout: StateDictSplit) -> None:
-    """Shard files of an earlier export to this directory that this one does not overwrite, removed as
-    save_pretrained removes them (model-NNNNN-of-NNNNN.safetensors only)."""
-    for filename in os.listdir(output_dir):
-        if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", filename) and \
-                filename not in layout.filename_to_tensors:
-            os.remove(os.path.join(output_dir, filename))
+    """Shard files of an earlier export to this directory that this one does not overwrite: those its index
+    (model.safetensors.index.json, about to be replaced) names, as save_pretrained removes them. A shard-like name
+    no earlier index lists is not an export's and stays."""
+    try:
+        with open(os.path.join(output_dir, SAFE_WEIGHTS_INDEX_NAME), encoding="utf-8") as file:
+            earlier = set(json.load(file).get("weight_map", {}).values())
+    except (OSError, ValueError, AttributeError):
+        return
+    for filename in sorted(earlier):
+        path = os.path.join(output_dir, filename)
+        if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", filename) and filename not in \
+                layout.filename_to_tensors and os.path.isfile(path) and not os.path.islink(path):
+            os.remove(path)
 
 
 def adapter_state_dict(accelerator: Accelerator, unwrapped: torch.nn.Module) -> dict[str, torch.Tensor]:

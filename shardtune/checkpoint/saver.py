@@ -5,7 +5,6 @@ marked and pruned by rank 0 once every rank's files are durable (`publish`)."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,9 +13,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
 from shardtune.checkpoint.durable import fsync_path
-from shardtune.checkpoint.markers import checkpoint_step, complete_checkpoints, describe_files, write_marker
+from shardtune.checkpoint.markers import checkpoint_step, complete_checkpoints, describe_files, warn, write_marker
 from shardtune.checkpoint.pending import PendingSave
 from shardtune.checkpoint.staging import (
     async_save_obstacle,
@@ -30,6 +30,7 @@ from shardtune.checkpoint.staging import (
     strategy_kind,
 )
 from shardtune.config import Recipe
+from shardtune.output_dir import remove_checkpoint
 from shardtune.ranks import set_collective_timeout
 
 
@@ -122,10 +123,14 @@ class Checkpointer:
         """Everything of the save that must happen at this step: the small files written, the large ones
         copied to host memory (asynchronous saves) or written (synchronous ones)."""
         accelerator = self.accelerator
+        kept = [None]
         if accelerator.is_main_process:
-            shutil.rmtree(pending.scratch, ignore_errors=True)  # left by a crash during an earlier save
-            shutil.rmtree(pending.final, ignore_errors=True)  # an incomplete one (renamed, never marked)
-        accelerator.wait_for_everyone()
+            # Left by a crash during an earlier save, or a later step's checkpoint of the run this one resumed:
+            # deleted only where they hold nothing but a save's files.
+            kept = [remove_checkpoint(pending.scratch) or remove_checkpoint(pending.final)]
+        broadcast_object_list(kept)  # every rank waits for rank 0's cleaning, and hears why it could not
+        if kept[0]:
+            raise RuntimeError(f"checkpoint-{pending.step} cannot be saved: {kept[0]}")
         os.makedirs(pending.scratch, exist_ok=True)
         if self.recipe.save_only_model:
             stage_model_only(accelerator, pending, self.kind, self.stager, self.dcp_groups)
@@ -203,6 +208,8 @@ def publish(pending: PendingSave, recipe: Recipe, world_size: int, kind: str, se
     # Checkpoints of later steps are from a run that was resumed from further back: they are reached again.
     earlier = [path for path in complete_checkpoints(output_dir) if checkpoint_step(path) <= pending.step]
     for old in earlier[:-keep] if keep > 0 else []:
-        shutil.rmtree(old)
+        kept = remove_checkpoint(old)
+        if kept:  # a stranger's file in it: the checkpoint stays, the run goes on
+            warn(f"--save_total_limit {keep}: {kept}")
     if keep > 0 and len(earlier) > keep:
         fsync_path(output_dir)
