@@ -1,5 +1,7 @@
 # make demo: venv + CPU demo (ZeRO-3, 2 processes). make test: venv + lint + the whole suite.
 VENV := .venv
+# The demo's config: its DeepSpeed op is built from it ($(VENV)/demo-ops), and the demo launches with it.
+DEMO_CONFIG := accelerate_configs/ds_zero3.yaml
 PY := $(VENV)/bin/python
 # Two CPU ranks share the cores: one thread each.
 export OMP_NUM_THREADS ?= 1
@@ -29,6 +31,14 @@ $(VENV)/deepspeed-ops: $(VENV)/installed scripts/build_deepspeed_ops.py
 	$(PY) scripts/build_deepspeed_ops.py
 	touch $@
 
+# The demo's op alone, chosen from its config by the same script: the shared-memory collectives (under a minute on
+# 2 cores), not CPU Adam or async I/O. An op built here is not compiled again by the rule above.
+$(VENV)/demo-ops: $(VENV)/installed scripts/build_deepspeed_ops.py $(DEMO_CONFIG) \
+		$(wildcard accelerate_configs/deepspeed/*.json)
+	@echo "Building the DeepSpeed op $(DEMO_CONFIG) uses into $(TORCH_EXTENSIONS_DIR): once per virtualenv."
+	$(PY) scripts/build_deepspeed_ops.py --config $(DEMO_CONFIG)
+	touch $@
+
 # tests/launch/test_slurm.py starts its own munged, slurmctld and two slurmd. Without the SLURM binaries it skips when
 # pytest runs alone, and fails under `make test` (SHARDTUNE_REQUIRE below).
 $(VENV)/slurm: $(VENV)/installed
@@ -37,13 +47,13 @@ $(VENV)/slurm: $(VENV)/installed
 		|| echo "slurm-wlm could not be installed: the SLURM test will fail"
 	touch $@
 
-# The ops first, visibly (DeepSpeed would otherwise compile its shared-memory op silently inside the launch).
-demo: $(VENV)/deepspeed-ops
-	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --use_cpu true --overwrite_output_dir true
+# The op first, visibly (DeepSpeed would otherwise compile its shared-memory op silently inside the launch).
+demo: $(VENV)/demo-ops
+	$(VENV)/bin/accelerate launch --config_file $(DEMO_CONFIG) --num_processes 2 recipes/tiny.py --use_cpu true --overwrite_output_dir true
 
 # After `make demo`: align its model with DPO on the bundled preference pairs (docs/dpo.md).
-demo-dpo: $(VENV)/deepspeed-ops
-	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ds_zero3.yaml --num_processes 2 recipes/tiny.py --use_cpu true --overwrite_output_dir true --method dpo --model_name_or_path outputs/tiny
+demo-dpo: $(VENV)/demo-ops
+	$(VENV)/bin/accelerate launch --config_file $(DEMO_CONFIG) --num_processes 2 recipes/tiny.py --use_cpu true --overwrite_output_dir true --method dpo --model_name_or_path outputs/tiny
 
 # On one GPU within 480 s, nothing downloaded: fp8, Liger and the levers first, then DDP, FSDP and ZeRO-3 on a 1.2B
 # model, each phase's peak measured against the plan, each row appended to logs/gpu-check/results.jsonl as it ends
