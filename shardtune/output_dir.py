@@ -290,18 +290,19 @@ def remove_checkpoint(checkpoint: str) -> str | None:
     line naming what is kept and the fix)."""
     import shutil
 
-    if not os.path.lexists(checkpoint):
-        return None
-    name = os.path.basename(os.path.normpath(checkpoint))
-    if not os.path.isdir(checkpoint) or os.path.islink(checkpoint) or not any(
-            pattern.fullmatch(name) for pattern in RUN_PATTERNS[:2]):
-        return f"{checkpoint} is not a checkpoint directory a save wrote: kept; move it out of --output_dir."
-    found = checkpoint_strangers(checkpoint)
-    if found:
-        return (f"{checkpoint} holds {described(found)}, which its save did not write: kept whole; move "
-                f"{'it' if len(found) == 1 else 'them'} out and delete the checkpoint yourself.")
+    if os.path.lexists(checkpoint):
+        name = os.path.basename(os.path.normpath(checkpoint))
+        if not os.path.isdir(checkpoint) or os.path.islink(checkpoint) or not any(
+                pattern.fullmatch(name) for pattern in RUN_PATTERNS[:2]):
+            return f"{checkpoint} is not a checkpoint directory a save wrote: kept; move it out of --output_dir."
+        found = checkpoint_strangers(checkpoint)
+        if found:
+            return (f"{checkpoint} holds {described(found)}, which its save did not write: kept whole; move "
+                    f"{'it' if len(found) == 1 else 'them'} out and delete the checkpoint yourself.")
     try:
         shutil.rmtree(checkpoint)
+    except FileNotFoundError:
+        return None  # nothing there (the usual case of a save's scratch): nothing to delete
     except OSError as error:
         return f"{checkpoint} could not be deleted ({error.strerror}): delete it yourself."
     return None
