@@ -30,8 +30,14 @@ from shardtune.launch import (
     LaunchDescription,
     accelerate_config_problems,
     launch_environment,
-    launcher_config_file,
     planned_launch_environment,
+)
+from shardtune.launcher_args import (
+    check_launcher_precision,
+    check_started_by_launcher,
+    launcher_config_file,
+    launcher_precision_note,
+    this_launcher,
 )
 from shardtune.local_rank import first_on_machine
 from shardtune.model_checks import check_model
@@ -116,7 +122,10 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, Laun
         recipe = dataclasses.replace(recipe, use_cpu=True)
     if recipe.dry_run:  # plans the launch on --hardware, not this machine's
         sys.exit(dry_run(recipe, problems, given))
-    launch = problems.check(LaunchDescription.from_env)
+    # What `accelerate launch` was asked, read from its command line: a setting it did not pass on is refused.
+    launch = problems.check(LaunchDescription.from_env, this_launcher() if launched() else None)
+    if launch is not None:
+        problems.check(check_launcher_precision, recipe, launch)
     if recipe.config_file:  # accelerate launch reads a config; the script only plans one under --dry_run
         problems.messages.append(f"--config_file is read only with --dry_run (to plan that config): to train under "
                                  f"it, give it to the launcher: {launch_line(recipe.config_file)}")
@@ -140,6 +149,11 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, Laun
         # The plan of the launched config, a refusal among the others if it does not fit.
         problems.check(print_memory_plan, recipe, launch, bool(recipe.hardware))
     problems.raise_any()
+    # Whether a launcher started the ranks at all is judged once the run is right in every other respect.
+    check_started_by_launcher(launch)
+    note = launcher_precision_note(recipe, launch)
+    if note and is_rank_zero():
+        print(f"shardtune: note: {note}", file=sys.stderr, flush=True)
     assert batching is not None  # no problems: batch_sizes returned
     return recipe, launch, batching
 

@@ -26,6 +26,29 @@ def launch_line(config_file: str) -> str:
     return f"accelerate launch --config_file {config_file} {script} ..."
 
 
+def launcher_hint(flag: str, value: str | None) -> str:
+    """The hint for a flag of `accelerate launch` given to the recipe: it goes before the script."""
+    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "recipes/<recipe>.py"
+    given = f"{flag} {value}" if value else flag
+    return (f"a flag of accelerate launch, not of the recipe: give it to the launcher, before the script: "
+            f"accelerate launch --config_file accelerate_configs/<config>.yaml {given} {script} ...")
+
+
+@functools.cache
+def launcher_flags() -> frozenset[str]:
+    """Every option of `accelerate launch`, read from accelerate's installed source without importing it (its
+    import pulls in torch, seconds that a refused command line need not wait)."""
+    spec = importlib.util.find_spec("accelerate")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    with open(os.path.join(spec.submodule_search_locations[0], "commands", "launch.py")) as file:
+        tree = ast.parse(file.read())
+    return frozenset(argument.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                     and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"
+                     for argument in node.args if isinstance(argument, ast.Constant)
+                     and isinstance(argument.value, str) and argument.value.startswith("--"))
+
+
 # Names of an accelerate config file: the launcher's --config_file, not the recipe's (which only plans it).
 CONFIG_FILE_NAMES = ("config", "config_path", "configfile", "cfg", "yaml", "config_yaml", "accelerate_config",
                      "accelerate_config_file", "launch_config")
@@ -104,6 +127,9 @@ GUIDANCE: dict[tuple[str, ...], str] = {
     ("sdp_attention",): "--attn_implementation sdpa (the default).",
     ("warmup",): "--warmup_steps N, or --warmup_ratio R (a share of the optimizer steps).",
     ("device",): "the device follows the launch: one CUDA GPU per process, or --use_cpu true for CPU.",
+    ("local_rank",): "the deepspeed launcher's flag for its script, and shardtune's runs start under accelerate "
+                     "launch, which gives each rank its LOCAL_RANK itself: accelerate launch --config_file "
+                     "accelerate_configs/ds_zero3.yaml (or another ds_*.yaml) recipes/<recipe>.py ...",
     ("wandb_entity", "wandb_team"): "W&B reads the entity from the environment: WANDB_ENTITY=<entity>; the project "
                                     "is --wandb_project.",
     ("wandb_mode", "wandb_offline"): "W&B reads its mode from the environment: without WANDB_API_KEY the run is "
@@ -181,7 +207,8 @@ MEANINGS = meaning_table()
 
 def flag_hint(flag: str, known: Iterable[str], value: str | None = None) -> str:
     """The hint for an unknown flag given `value`: its meaning if another trainer uses the name; a flag of
-    TrainingArguments or SFTConfig the recipe does not take, as such; else the nearest spelling of a known flag,
+    TrainingArguments or SFTConfig the recipe does not take, as such (a flag of `accelerate launch` before them, as the
+    launcher's); else the nearest spelling of a known flag,
     else --help. A name of an accelerate config file, or one nearest to --config_file, is pointed at the launcher:
     the recipe's --config_file trains nothing."""
     name = normalized(flag)
@@ -191,6 +218,8 @@ def flag_hint(flag: str, known: Iterable[str], value: str | None = None) -> str:
     if meaning:
         return meaning
     known = list(known)
+    if f"--{name}" in launcher_flags() and f"--{name}" not in known:
+        return launcher_hint(f"--{name}", value)
     not_taken = not_taken_hint(name) if f"--{name}" not in known else None  # not a recipe flag's other spelling
     if not_taken:
         return not_taken

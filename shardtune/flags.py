@@ -79,7 +79,7 @@ def parse_flags(recipe: Recipe, argv: list[str] | None = None) -> tuple[Recipe, 
     parser = recipe_parser(recipe)
     args = sys.argv[1:] if argv is None else argv
     overridden, aliases, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
-    problems = unknown_argument_problems(unknown)
+    problems = unknown_argument_problems(unknown) + repeated_flag_problems(parser, args)
     for apply in (expand_home, apply_precision_alias, apply_warmup_steps, apply_constant_schedule,
                   apply_accumulation_steps, check_checkpointing_kwargs, check_given_flags_act):
         try:
@@ -136,6 +136,29 @@ def unknown_argument_problems(unknown: Sequence[str]) -> list[str]:
         else:
             problems.append(f"Unexpected value {token!r} on the command line: every value follows its flag "
                             "(--name value); see --help.")
+    return problems
+
+
+def repeated_flag_problems(parser: argparse.ArgumentParser, args: Sequence[str]) -> list[str]:
+    """One message per setting the command line gives more than once with different values (argparse keeps the
+    last and drops the others without a word: `--dataset a.jsonl --dataset b.jsonl` would train on b alone),
+    whichever of its spellings each time (--gradient_checkpointing and --no_gradient_checkpointing set one
+    field). The same value given twice acts as given."""
+    actions = parser._option_string_actions  # argparse's own map of each spelling to its action
+    given: dict[str, list[str]] = {}
+    for index, token in enumerate(args):
+        name, equals, value = token.partition("=")
+        if not is_flag(token) or name not in actions:
+            continue
+        following = args[index + 1] if index + 1 < len(args) else ""
+        value = value if equals else following if following and not is_flag(following) else ""
+        given.setdefault(actions[name].dest, []).append(f"{name} {value}".strip())
+    problems = []
+    for dest, spellings in given.items():
+        if len(set(spellings)) > 1:
+            several = " (several sources go in one: --dataset A,B)" if dest == "dataset" else ""
+            problems.append(f"{', '.join(spellings)}: the same setting given {len(spellings)} times, and only the "
+                            f"last would apply: give it once{several}.")
     return problems
 
 

@@ -16,6 +16,9 @@ from types import MappingProxyType
 from typing import Any
 
 from shardtune.config import OFFLOAD_DEVICES, ZERO_STAGES, ConfigError
+from shardtune.launcher_args import LauncherRequest, launcher_problems
+from shardtune.launcher_args import config_file_of as config_file_of  # where callers have found them
+from shardtune.launcher_args import launcher_config_file as launcher_config_file
 from shardtune.parallel.context import checked_context_parallel
 from shardtune.parallel.tensor import checked_tensor_parallel
 from shardtune.plan.strategy import (
@@ -61,11 +64,17 @@ class LaunchDescription:
     # accelerate's ParallelismConfig cp_size under FSDP2: every sequence cut over this many ranks by torch's ring
     # attention (shardtune.parallel.context); 1 without CP.
     cp_size: int = 1
+    # The mixed precision `accelerate launch` exported, and where it came from: "flag" (its --mixed_precision),
+    # "config" (the config file's), "" (its default, or no launcher read); the recipe's own precision is applied.
+    launcher_precision: str = ""
+    launcher_precision_source: str = ""
 
     @classmethod
-    def from_env(cls) -> LaunchDescription:
-        """This process's launch, from os.environ. Raises ConfigError for a launch environment in which the ranks
-        could not meet or the trainer could not run."""
+    def from_env(cls, launcher: LauncherRequest | None = None) -> LaunchDescription:
+        """This process's launch, from os.environ, and from `launcher`, the `accelerate launch` command line that
+        started it (shardtune.launcher_args.this_launcher): a setting it was given and did not pass on is refused.
+        Raises ConfigError for a launch environment in which the ranks could not meet or the trainer could not
+        run."""
         world_size = env_int("WORLD_SIZE", 1)
         rank = env_int("RANK", 0)
         check_ranks(world_size, rank)
@@ -77,7 +86,7 @@ class LaunchDescription:
             check_fsdp_env()
         dp_shard, dp_replicate, sp, tp, cp = checked_parallelism(world_size, uses_fsdp, uses_deepspeed)
         config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if uses_deepspeed else None
-        return cls(
+        launch = cls(
             world_size=world_size, local_world_size=env_int("LOCAL_WORLD_SIZE", 1), uses_deepspeed=uses_deepspeed,
             uses_fsdp=uses_fsdp,
             deepspeed_config_file=resolve_deepspeed_json(config_file) if config_file else None,
@@ -87,7 +96,19 @@ class LaunchDescription:
             fsdp_offload_params=env_flag("FSDP_OFFLOAD_PARAMS", "false"),
             fsdp_cpu_ram_efficient_loading=env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"),
             dp_shard_size=dp_shard, dp_replicate_size=dp_replicate, sp_size=sp, tp_size=tp, cp_size=cp,
+            launcher_precision=launcher.mixed_precision if launcher else "",
+            launcher_precision_source=launcher.precision_source if launcher else "",
         )
+        problems = launcher_problems(launcher, world_size, launch.description) if launcher else []
+        if problems:
+            raise ConfigError(problems)
+        return launch
+
+    @property
+    def parallelism_sizes(self) -> dict[str, int]:
+        """The parallelism sizes this run applies, as run_config.json records them (0: sharded over every rank)."""
+        return {"tp_size": self.tp_size, "cp_size": self.cp_size, "sp_size": self.sp_size,
+                "dp_shard_size": self.dp_shard_size, "dp_replicate_size": self.dp_replicate_size}
 
     @property
     def hybrid_shard(self) -> bool:
@@ -451,49 +472,3 @@ def launch_environment(env: Mapping[str, str]) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
-
-LAUNCHER_DEPTH = 4  # a rank's ancestors looked at for its launcher: the launcher itself, or a wrapper around it
-
-
-def launcher_config_file() -> str | None:
-    """The accelerate config file this process was launched with: `accelerate launch` exports no variable naming
-    it, so it is read from the launcher's command line (the rank's parent under torchrun's agent and the simple
-    launcher; an ancestor a few levels up under a wrapper), resolved against the launcher's working directory; a
-    launcher without --config_file reads accelerate's default config, if there is one. None when no ancestor is
-    `accelerate launch`."""
-    import psutil
-
-    with contextlib.suppress(psutil.Error):
-        process = psutil.Process().parent()
-        for _ in range(LAUNCHER_DEPTH):
-            if process is None:
-                break
-            found = config_file_of(process.cmdline(), process.cwd())
-            if found is not None:
-                return found or None
-            process = process.parent()
-    return None
-
-
-def config_file_of(argv: list[str], cwd: str) -> str | None:
-    """The config file of an `accelerate launch` command line run in `cwd` ('' when the launcher reads none);
-    None for any other command line."""
-    names = [os.path.basename(arg) for arg in argv]
-    starts = [index + 1 for index, name in enumerate(names[:-1]) if name == "accelerate" and names[index + 1]
-              == "launch"] + [index for index, name in enumerate(names) if name in ("accelerate-launch",
-                                                                                 "accelerate.commands.launch")]
-    if not starts:
-        return None
-    options = argv[starts[0] + 1:]
-    for index, arg in enumerate(options):
-        if arg.startswith(("--config_file=", "--config-file=")):
-            return os.path.join(cwd, arg.split("=", 1)[1])
-        if arg in ("--config_file", "--config-file") and index + 1 < len(options):
-            return os.path.join(cwd, options[index + 1])
-        if arg.endswith(".py") or arg in ("-m", "--module"):  # the script: the rest are its own arguments
-            break
-    from accelerate.commands.config.config_args import default_config_file
-
-    cpu = "--cpu" in options
-    return default_config_file if os.path.isfile(default_config_file) and not cpu else ""

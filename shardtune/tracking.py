@@ -18,7 +18,8 @@ from shardtune.output_dir import METRICS_FILE
 
 RUN_CONFIG = "run_config.json"
 SAMPLES = "samples.jsonl"
-LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_")  # what `accelerate launch` exports from its config file and flags
+# what `accelerate launch` exports from its config file and flags
+LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
 
 
 def start_tracking(accelerator: Accelerator, recipe: Recipe, launch: LaunchDescription, resumed: bool) -> None:
@@ -60,7 +61,8 @@ def run_config(accelerator: Accelerator, recipe: Recipe, launch: LaunchDescripti
     the file into ACCELERATE_* / FSDP_* variables, which are therefore the effective config recorded here, with
     DeepSpeed's resolved JSON config (its "auto" values filled in by `prepare`)."""
     plan, why_none = memory_plan(recipe, launch)
-    config = {"recipe": recorded_recipe(recipe), "accelerate": accelerate_config(accelerator), "memory_plan": plan}
+    config = {"recipe": recorded_recipe(recipe), "accelerate": accelerate_config(accelerator),
+              "parallelism": launch.parallelism_sizes, "memory_plan": plan}
     if plan is None:
         config["memory_plan_absent"] = why_none
     return json_values(config)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # Before anything imports `datasets`, which reads its cache location once: this session's own, removed at its end.
@@ -549,6 +549,23 @@ def strategy_as_launched(config: str, mixed_precision: str = "no", processes: in
     return replace(strategy, sequence_split=processes) if splits_sequences(config) else strategy
 
 
+def overridden(base: list[str], args: Sequence[str]) -> list[str]:
+    """`base` and then `args`, each flag kept at its last occurrence only: a test overrides a flag by giving it again,
+    and a recipe refuses a flag given twice with different values (argparse would keep the last without a word)."""
+    tokens, items = [*base, *args], []  # (the flag, or None for a stray token; its tokens)
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        takes_value = token.startswith("--") and "=" not in token and index + 1 < len(tokens) \
+            and not tokens[index + 1].startswith("--")
+        items.append((token.partition("=")[0] if token.startswith("--") else None,
+                      tokens[index:index + 2] if takes_value else [token]))
+        index += 2 if takes_value else 1
+    last = {flag: position for position, (flag, _) in enumerate(items) if flag}
+    return [token for position, (flag, group) in enumerate(items) if flag is None or last[flag] == position
+            for token in group]
+
+
 def recipe_command(
     output_dir: Path, assets: tuple[str, str], *args: str, config: str | None = None, processes: int = 1,
     launch_args: tuple[str, ...] = (), recipe: Path = TINY_RECIPE, port: int | None = None,
@@ -565,9 +582,9 @@ def recipe_command(
         recipe = CONTEXT_PARALLEL_PROBE if recipe == TINY_RECIPE else recipe
     model_dir, data_file = assets
     # No generated samples unless a test asks (tests/launch/test_outputs.py): they cost every launch's final eval time.
-    recipe_args = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),
-                   "--report_to", "none", "--logging_steps", "1", "--eval_steps", "0", "--use_cpu", "true",
-                   "--generation_samples", "0", *args]
+    recipe_args = overridden(["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir",
+                              str(output_dir), "--report_to", "none", "--logging_steps", "1", "--eval_steps", "0",
+                              "--use_cpu", "true", "--generation_samples", "0"], args)
     if config is None:
         command = [sys.executable, str(recipe), *recipe_args]
     else:

@@ -237,11 +237,14 @@ def check_sequence_split(recipe: Recipe, sp_size: int, deepspeed_settings: Mappi
     if recipe.max_seq_length % sp_size:
         problems.append(f"--max_seq_length {recipe.max_seq_length} is not a multiple of sp_size {sp_size}: every "
                         f"rank takes an equal slice of each sequence. Use a multiple of {sp_size}.")
+    # accelerate launch exports its own default, sdpa, where neither the config nor its command line sets one
+    # (the shipped YAMLs set none): only another value was asked for.
     configured = os.environ.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION", "").strip()
-    if configured not in ("", "None", attention):
-        problems.append(f"The accelerate config's parallelism_config_sp_attn_implementation {configured} differs "
-                        f"from --attn_implementation {attention}: remove it from the config (the run gives "
-                        "Ulysses the recipe's kernel).")
+    if configured not in ("", "None", "sdpa", attention):
+        problems.append(f"parallelism_config_sp_attn_implementation {configured} (in the accelerate config's "
+                        f"parallelism_config section, or given to accelerate launch) differs from "
+                        f"--attn_implementation {attention}: remove it (the run gives Ulysses the recipe's kernel), "
+                        f"or give the recipe --attn_implementation {configured}.")
     if problems:
         raise ConfigError(problems)
 

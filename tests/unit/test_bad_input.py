@@ -15,6 +15,7 @@ from shardtune.config import Recipe
 
 
 @dataclass(frozen=True)
+from tests.conftest import overridden
 class Case:
     """Flags (`{tmp}` is the test's directory), launch variables, files written under {tmp} first, modules made
     to look uninstalled, whether the Hub is out of reach (HF_HUB_OFFLINE=1), and what the one error line must
@@ -238,8 +239,9 @@ def refused(spec: Case, tiny_assets, tmp_path: Path, capsys, monkeypatch) -> tup
     monkeypatch.setattr("shardtune.trainer.train", reached_the_trainer)
     output_dir = tmp_path / "out"
     model_dir, data_file = tiny_assets
-    argv = ["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),
-            "--report_to", "none", "--use_cpu", "true", *(arg.replace("{tmp}", str(tmp_path)) for arg in spec.args)]
+    argv = overridden(["--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir", str(output_dir),
+                       "--report_to", "none", "--use_cpu", "true"], [arg.replace("{tmp}", str(tmp_path))
+                                                                     for arg in spec.args])
     with pytest.raises(SystemExit) as exit_info:
         main(Recipe(name="tiny", max_seq_length=64, per_device_train_batch_size=16, global_batch_size=32), argv)
     assert exit_info.value.code == 2

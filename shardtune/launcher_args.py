@@ -1,0 +1,204 @@
+"""What `accelerate launch` was asked on its own command line, as its ranks can tell. accelerate exports a config's
+settings to the ranks as variables, but drops some of its flags without a word (parallelism sizes beside a config
+without a parallelism_config section, --num_processes where it starts the script once) and exports the mixed
+precision the same whether its flag or its config file set it. The launcher's command line is read from the rank's
+ancestor process and run through accelerate's own parser and its own defaulting from the config file
+(commands/launch.py `_validate_launch_command`), so what it was asked is what accelerate itself read."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from shardtune.config import ConfigError, Recipe
+
+if TYPE_CHECKING:
+    from shardtune.launch import LaunchDescription
+
+LAUNCHER_DEPTH = 4  # a rank's ancestors looked at for its launcher: the launcher itself, or a wrapper around it
+PARALLELISM_SIZES = ("tp", "cp", "sp", "dp_shard", "dp_replicate")
+# The shipped config that applies each parallelism size, named by the refusal of a size accelerate did not pass on.
+SUPPORTING_CONFIG = {
+    "tp": "accelerate_configs/fsdp_tp.yaml (TP with FSDP2), or for TP alone a copy of ddp.yaml with the section "
+          "parallelism_config: {parallelism_config_tp_size: N}",
+    "cp": "accelerate_configs/fsdp_cp.yaml",
+    "sp": "accelerate_configs/ds_zero3_ulysses.yaml",
+    "dp_shard": "accelerate_configs/fsdp_hybrid_shard.yaml",
+    "dp_replicate": "accelerate_configs/fsdp_hybrid_shard.yaml",
+}
+
+
+def launcher_command() -> tuple[list[str], str] | None:
+    """(the command line, the working directory) of the `accelerate launch` this process runs under: the rank's
+    parent under torchrun's agent and the simple launcher, an ancestor a few levels up under a wrapper. None when
+    no ancestor is `accelerate launch`."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        process = psutil.Process().parent()
+        for _ in range(LAUNCHER_DEPTH):
+            if process is None:
+                break
+            argv = process.cmdline()
+            if launch_options(argv) is not None:
+                return argv, process.cwd()
+            process = process.parent()
+    return None
+
+
+def launch_options(argv: list[str]) -> list[str] | None:
+    """The arguments after `accelerate launch` in a command line (the script and its own arguments included);
+    None for any other command line."""
+    names = [os.path.basename(arg) for arg in argv]
+    starts = [index + 1 for index, name in enumerate(names[:-1]) if name == "accelerate" and names[index + 1]
+              == "launch"] + [index for index, name in enumerate(names) if name in ("accelerate-launch",
+                                                                                 "accelerate.commands.launch")]
+    return argv[starts[0] + 1:] if starts else None
+
+
+def config_file_of(argv: list[str], cwd: str) -> str | None:
+    """The config file of an `accelerate launch` command line run in `cwd` ('' when the launcher reads none);
+    None for any other command line."""
+    options = launch_options(argv)
+    if options is None:
+        return None
+    for index, arg in enumerate(options):
+        if arg.startswith(("--config_file=", "--config-file=")):
+            return os.path.join(cwd, arg.split("=", 1)[1])
+        if arg in ("--config_file", "--config-file") and index + 1 < len(options):
+            return os.path.join(cwd, options[index + 1])
+        if arg.endswith(".py") or arg in ("-m", "--module"):  # the script: the rest are its own arguments
+            break
+    from accelerate.commands.config.config_args import default_config_file
+
+    cpu = "--cpu" in options
+    return default_config_file if os.path.isfile(default_config_file) and not cpu else ""
+
+
+def launcher_config_file() -> str | None:
+    """The accelerate config file this process was launched with: `accelerate launch` exports no variable naming
+    it, so it is read from the launcher's command line, resolved against the launcher's working directory; a
+    launcher without --config_file reads accelerate's default config, if there is one. None when no ancestor is
+    `accelerate launch`."""
+    found = launcher_command()
+    return (config_file_of(*found) or None) if found else None
+
+
+@dataclass(frozen=True)
+class LauncherRequest:
+    """What one `accelerate launch` command line asked, after accelerate filled it from the config file."""
+
+    config_file: str = ""  # as its command line names it; accelerate's default config where it names none, else ''
+    num_processes: int = 1
+    cpu: bool = False  # --cpu: the launcher starts the script once
+    mixed_precision: str = "no"  # what it exports as ACCELERATE_MIXED_PRECISION
+    precision_source: str = ""  # "flag" (its --mixed_precision), "config" (the file's), "" (its default, no)
+    # The parallelism sizes its command line gave (other than 1), and whether it exports any parallelism size.
+    sizes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    exports_parallelism: bool = False
+
+    @classmethod
+    def of_options(cls, options: list[str], cwd: str) -> LauncherRequest | None:
+        """The request of `accelerate launch <options>` run in `cwd`; None where accelerate's launcher would refuse
+        the command line (it did not start this process then)."""
+        from accelerate.commands.config.config_args import default_config_file
+        from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+        try:
+            args = launch_command_parser().parse_args(options)
+        except SystemExit:
+            return None
+        given = set(getattr(args, "nondefault", ()))
+        named = args.config_file  # as its command line names it, for the messages
+        if args.config_file:
+            args.config_file = os.path.join(cwd, args.config_file)
+        logging.getLogger("accelerate.commands.launch").setLevel(logging.ERROR)  # its notes on defaults it fills
+        try:
+            args, defaults, from_config = _validate_launch_command(args)
+        except (ValueError, TypeError, KeyError, OSError):
+            return None
+        sizes = {name: int(getattr(args, f"parallelism_config_{name}_size")) for name in PARALLELISM_SIZES
+                 if f"parallelism_config_{name}_size" in given}
+        source = "flag" if "mixed_precision" in given else "config" if from_config else ""
+        return cls(config_file=named or (default_config_file if defaults is not None else ""),
+                   num_processes=int(args.num_processes or 1), cpu=bool(args.cpu),
+                   mixed_precision=str(args.mixed_precision).lower(), precision_source=source,
+                   sizes=MappingProxyType({name: size for name, size in sizes.items() if size != 1}),
+                   exports_parallelism=bool(args.use_parallelism_config))
+
+
+def this_launcher() -> LauncherRequest | None:
+    """The request of the `accelerate launch` this process runs under; None without one."""
+    found = launcher_command()
+    if found is None:
+        return None
+    argv, cwd = found
+    return LauncherRequest.of_options(launch_options(argv) or [], cwd)
+
+
+def launcher_problems(launcher: LauncherRequest, world_size: int, strategy: str) -> list[str]:
+    """One line per setting the launcher was given and did not pass on to this run. `world_size`: the processes
+    the run has (WORLD_SIZE); `strategy`: what the run trains as, in words (LaunchDescription.description)."""
+    problems = []
+    config = launcher.config_file or "no config file"
+    if launcher.sizes and not launcher.exports_parallelism:
+        given = " ".join(f"--parallelism_config_{name}_size {size}" for name, size in launcher.sizes.items())
+        configs = "; ".join(dict.fromkeys(f"{name}_size: {SUPPORTING_CONFIG[name]}" for name in launcher.sizes))
+        problems.append(f"accelerate launch {given} reaches no process: accelerate passes parallelism sizes on only "
+                        f"from a config file with a parallelism_config section, and {config} has none, so the run "
+                        f"would train {strategy} without them. Launch a config that applies them ({configs}).")
+    if launcher.num_processes > 1 and world_size == 1:
+        count = f"--num_processes {launcher.num_processes}"
+        script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "recipes/<recipe>.py"
+        if launcher.cpu:
+            problems.append(f"accelerate launch --cpu starts the script as one process, whatever {count} asks: drop "
+                            "--cpu and give the recipe --use_cpu true instead (accelerate launch --config_file "
+                            f"accelerate_configs/ddp.yaml {count} {script} --use_cpu true).")
+        else:
+            why = (f"{config} runs one process (distributed_type NO)" if launcher.config_file else
+                   "without a config file accelerate starts several processes only on a machine with several GPUs")
+            problems.append(f"accelerate launch {count} started one process: {why}. Give it a config: accelerate "
+                            f"launch --config_file accelerate_configs/ddp.yaml {count} {script} (on CPU with the "
+                            "recipe's --use_cpu true).")
+    return problems
+
+
+# The recipe's precision is the one applied, as a transformers or TRL script's own bf16/fp16 win over the
+# launcher's (TrainingArguments.__post_init__ overwrites accelerate's ACCELERATE_MIXED_PRECISION with them): a
+# recipe always states one. The launcher's flag, given for this run, is refused where it disagrees; a config
+# file's value, written for every recipe launched with it, gets a note.
+
+
+def check_launcher_precision(recipe: Recipe, launch: LaunchDescription) -> None:
+    """`accelerate launch --mixed_precision X` that disagrees with the recipe's precision: it would not act."""
+    asked = launch.launcher_precision
+    if launch.launcher_precision_source == "flag" and asked != recipe.mixed_precision:
+        raise ConfigError(f"accelerate launch --mixed_precision {asked} and the recipe's --mixed_precision "
+                          f"{recipe.mixed_precision} disagree, and the recipe's would be applied: give the recipe "
+                          f"--mixed_precision {asked} (after the script) and drop the launcher's flag.")
+
+
+def launcher_precision_note(recipe: Recipe, launch: LaunchDescription) -> str | None:
+    """The note for a config file's mixed_precision other than the recipe's, which is applied; None otherwise."""
+    asked = launch.launcher_precision
+    if launch.launcher_precision_source != "config" or asked == recipe.mixed_precision:
+        return None
+    return (f"training in {recipe.mixed_precision} (the recipe's --mixed_precision), not the accelerate config's "
+            f"mixed_precision {asked}: the recipe's precision wins, as a TrainingArguments script's bf16/fp16 do "
+            f"(give --mixed_precision {asked} to train in it).")
+
+
+def check_started_by_launcher(launch: LaunchDescription) -> None:
+    """DeepSpeed's engine needs the process group a launcher's variables describe: without WORLD_SIZE,
+    accelerate's state asks torch.distributed for a world size no one initialized (a traceback)."""
+    if launch.uses_deepspeed and "WORLD_SIZE" not in os.environ:
+        raise ConfigError("ACCELERATE_USE_DEEPSPEED=true is set but no launcher started this process (WORLD_SIZE "
+                          "is unset): start DeepSpeed runs with accelerate launch --config_file "
+                          "accelerate_configs/ds_zero3.yaml (or another ds_*.yaml) recipes/<recipe>.py ..., or "
+                          "unset ACCELERATE_USE_DEEPSPEED to train one process without it.")
