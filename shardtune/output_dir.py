@@ -254,6 +254,13 @@ def clear_problem(output_dir: str) -> str | None:
         return (f"--overwrite_output_dir true deletes only what a run writes, and --output_dir {output_dir!r} also "
                 f"holds {len(found)} entr{'y' if len(found) == 1 else 'ies'} no run wrote ({described(found)}): move "
                 "them out, or give --output_dir a directory of the run's own.")
+    from shardtune.checkpoint.markers import holds_a_run  # markers imports this module
+
+    entries = sorted(os.listdir(output_dir))
+    if entries and not holds_a_run(output_dir):  # a model directory has an export's names, and no run's lock
+        return (f"--overwrite_output_dir true replaces an earlier run, and --output_dir {output_dir!r} holds none (no "
+                f"{LOCK_FILE}, {METRICS_FILE} or checkpoint) but {described(entries)}: give --output_dir a directory "
+                "of the run's own.")
     return None
 
 

@@ -283,6 +283,20 @@ def test_overwrite_clears_every_file_a_run_writes_and_nothing_else(tmp_path):
     assert (output_dir / "checkpoint-2" / "notes.txt").read_text() == "mine" and os.listdir(tmp_path / "out" / "data")
 
 
+def test_overwrite_refuses_a_model_directory_no_run_wrote(tmp_path):
+    """A Hugging Face model's files have the export's names; without a run's lock, metrics or checkpoint they are
+    someone's downloaded or exported model, and stay."""
+    model = tmp_path / "llama"
+    model.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        (model / name).write_text("{}")
+    before = tree(model)
+    with pytest.raises(ConfigError, match=r"holds none \(no .shardtune-lock, metrics.jsonl or checkpoint\) but "
+                                          r"config.json, generation_config.json, model.safetensors and 1 more: give "):
+        check_output_dir(Recipe(output_dir=str(model), overwrite_output_dir=True))
+    assert tree(model) == before
+
+
 def test_a_new_run_refuses_a_strangers_directory_without_pointing_to_overwrite(tmp_path):
     """--overwrite_output_dir true would refuse it too: the fix named is a new directory."""
     output_dir = tmp_path / "out"
