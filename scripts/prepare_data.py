@@ -51,7 +51,11 @@ def load_recipe(path: str) -> Recipe:
         raise ConfigError(f"Recipe file not found: {path!r}. Give a file such as recipes/llama8b.py.")
     spec = importlib.util.spec_from_file_location(f"recipe_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as error:
+        raise ConfigError(f"{path!r} does not parse as Python ({error.msg}, line {error.lineno}): give a recipe "
+                          "file such as recipes/llama8b.py.") from None
     if not isinstance(getattr(module, "RECIPE", None), Recipe):
         raise ConfigError(f"{path!r} defines no RECIPE = Recipe(...).")
     return module.RECIPE
@@ -94,6 +98,23 @@ def check_data_flags(argv: list[str]) -> None:
                           f"--{', --'.join(sorted(DATA_FLAGS))}.")
 
 
+def check_model_source(recipe: Recipe) -> None:
+    """--model_name_or_path, whose tokenizer tokenizes, judged as a training run judges it before loading: its
+    config.json can be had (a Hub id's, or a local directory's) and a local directory holds a tokenizer."""
+    from shardtune.hub import is_hub_id, looks_like_path, probe_hub
+    from shardtune.model_checks import check_tokenizer_files, read_model_config
+
+    path = recipe.model_name_or_path
+    if not (os.path.exists(path) or is_hub_id(path) or looks_like_path(path)):  # the Hub would be asked, retrying
+        raise ConfigError(f"--model_name_or_path {path!r} is no directory here and no Hub model id (owner/name): "
+                          "give the model's directory, or its Hub id.")
+    if is_hub_id(path) and not os.path.isdir(path):
+        probe_hub()  # out of reach: the lookup fails at once, not after huggingface_hub's retries
+    read_model_config(path)
+    if os.path.isdir(path):
+        check_tokenizer_files(path)
+
+
 def check_output_dir(path: str) -> None:
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise ConfigError(f"--output_dir {path!r} already exists: remove it or give a new directory.")
@@ -106,7 +127,8 @@ def prepare(recipe: Recipe, output_dir: str) -> None:
     from shardtune.data import PREPARED_INFO, PREPARED_SPLITS, load_splits
     from shardtune.model import load_tokenizer
 
-    for check in (check_dataset_sources, check_dataset_weights, check_dataset_num_proc, check_chat_template):
+    for check in (check_dataset_sources, check_dataset_weights, check_dataset_num_proc, check_chat_template,
+                  check_model_source):
         check(recipe)
     check_output_dir(output_dir)
     tokenizer = load_tokenizer(recipe)
@@ -125,8 +147,10 @@ def prepare(recipe: Recipe, output_dir: str) -> None:
         if os.path.isdir(output_dir):
             os.rmdir(output_dir)  # empty (checked above)
         os.rename(scratch, output_dir)
+        scratch = ""  # renamed: nothing of this run's is left to delete
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if scratch:  # made by mkdtemp above: this run's own
+            shutil.rmtree(scratch, ignore_errors=True)
     rows = "pairs" if recipe.method == "dpo" else "rows"
     print(f"prepare_data: {len(train)} train and {len(evaluation)} eval {rows} in {output_dir}; train with "
           f"--dataset {output_dir} --max_seq_length {recipe.max_seq_length}{' --method dpo' * (rows == 'pairs')}")
@@ -221,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--benchmark_rows times SFT's tokenization: drop --method {recipe.method}.")
             if args.benchmark_file and not os.path.isfile(args.benchmark_file):
                 raise ConfigError(f"--benchmark_file {args.benchmark_file!r} is not a file.")
+            check_model_source(recipe)
             benchmark(recipe, args.benchmark_rows, args.benchmark_file)
         else:
             prepare(recipe, args.output_dir)

@@ -21,7 +21,7 @@ from shardtune.checkpoint.markers import MARKER, complete_checkpoints, describe_
 from shardtune.checkpoint.saver import Checkpointer
 from shardtune.config import Recipe
 from shardtune.export import remove_stale_shards, save_hf_model
-from shardtune.output_dir import remove_checkpoint, strangers
+from shardtune.output_dir import RUN_DIRECTORIES, RUN_FILES, remove_checkpoint, strangers
 from shardtune.tiny import build_tokenizer, ensure_tiny_assets
 from tests.conftest import load_script
 
@@ -134,6 +134,15 @@ def test_a_runs_export_is_all_names_the_clearing_knows(tiny_assets, accelerator,
         assert strangers(str(tmp_path / directory)) == [], os.listdir(tmp_path / directory)
 
 
+def test_the_names_other_modules_write_are_on_the_list():
+    """tracking.py and the DPO reference cache name their files themselves: a rename there must reach the list."""
+    from shardtune import tracking
+    from shardtune.methods.reference import REFERENCE_CACHE
+
+    assert {tracking.RUN_CONFIG, tracking.SAMPLES, tracking.METRICS_FILE} <= RUN_FILES
+    assert REFERENCE_CACHE in RUN_DIRECTORIES
+
+
 # ------------------------------------------------------------------------------------------------ the scripts
 
 
@@ -199,3 +208,21 @@ def test_tiny_assets_leave_their_neighbours_alone(tmp_path):
     ensure_tiny_assets(str(tmp_path / "tiny"))
     after = tree(tmp_path)
     assert {name: content for name, content in after.items() if not name.startswith("tiny")} == before
+
+
+def test_prepare_data_deletes_only_its_own_scratch(tiny_assets, tmp_path, capsys):
+    """Tokenized into a scratch directory of its own (mkdtemp) beside --output_dir, renamed into place (an empty
+    --output_dir is replaced); a scratch-like name of someone else's and the other neighbours stay."""
+    from tests.conftest import REPO
+
+    (tmp_path / ".prepare-mine").mkdir()
+    (tmp_path / ".prepare-mine" / "notes.txt").write_text("mine")
+    (tmp_path / "other.txt").write_text("mine")
+    (tmp_path / "out").mkdir()
+    before = tree(tmp_path)
+    assert load_script("prepare_data").main([str(REPO / "recipes" / "tiny.py"), "--output_dir", str(tmp_path / "out"),
+                                             "--model_name_or_path", tiny_assets[0], "--dataset", tiny_assets[1]]) == 0
+    after = tree(tmp_path)
+    assert {name: content for name, content in after.items() if not name.startswith("out")} == \
+        {name: content for name, content in before.items() if name != "out"}
+    assert any(name.startswith("out/") for name in after)  # the prepared data took the empty directory's place
