@@ -58,12 +58,13 @@ demo-dpo: $(VENV)/demo-ops
 # On one GPU within 480 s, nothing downloaded: fp8, Liger and the levers first, then DDP, FSDP and ZeRO-3 on a 1.2B
 # model, each phase's peak measured against the plan, each row appended to logs/gpu-check/results.jsonl as it ends
 # (`$(PY) scripts/gpu_check.py --out logs/gpu-check/results.jsonl --rest` runs what the budget cut). Refuses in one
-# line without a GPU.
+# line without a GPU. On the device tool: its two calls in docs/planner.md (`scripts/device_budget.py` prints them).
 gpu-check: $(VENV)/installed
-	$(PY) scripts/gpu_check.py --out logs/gpu-check/results.jsonl
+	$(PY) scripts/gpu_check.py --out logs/gpu-check/results.jsonl --table logs/gpu-check/table.txt
 
-# The wheels the GPU machine lacks, for its Python 3.12, into the ignored .whl/ (under 60 MiB: they travel with the
-# working tree); docs/planner.md gives the command that installs and runs them there.
+# The wheels the device tool's GPU machine lacks (scripts/device_packages.txt: what it has), for its Python 3.12, into
+# the ignored .whl/; scripts/device_wheels.json records them. Ignored, so .whl travels only where the call's `carry`
+# names it (docs/planner.md gives the call).
 gpu-wheels: $(VENV)/installed
 	$(PY) scripts/gpu_wheels.py --dest .whl
 

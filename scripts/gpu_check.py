@@ -1,22 +1,28 @@
 """The command that proves the trainer on a GPU: `make gpu-check` (or `python scripts/gpu_check.py`).
 
 It writes a randomly initialised model of Llama-3.2-1B's shape (1.24B parameters, bf16 on disk) and synthetic text
-files, all local, and trains it through `accelerate launch --num_processes 1` (CASES, the never-run features first):
-FSDP FULL_SHARD (4 micro-batches per step) padded with --mixed_precision fp8 (compiled; where the GPU has float8
-tensor cores), with Liger's kernels and plain; FSDP packed with the levers; ZeRO-3 padded with Liger and plain; then
-DDP, FSDP and ZeRO-3 in the other layouts; bf16, gradient checkpointing on, padded (SDPA) or packed (flex attention).
-Each Liger and fp8 case is compared with its plain case on step 1's gradient norm, the final hidden states of a fixed
-batch (each exported model with its case's kernels) and the losses (shardtune.gpu_check_figures.COMPARED). The table
-gives the warm-up apart, then per timed step tokens/s per GPU, MFU, step time and the training peak of
-max_memory_allocated beside max_memory_reserved and the device memory in use, the export's and the eval's peaks,
-each against the planner's, and the planner's reserves against what was reserved.
+files, all local, and trains it through `accelerate launch --num_processes 1` (CASES): FSDP FULL_SHARD (4
+micro-batches per step) padded with --mixed_precision fp8 (compiled; where the GPU has float8 tensor cores), with
+Liger's kernels and plain; FSDP packed with the levers and plain; ZeRO-3 padded with Liger and plain; then DDP, FSDP
+and ZeRO-3 in the other layouts; bf16, gradient checkpointing on, padded (SDPA) or packed (flex attention). Each
+Liger, fp8 and levers case is compared with its plain twin on every logged gradient norm and loss and (Liger, fp8)
+the final hidden states of a fixed batch (each exported model with its case's kernels)
+(shardtune.gpu_check_figures.COMPARED); the modules Liger and fp8 replaced in the trained model are counted
+(scripts/device_counted_launch.py) and must be the planned number. The table gives the warm-up apart, then per timed
+step tokens/s per GPU, MFU, step time and the training peak of max_memory_allocated beside max_memory_reserved and
+the device memory in use, the export's and the eval's peaks, each against the planner's, and the planner's reserves
+against what was reserved.
 
-The budget (BUDGET_S) counts from this process's start, or from --since (the device command's, so that the wheel
-install counts). A case starts only with time left for its minimum, its kill and the closing, and its timeout is cut
-to fit. `--cases` runs a subset, `--rest` what an earlier command with the same `--out` did not run; `--out` gets each
-case's row and each comparison as a JSON line as it ends. SIGTERM or SIGINT kills the running case's process groups,
-removes the temporary files, prints the table and exits 128 + the signal. Exit 0 when every case trained within the
-plan (TOLERANCE) and the planner's reserves and every comparison is within its tolerance; else 1; 2 for bad
+The device tool's 15 minutes hold two calls, each on a fresh machine and self-contained (its model, data and the
+plain twin of each comparison it makes): `--call 1` (CALLS) and `--call 2`. The budget (--budget_s) counts from
+this process's start, or from --since (the device command's, so that the wheel install counts). A case starts only
+with what its kind needs left (scripts/device_budget.py), its plain twin's too where that is still to run, before
+its kill and the closing; its timeout is cut to fit; a case not started is a row saying so, which `--rest` (or
+`--cases` in a later call) runs. `--cases` runs a subset and the plain twins of its compared cases. As each case
+ends, and again on SIGTERM or SIGINT: its row and each comparison are appended to --out (JSON Lines), the table is
+written to --table and the logs to the --archive tar.gz. SIGTERM or SIGINT kills the running case's process groups,
+removes the temporary files, writes those files and exits 128 + the signal. Exit 0 when every case trained within
+the plan (TOLERANCE) and the planner's reserves and every comparison is within its tolerance; else 1; 2 for bad
 arguments or without a CUDA device. Nothing is downloaded and no samples are generated.
 """
 
@@ -24,22 +30,35 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
 import random
 import signal
 import string
-import subprocess
 import sys
-import tempfile
+import tarfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from shardtune.gpu_check_figures import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # device_budget beside it, also when loaded by path
+from device_budget import (  # noqa: E402
+    ASSETS_S,
+    CLOSING_S,  # noqa: F401 (the tests read the budget's figures here)
+    FIRST_CALL_S,
+    KILL_GRACE_S,  # noqa: F401
+    LIMIT_FACTOR,
+    PROBE_S,
+    budget_left,
+    case_seconds,
+    time_for,
+)
+from device_processes import Finished, Stopped, failure, in_scratch, run_killing_group  # noqa: E402, F401
+
+from shardtune.gpu_check_figures import (  # noqa: E402
+    COMPARED,
     TOLERANCE,
     append_jsonl,
     as_json,
@@ -50,6 +69,7 @@ from shardtune.gpu_check_figures import (
     final_hidden_states,
     new_comparisons,
     not_run,
+    planned_replacements,
     print_table,
     summarize,
 )
@@ -75,8 +95,7 @@ class Case(NamedTuple):
     levers: dict  # recipe fields over the plain path
 
 
-# The never-run features first (fp8, Liger, the levers), each compared case beside its plain case: what the budget cuts
-# is run by a second command (--rest).
+# The never-run features first (fp8, Liger, the levers), each compared case beside its plain twin.
 CASES = [
     Case("fsdp_full_shard", 4, False, FP8), Case("fsdp_full_shard", 4, False, LIGER),
     Case("fsdp_full_shard", 4, False, {}), Case("fsdp_full_shard", 4, True, LEVERS),
@@ -84,6 +103,10 @@ CASES = [
     Case("ddp", 1, False, {}), Case("ddp", 1, True, {}), Case("fsdp_full_shard", 4, True, {}),
     Case("ds_zero3", 1, True, {}),
 ]
+# The device tool's two calls, each on a fresh machine with its own plain twins (CASES' indices, in running order):
+# the first fp8, Liger and their plain twin, ZeRO-3 plain, within FIRST_CALL_S of its start; the second the rest,
+# ZeRO-3's Liger pair and the levers' first (docs/planner.md).
+CALLS = {1: [CASES[i] for i in (0, 1, 2, 5)], 2: [CASES[i] for i in (4, 5, 3, 8, 6, 7, 9)]}
 # Llama-3.2-1B's shape, at a length and micro-batch that keep each case well under a minute once warm.
 MODEL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192)
@@ -91,131 +114,19 @@ SEQ, MICRO, STEPS = 2048, 4, 6  # every step logged: step 1's gradient norm is c
 PACKED_CHARACTERS = 3 * SEQ // 4 - 2  # a packed row's text: with BOS and EOS, three quarters of SEQ tokens
 ROWS, EVAL_FRACTION = 400, 0.02  # 8 eval rows, one per batch
 PROBE_ROWS, PROBE_SEQ = 2, 512  # the fixed batch whose final hidden states are compared
-# Seconds, from the start: the whole command (the wheel install included, with --since) within 480 s, 2 minutes under
-# the device's per-command limit. A case is killed at CASE_TIMEOUT_S (COMPILED_TIMEOUT_S where it compiles: the
-# layers, torchao's step) or where the budget ends; its kill takes up to 2 x KILL_GRACE_S; the table, the JSONL and
-# the removal of the temporary model take up to CLOSING_S. A case with less than MIN_CASE_S is not started.
-BUDGET_S, CASE_TIMEOUT_S, COMPILED_TIMEOUT_S, KILL_GRACE_S, CLOSING_S, MIN_CASE_S = 480, 120, 240, 10, 15, 45
-ASSETS_TIMEOUT_S, PROBE_TIMEOUT_S = 120, 90
-
-
-@dataclass
-class Finished:
-    """How a launched command ended: its exit code (None: killed at its deadline) and its wall time."""
-
-    returncode: int | None
-    seconds: float
-
-
-class Stopped(Exception):
-    """SIGTERM or SIGINT arrived: the running case is ended whole and the temporary files removed on the way out."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def stopping_on_signals():
-    """SIGTERM and SIGINT raise Stopped in the main thread (once: a second signal is ignored while the first one's
-    clean-up kills and removes); the previous handlers are restored on leaving."""
-    signals = (signal.SIGTERM, signal.SIGINT)
-
-    def stop(signum, frame) -> None:
-        for sig in signals:
-            signal.signal(sig, signal.SIG_IGN)
-        raise Stopped(signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def run_killing_group(command: list[str], timeout: float, log_path: Path, env: dict[str, str]) -> Finished:
-    """Run `command` in a session (and process group) of its own, its output to `log_path`. At `timeout`, or when
-    Stopped interrupts the wait, it is killed whole: SIGTERM, then after KILL_GRACE_S SIGKILL, to its group and to
-    every descendant's group. torchrun starts each rank in a session of its own, which a signal to the launcher's
-    group alone never reaches."""
-    import psutil
-
-    started = time.monotonic()
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   start_new_session=True)
-        returncode: int | None = None
-        try:
-            returncode = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:  # also after a normal exit: whatever is left in its group would hold the GPU for the next case
-            kill_groups(process, psutil)
-    return Finished(returncode, time.monotonic() - started)
-
-
-def kill_groups(process: subprocess.Popen, psutil) -> None:
-    descendants = []
-    with contextlib.suppress(psutil.Error):
-        descendants = psutil.Process(process.pid).children(recursive=True)
-    groups = {process.pid}
-    for child in descendants:
-        with contextlib.suppress(OSError):
-            groups.add(os.getpgid(child.pid))
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(group, sig)
-        if wait_until_dead(process, descendants, KILL_GRACE_S):
-            break
-
-
-def wait_until_dead(process: subprocess.Popen, descendants: list, timeout: float) -> bool:
-    """Whether `process` (reaped here) and every one of `descendants` (psutil processes; a zombie counts as dead:
-    its parent, or init, collects it) ended within `timeout`."""
-    import psutil
-
-    def dead(descendant) -> bool:
-        try:
-            return descendant.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None and all(dead(descendant) for descendant in descendants):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-
-
-def failure(log_path: Path, finished: Finished, timeout: float) -> str:
-    if finished.returncode is None:
-        return f"killed after {timeout:.0f} s (process group and ranks); log {log_path}"
-    lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-    return f"exit {finished.returncode}: {lines[-1][:160] if lines else 'no output'}; log {log_path}"
 
 
 # --- budget ----------------------------------------------------------------------------------------------------
 
 
-def case_limit(case: Case) -> float:
-    return COMPILED_TIMEOUT_S if case.levers.get("torch_compile") else CASE_TIMEOUT_S
+def case_needs(case: Case) -> float:
+    """What the case needs (scripts/device_budget.py): its kind's time, its probe's where it is probed."""
+    return case_seconds(case.config, case.levers, probed(case_name(*case)))
 
 
-def time_for(limit: float, left: float) -> float | None:
-    """How long a step with its own `limit` may run when `left` seconds of the budget remain: the limit, cut so that
-    its kill (2 x KILL_GRACE_S) and the closing (CLOSING_S) still end within the budget; None (not started) where
-    that leaves under MIN_CASE_S."""
-    usable = left - 2 * KILL_GRACE_S - CLOSING_S
-    return min(limit, usable) if usable >= MIN_CASE_S else None
-
-
-def budget_left(since: float) -> float:
-    """Seconds of BUDGET_S left, counted from `since` (Unix time)."""
-    return BUDGET_S - (time.time() - since)
+def plain_twin(case: Case) -> Case | None:
+    """The plain case a compared case is compared with, else None."""
+    return Case(case.config, case.accumulation, case.packing, {}) if compared_suffix(case_name(*case)) else None
 
 
 def process_start() -> float:
@@ -313,7 +224,8 @@ def launch_command(case: Case, model: str, data: str, output_dir: Path) -> list[
     return [  # accelerate's launcher as a module of this interpreter: its console script may sit elsewhere
         sys.executable, "-m", "accelerate.commands.launch", "--config_file",
         str(REPO / "accelerate_configs" / f"{case.config}.yaml"), "--num_processes", "1", "--num_machines", "1",
-        "--main_process_port", "29555", str(REPO / "recipes" / "tiny.py"),
+        "--main_process_port", "29555", str(REPO / "scripts" / "device_counted_launch.py"),
+        str(REPO / "recipes" / "tiny.py"),
         "--model_name_or_path", model, "--dataset", data, "--output_dir", str(output_dir),
         "--max_seq_length", str(SEQ), "--per_device_train_batch_size", str(MICRO),
         "--global_batch_size", str(MICRO * case.accumulation), "--max_steps", str(STEPS), "--logging_steps", "1",
@@ -329,9 +241,12 @@ def launch_command(case: Case, model: str, data: str, output_dir: Path) -> list[
 
 
 def probed(name: str) -> bool:
-    """Whether a case's final hidden states are compared: a compared case, or the plain case of one."""
-    return bool(compared_suffix(name)) or any(compared_suffix(other) and other.removesuffix(compared_suffix(other))
-                                              == name for other in map(lambda case: case_name(*case), CASES))
+    """Whether a case's final hidden states are compared: a case compared on them, or the plain case of one."""
+    def on_hidden(other: str) -> bool:
+        return "hidden" in COMPARED.get(compared_suffix(other), {})
+
+    return on_hidden(name) or any(on_hidden(other) and other.removesuffix(compared_suffix(other)) == name
+                                  for other in map(lambda case: case_name(*case), CASES))
 
 
 def probe(out: str, model_dir: str, ids_file: str, suffix: str) -> None:
@@ -344,9 +259,9 @@ def probe(out: str, model_dir: str, ids_file: str, suffix: str) -> None:
 def add_hidden_states(row: dict, output_dir: Path, root: Path, log_dir: Path, left: float) -> None:
     """The trained case's final hidden states of the fixed batch, kept in log_dir (a later command compares with
     them): row["hidden_file"], or row["hidden_error"] saying why not."""
-    limit = time_for(PROBE_TIMEOUT_S, left)
+    limit = time_for(LIMIT_FACTOR * PROBE_S, PROBE_S, left)
     if limit is None:
-        row["hidden_error"] = f"not probed: the {BUDGET_S} s budget was spent"
+        row["hidden_error"] = "not probed: the budget was spent"
         return
     out, log_path = log_dir / f"{output_dir.name}.hidden.pt", log_dir / f"{output_dir.name}.probe.log"
     out.unlink(missing_ok=True)
@@ -362,18 +277,20 @@ def add_hidden_states(row: dict, output_dir: Path, root: Path, log_dir: Path, le
 # --- the run ---------------------------------------------------------------------------------------------------
 
 
-def selected_cases(names: str | None) -> list[Case]:
-    """CASES, or those `--cases` names (comma-separated, as case_slug writes them) in CASES' order. Raises
-    ValueError naming the unknown ones and every known one."""
+def selected_cases(names: str | None, call: int | None = None) -> list[Case]:
+    """The call's cases (CALLS), CASES without one, or those `--cases` names (comma-separated, as case_slug writes
+    them) with the plain twin of each compared one, in CASES' order. Raises ValueError naming the unknown ones and
+    every known one."""
     if not names:
-        return list(CASES)
+        return list(CALLS[call]) if call else list(CASES)
     wanted = [name.strip() for name in names.split(",") if name.strip()]
     known = {case_slug(case): case for case in CASES}
     unknown = [name for name in wanted if name not in known]
     if unknown or not wanted:
         raise ValueError(f"--cases {', '.join(unknown) or repr(names)}: not a case; give some of "
                          f"{','.join(known)}")
-    return [case for case in CASES if case_slug(case) in wanted]
+    twins = {case_slug(plain_twin(known[name])) for name in wanted if plain_twin(known[name])}
+    return [case for case in CASES if case_slug(case) in set(wanted) | twins]
 
 
 def child_env() -> dict[str, str]:
@@ -383,75 +300,124 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
 
 
-def in_scratch(work: Callable[[Path], None]) -> int | None:
-    """work(a temporary directory) with SIGTERM and SIGINT ending it: the running case killed whole (in
-    run_killing_group, on the way out), the directory removed. The signal's number if one ended it, else None."""
-    with stopping_on_signals():
-        try:
-            with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-                work(Path(scratch))
-        except Stopped as stop:
-            return stop.signum
-    return None
+class Reporter:
+    """The three files that come back from the device: --out (a JSON line per row and comparison, appended as each
+    ends), --table (the table as printed) and --archive (a tar.gz of --log_dir's logs), the last two rewritten
+    whole, each through a temporary file, so that a kill at any moment leaves the previous complete one."""
+
+    def __init__(self, args) -> None:
+        self.out, self.table, self.archive, self.log_dir = args.out, args.table, args.archive, Path(args.log_dir)
+
+    def append(self, record: dict) -> None:
+        append_jsonl(self.out, record)
+
+    def write(self, rows: list[dict], comparisons: list[dict]) -> None:
+        if self.table:
+            text = io.StringIO()
+            with contextlib.redirect_stdout(text):
+                print_table(rows, comparisons)
+            replace_file(Path(self.table), text.getvalue().encode())
+        if self.archive:
+            packed = io.BytesIO()
+            with tarfile.open(fileobj=packed, mode="w:gz") as archive:
+                for path in sorted(self.log_dir.glob("*")):
+                    if path.suffix in (".log", ".jsonl", ".json"):
+                        archive.add(path, arcname=f"gpu-check/{path.name}")
+            replace_file(Path(self.archive), packed.getvalue())
+
+
+def replace_file(path: Path, content: bytes) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(content)
+    os.replace(partial, path)
 
 
 def run_cases(root: Path, cases: list[Case], deadline: float, args, gpu_memory: int, rows: list,
-              comparisons: list) -> None:
-    """Each case in turn, within the budget, into `rows` (and --out as each ends); each comparison once a compared
-    case and its plain case have trained, here or in an earlier command with the same --out, into `comparisons`."""
+              comparisons: list, reporter: Reporter) -> None:
+    """Each case in turn, within the budget, into `rows` (and the reporter's files as each ends); each comparison
+    once a compared case and its plain twin have trained, here or in an earlier command with the same --out, into
+    `comparisons`. A case starts only with what it needs left, its plain twin's too where that is still to run;
+    a compared case whose twin did not train here or earlier is not started."""
     log_dir, earlier = Path(args.log_dir), earlier_records(args.out)
     latest = {record["case"]: record for record in earlier if "case" in record}
     done = {record["comparison"] for record in earlier if "comparison" in record}
-    limit = time_for(ASSETS_TIMEOUT_S, deadline - time.monotonic()) or 1
+    limit = time_for(LIMIT_FACTOR * ASSETS_S, ASSETS_S, deadline - time.monotonic()) or 1
     finished = run_killing_group([sys.executable, __file__, "--write_assets", str(root)], limit,
                                  log_dir / "assets.log", child_env())
     if finished.returncode != 0:
         for case in cases:
             rows.append({"case": case_name(*case), "error": "not started: the model and data were not written: "
                                                               f"{failure(log_dir / 'assets.log', finished, limit)}"})
-            append_jsonl(args.out, rows[-1])
+            reporter.append(rows[-1])
+        reporter.write(rows, comparisons)
         return
     lengths = json.loads((root / "lengths.json").read_text())
-    for case in cases:
+    for index, case in enumerate(cases):
         name, kind, output_dir = case_name(*case), "packed" if case.packing else "padded", root / case_slug(case)
-        limit = time_for(case_limit(case), deadline - time.monotonic())
-        row = {"case": name, "error": f"not started: the {BUDGET_S} s budget was spent (run it with --rest)"}
-        if limit is not None:
-            log_path = log_dir / f"{case_slug(case)}.log"
-            planned = planned_peaks(case.config, case.packing, planned_seq(lengths[kind], case.packing),
-                                    gpu_memory, case.levers)
-            command = launch_command(case, str(root / "model"), str(root / f"{kind}.jsonl"), output_dir)
-            ended = run_killing_group(command, limit, log_path, child_env())
-            row = {"case": name, "seconds": ended.seconds}
-            if ended.returncode != 0:
-                row["error"] = failure(log_path, ended, limit)
-            else:
-                metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-                row.update(summarize(metrics, planned, gpu_memory / 1e9))
-                if probed(name):
-                    add_hidden_states(row, output_dir, root, log_dir, deadline - time.monotonic())
+        twin = plain_twin(case)
+        twin_name = case_name(*twin) if twin else None
+        twin_later = twin in cases[index + 1:] and twin_name not in latest
+        needs = case_needs(case) + (case_needs(twin) if twin_later else 0)
+        limit = time_for(LIMIT_FACTOR * case_needs(case), needs, deadline - time.monotonic())
+        row = {"case": name, "error": f"not started: the budget left no {needs:.0f} s for it (run it again: "
+                                      "--rest, or --cases in a later call)"}
+        if twin and not twin_later and "error" in latest.get(twin_name, {"error": ""}):
+            row["error"] = f"not started: its plain twin {twin_name} did not train (run both again)"
+        elif limit is not None:
+            row = run_case(case, root, output_dir, log_dir, limit, lengths[kind], gpu_memory, deadline)
         rows.append(row)
         latest[name] = row
-        append_jsonl(args.out, row)
+        reporter.append(row)
         print(json.dumps(as_json(row)), flush=True)
         for found in new_comparisons(latest, done):
             comparisons.append(found)
             done.add(found["comparison"])
-            append_jsonl(args.out, found)
+            reporter.append(found)
+        reporter.write(rows, comparisons)
+
+
+def run_case(case: Case, root: Path, output_dir: Path, log_dir: Path, limit: float, lengths: list[int],
+             gpu_memory: int, deadline: float) -> dict:
+    """One case launched, summarized and (where compared) its replaced modules and hidden states added."""
+    name, kind = case_name(*case), "packed" if case.packing else "padded"
+    log_path, replaced_file = log_dir / f"{case_slug(case)}.log", log_dir / f"{case_slug(case)}.replaced.json"
+    replaced_file.unlink(missing_ok=True)
+    planned = planned_peaks(case.config, case.packing, planned_seq(lengths, case.packing), gpu_memory, case.levers)
+    command = launch_command(case, str(root / "model"), str(root / f"{kind}.jsonl"), output_dir)
+    ended = run_killing_group(command, limit, log_path, {**child_env(), "SHARDTUNE_REPLACED_FILE": str(replaced_file)})
+    row = {"case": name, "seconds": ended.seconds}
+    if ended.returncode != 0:
+        row["error"] = failure(log_path, ended, limit)
+        return row
+    metrics_text = (output_dir / "metrics.jsonl").read_text()
+    (log_dir / f"{case_slug(case)}.metrics.jsonl").write_text(metrics_text)  # in the archive
+    row.update(summarize([json.loads(line) for line in metrics_text.splitlines()], planned, gpu_memory / 1e9))
+    expected = planned_replacements(compared_suffix(name), MODEL["num_hidden_layers"])
+    if expected:
+        row["replaced_planned"] = expected
+        row["replaced"] = json.loads(replaced_file.read_text()) if replaced_file.is_file() else None
+    if probed(name):
+        add_hidden_states(row, output_dir, root, log_dir, deadline - time.monotonic())
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", help="comma-separated cases to run, in CASES' order (default: all): "
-                        + ",".join(case_slug(case) for case in CASES))
+    parser.add_argument("--call", type=int, choices=sorted(CALLS), help="the device tool's call: its cases (CALLS)")
+    parser.add_argument("--cases", help="comma-separated cases to run, with the plain twins of the compared ones, in "
+                        "CASES' order (default: all, or the call's): " + ",".join(case_slug(case) for case in CASES))
     parser.add_argument("--out", help="append each case's row and each comparison to this JSON Lines file as it ends")
-    parser.add_argument("--rest", action="store_true", help="with --out: only the cases it holds no row of (a second "
-                        "command after a first that the budget cut)")
+    parser.add_argument("--table", help="write the table to this file as each case ends and on SIGTERM")
+    parser.add_argument("--archive", help="write --log_dir's logs to this tar.gz as each case ends and on SIGTERM")
+    parser.add_argument("--rest", action="store_true", help="with --out: only the cases it holds no row of, or a "
+                        "row saying they were not started (a second command after a first that the budget cut)")
+    parser.add_argument("--budget_s", type=float, default=FIRST_CALL_S, help="seconds the whole command may take "
+                        "(default: %(default)s; the second device call's: scripts/device_budget.second_call_budget)")
     parser.add_argument("--since", type=float, help="the Unix time the budget counts from (default: this process's "
                         "start); the device command passes its own start, so that the wheel install counts")
     parser.add_argument("--log_dir", default=str(REPO / "logs" / "gpu-check"),
                         help="each case's launch output, kept after the run (default: %(default)s)")
-    parser.add_argument("--write_assets", help=argparse.SUPPRESS)  # the child processes of run_cases and compare
+    parser.add_argument("--write_assets", help=argparse.SUPPRESS)  # the child processes of run_cases
     parser.add_argument("--probe", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.write_assets:
@@ -460,9 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe:
         probe(*args.probe)
         return 0
-    deadline = time.monotonic() + budget_left(args.since or process_start())
+    deadline = time.monotonic() + budget_left(args.since or process_start(), args.budget_s)
     try:
-        cases = selected_cases(args.cases)
+        cases = selected_cases(args.cases, args.call)
     except ValueError as error:
         print(f"gpu_check: error: {error}", file=sys.stderr)
         return 2
@@ -483,13 +449,16 @@ def main(argv: list[str] | None = None) -> int:
     skipped = [case_slug(case) for case in cases if not runs_here(case.levers, capability)]
     cases = [case for case in cases if runs_here(case.levers, capability)]
     print(f"gpu_check: {torch.cuda.get_device_name(0)} (compute capability {capability[0]}.{capability[1]}), "
-          f"torch {torch.__version__}, {len(cases)} cases, {deadline - time.monotonic():.0f} s of the {BUDGET_S} s "
-          "budget left" + (f"; skipped {', '.join(skipped)}: no float8 tensor cores" if skipped else ""), flush=True)
+          f"torch {torch.__version__}, {len(cases)} cases, {deadline - time.monotonic():.0f} s of the "
+          f"{args.budget_s:.0f} s budget left" + (f"; skipped {', '.join(skipped)}: no float8 tensor cores"
+                                                   if skipped else ""), flush=True)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     comparisons: list[dict] = []
+    reporter = Reporter(args)
     memory = torch.cuda.get_device_properties(0).total_memory
-    stopped = in_scratch(lambda root: run_cases(root, cases, deadline, args, memory, rows, comparisons))
+    stopped = in_scratch(lambda root: run_cases(root, cases, deadline, args, memory, rows, comparisons, reporter))
+    reporter.write(rows, comparisons)  # again: a signal may have ended a case since the last write
     if stopped:
         print(f"gpu_check: stopped by {signal.Signals(stopped).name}: the running case was killed, the temporary "
               "files removed; the table holds the cases that ended", file=sys.stderr)
@@ -499,8 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = failed_cases(rows, comparisons)
     if failed:
         print(f"gpu_check: {len(failed)} case(s) failed, missed the plan by more than {TOLERANCE:.0%}, a planned "
-              f"reserve, or their plain case's figures by more than their tolerance: {', '.join(failed)}",
-              file=sys.stderr)
+              f"reserve or module count, logged a NaN, or missed their plain twin's figures by more than their "
+              f"tolerance: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 

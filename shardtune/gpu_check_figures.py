@@ -1,6 +1,7 @@
 """gpu_check's figures, apart from its runner (scripts/gpu_check.py) so that both stay readable and the arithmetic is
 tested on CPU: a case's figures from its metrics.jsonl, the planner's reserves against what was reserved, the
-comparison of a Liger or fp8 case with its plain case, and the closing table."""
+modules Liger and fp8 replaced against the planned number, the comparison of a Liger, fp8 or levers case with its
+plain case, and the closing table. A NaN fails every check it reaches."""
 
 from __future__ import annotations
 
@@ -18,9 +19,17 @@ TOLERANCE = 0.10  # a planned peak against the measured one, relative
 # round differently (fused norm, SwiGLU, RoPE and loss), about 1e-2. fp8: e4m3 keeps 3 mantissa bits, so each matmul's
 # output moves by about 3.5% (rms) and the final hidden states by several percent; the gradient norm and the loss,
 # sums over millions of terms, average that out. A decoder scaled by 50 or replaced by noise moves the hidden
-# states by far more than either (tests/unit/test_gpu_check_compare.py).
+# states by far more than either (tests/unit/test_gpu_check_compare.py). The levers (compile, 8-bit AdamW, bf16
+# stochastic rounding) change the numerics of the forward (compile's fused kernels) and of each update (8-bit
+# moments, rounding): losses and gradient norms only, as their model's hidden states move by updates of lr 1e-5.
+# "grad_norm": every logged step's, the largest gap counted.
 COMPARED = {" liger": {"grad_norm": 0.01, "hidden": 0.01, "loss": 0.01},
-            " fp8": {"grad_norm": 0.02, "hidden": 0.10, "loss": 0.02}}
+            " fp8": {"grad_norm": 0.02, "hidden": 0.10, "loss": 0.02},
+            " levers": {"grad_norm": 0.03, "loss": 0.02}}
+# What Liger and fp8 replace in a Llama decoder of L layers (shardtune.liger, shardtune.float8): Liger's RMSNorm in
+# each layer's two norms and the final one, its SwiGLU in each MLP, its RoPE in the modeling module; torchao's
+# Float8Linear for each layer's seven projections (never lm_head).
+LLAMA_PROJECTIONS = 7
 MEASURED_PHASES = (("train", "peak_memory_gb"), ("save", "save_peak_memory_gb"), ("eval", "eval_peak_memory_gb"))
 
 
@@ -36,6 +45,7 @@ def summarize(rows: list[dict], planned: dict[str, float], gpu_memory_gb: float 
         return {"error": "metrics.jsonl holds no warm-up or no timed window"}
     steps = [row["step"] for row in windows]
     result = {"losses": [row["loss"] for row in windows],
+              "grad_norms": [row.get("grad_norm", math.nan) for row in windows],
               "first_grad_norm": windows[0].get("grad_norm", math.nan) if steps[0] == 1 else math.nan,
               "warmup_s": sum(row["step_time_s"] * (row["step"] - before) for row, before in
                               zip(warmup, [0, *steps], strict=False)),
@@ -69,8 +79,59 @@ def reserve_against_plan(allocated: float, reserved: float, used: float, gpu_mem
 
 
 def reserve_misses(row: dict) -> list[str]:
+    """The reserves exceeded, or not measured (NaN)."""
     return [name for name in ("fragmentation", "outside_allocator")
-            if row.get(f"{name}_gb", math.nan) > row.get(f"{name}_planned_gb", math.nan)]
+            if not row.get(f"{name}_gb", math.nan) <= row.get(f"{name}_planned_gb", math.nan)]
+
+
+def planned_replacements(suffix: str, layers: int) -> dict[str, int]:
+    """What a compared case's feature replaces in a Llama decoder of `layers` layers (none for the levers)."""
+    if suffix == " liger":
+        return {"liger_rms_norm": 2 * layers + 1, "liger_swiglu": layers, "liger_rope": 1}
+    if suffix == " fp8":
+        return {"float8_linears": LLAMA_PROJECTIONS * layers}
+    return {}
+
+
+def replaced_modules(model) -> dict[str, int]:
+    """What Liger and fp8 replaced in `model`: the modules running Liger's RMSNorm or SwiGLU forward (Liger binds
+    its forwards to the instances), whether the model's modeling module calls Liger's RoPE, torchao's
+    Float8Linear modules. A feature whose package is not importable counts 0."""
+    import sys
+
+    counts = {"liger_rms_norm": 0, "liger_swiglu": 0, "liger_rope": 0, "float8_linears": 0}
+    modules = list(model.modules())
+    try:
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+        from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    except ImportError:
+        pass
+    else:
+        def runs(module, forward) -> bool:
+            return getattr(module.__dict__.get("forward"), "__func__", None) is forward
+
+        counts["liger_rms_norm"] = sum(runs(module, LigerRMSNorm.forward) for module in modules)
+        counts["liger_swiglu"] = sum(runs(module, LigerSwiGLUMLP.forward) for module in modules)
+        modeling = sys.modules.get(type(model).__module__)
+        counts["liger_rope"] = int(getattr(modeling, "apply_rotary_pos_emb", None) is liger_rotary_pos_emb)
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        pass
+    else:
+        counts["float8_linears"] = sum(isinstance(module, Float8Linear) for module in modules)
+    return counts
+
+
+def replacement_misses(row: dict) -> list[str]:
+    """The replaced-module counts of a trained compared case that differ from the planned ones (or were not
+    recorded): a feature that did nothing, or did it to the wrong modules."""
+    planned = row.get("replaced_planned") or {}
+    if not planned and compared_suffix(row["case"]) in (" liger", " fp8"):
+        return ["no planned count"]
+    recorded = row.get("replaced") or {}
+    return [name for name, count in planned.items() if recorded.get(name) != count]
 
 
 def case_name(config: str, accumulation: int, packing: bool, levers: dict) -> str:
@@ -84,20 +145,31 @@ def compared_suffix(case: str) -> str:
     return next((suffix for suffix in COMPARED if case.endswith(suffix)), "")
 
 
+def largest_gap(mine: list, theirs: list) -> float:
+    """The largest relative gap of two series step by step; NaN where their lengths differ or any value is NaN or
+    missing (None)."""
+    if len(mine) != len(theirs):
+        return math.nan
+    gaps = [abs(a / b - 1) if a is not None and b is not None and b != 0 else math.nan for a, b in
+            zip(mine, theirs, strict=True)]
+    return math.nan if any(not math.isfinite(gap) for gap in gaps) else max(gaps)
+
+
 def relative_gaps(mine: dict, theirs: dict) -> dict[str, float]:
     """A compared case's figures against its plain case's, each relative to the plain one, for the figures both
-    have: "grad_norm" (the first step's), "hidden" (tensors: the final hidden states of the fixed batch; the norm of
-    the difference over the plain one's) and "losses" (the largest gap of the logged losses; NaN where their counts
-    differ)."""
+    have: "grad_norm" ("grad_norms": every logged step's, or "grad_norm": one), "hidden" (tensors: the final hidden
+    states of the fixed batch; the norm of the difference over the plain one's) and "losses" (the largest gap of the
+    logged losses). Where the series differ in length or hold a NaN, the gap is NaN."""
     gaps = {}
-    if mine.get("grad_norm") is not None and theirs.get("grad_norm") is not None:
-        gaps["grad_norm"] = abs(mine["grad_norm"] / theirs["grad_norm"] - 1)
+    norms = [figures.get("grad_norms") or ([figures["grad_norm"]] if figures.get("grad_norm") is not None else None)
+             for figures in (mine, theirs)]
+    if norms[0] and norms[1]:
+        gaps["grad_norm"] = largest_gap(*norms)
     if mine.get("hidden") is not None and theirs.get("hidden") is not None:
         difference = (mine["hidden"].float() - theirs["hidden"].float()).norm()
         gaps["hidden"] = float(difference / theirs["hidden"].float().norm())
     if mine.get("losses") and theirs.get("losses"):
-        gaps["loss"] = max(abs(a / b - 1) for a, b in zip(mine["losses"], theirs["losses"], strict=False)) \
-            if len(mine["losses"]) == len(theirs["losses"]) else math.nan
+        gaps["loss"] = largest_gap(mine["losses"], theirs["losses"])
     return gaps
 
 
@@ -112,7 +184,8 @@ def comparison(row: dict, plain: dict) -> dict:
     suffix = compared_suffix(row["case"])
     figures = []
     for each in (row, plain):
-        figures.append({"grad_norm": each.get("first_grad_norm"), "losses": each.get("losses")})
+        figures.append({"grad_norms": each.get("grad_norms"), "grad_norm": each.get("first_grad_norm"),
+                        "losses": each.get("losses")})
         if each.get("hidden_file") and Path(each["hidden_file"]).is_file():
             import torch
 
@@ -216,6 +289,12 @@ def print_table(rows: list[dict], comparisons: list[dict] = ()) -> None:
             print(f"{row['case']}: reserved - allocated {row['fragmentation_gb']:.2f} GB (planned headroom "
                   f"{row['fragmentation_planned_gb']:.2f}), outside the allocator {row['outside_allocator_gb']:.2f} "
                   f"GB (planned {row['outside_allocator_planned_gb']:.2f})")
+    for row in rows:
+        if "error" not in row and row.get("replaced_planned"):
+            counts = ", ".join(f"{name} {(row.get('replaced') or {}).get(name)} (planned {count})"
+                               for name, count in row["replaced_planned"].items())
+            verdict = "FAILED" if replacement_misses(row) else "ok"
+            print(f"{row['case']}: replaced {counts}: {verdict}")
     for comparison in comparisons:
         gaps = ", ".join(f"{name} {comparison['gaps'].get(name, math.nan):.2%} (tolerance {limit:.0%})"
                          for name, limit in comparison["tolerance"].items())
@@ -225,17 +304,27 @@ def print_table(rows: list[dict], comparisons: list[dict] = ()) -> None:
 
 
 def worst_error(row: dict) -> float:
-    return max((row[f"{phase}_error"] for phase, _ in MEASURED_PHASES), key=abs)
+    """The planned peak's largest miss, NaN where any phase's is NaN or missing."""
+    errors = [row.get(f"{phase}_error", math.nan) for phase, _ in MEASURED_PHASES]
+    return math.nan if any(not math.isfinite(error) for error in errors) else max(errors, key=abs)
+
+
+def non_finite(row: dict) -> bool:
+    """Whether a trained case logged a NaN or infinite loss or gradient norm."""
+    return any(value is None or not math.isfinite(value) for value in [*row.get("losses", []),
+                                                                      *row.get("grad_norms", [])])
 
 
 def failed_cases(rows: list[dict], comparisons: list[dict] = ()) -> list[str]:
-    """Cases that failed, missed a planned peak by more than TOLERANCE or a planned reserve, or (compared cases)
-    whose comparison failed or did not happen."""
+    """Cases that failed, missed a planned peak by more than TOLERANCE or a planned reserve, logged a NaN, or
+    (compared cases) replaced other than the planned number of modules or whose comparison failed or did not
+    happen."""
     compared = {comparison["comparison"]: comparison for comparison in comparisons}
     failed = []
     for row in rows:
         name = row["case"]
-        if "error" in row or abs(worst_error(row)) > TOLERANCE or reserve_misses(row) or \
+        if "error" in row or not abs(worst_error(row)) <= TOLERANCE or reserve_misses(row) or non_finite(row) or \
+                replacement_misses(row) or \
                 (compared_suffix(name) and compared.get(name, {"failed": ["missing"]})["failed"]):
             failed.append(name)
     return failed

@@ -108,8 +108,9 @@ def test_the_levers_case_launches_and_plans_the_same_fields(gpu_check):
 
 def test_the_compared_cases_run_first_beside_their_plain_cases(gpu_check):
     """fp8 and Liger (FSDP2 and ZeRO-3, where the head's weight is sharded) and the levers, never run anywhere, come
-    before the rest; each compared case has a plain case with the same config, accumulation and packing, whose hidden
-    states are probed too."""
+    before the rest; each compared case has a plain case with the same config, accumulation and packing; the hidden
+    states of the Liger and fp8 cases and their plain twins are probed (the levers are compared on losses and
+    gradient norms)."""
     names = [gpu_check.case_name(*case) for case in gpu_check.CASES]
     assert len(set(names)) == len(names) == 10
     features = [index for index, case in enumerate(gpu_check.CASES) if case.levers]
@@ -121,11 +122,14 @@ def test_the_compared_cases_run_first_beside_their_plain_cases(gpu_check):
     assert {case.config for case in liger} == {"fsdp_full_shard", "ds_zero3"}
     recipe = parse_recipe(Recipe(mixed_precision="bf16"), gpu_check.lever_flags(gpu_check.LIGER))
     assert recipe.use_liger_kernel and recipe.chunked_cross_entropy and not recipe.torch_compile
+    on_hidden = {name.removesuffix(gpu_check.compared_suffix(name)) for name in names
+                 if gpu_check.compared_suffix(name) in (" liger", " fp8")}
     for name in names:
         suffix = gpu_check.compared_suffix(name)
-        assert gpu_check.probed(name) == (bool(suffix) or name in plain_of)
+        assert gpu_check.probed(name) == (suffix in (" liger", " fp8") or name in on_hidden)
         if suffix:
-            assert name.removesuffix(suffix) in names and suffix in (" liger", " fp8")
+            assert name.removesuffix(suffix) in names and suffix in (" liger", " fp8", " levers")
+    assert not gpu_check.probed("fsdp_full_shard packed x4 levers") and not gpu_check.probed("ddp padded x1")
 
 
 def test_the_planner_doc_states_the_tolerances(gpu_check):
