@@ -6,10 +6,12 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_recipe
+from tests.conftest import REPO, free_port, kill_tree, launch_env, popen, run_recipe
+from tests.unit.test_bad_launch import CPU_FLAG, FSDP_TP_ON_TWO, ONE_PROCESS, TP_TWO
 
 # Whatever the shell running the tests exported must not leak into a case.
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -53,3 +55,47 @@ def test_batch_must_divide_over_ranks(tiny_assets, tmp_path):
     assert any(refusal in line for line in ending), "\n".join(ending)
     assert "To enable traceback see" not in "\n".join(ending)
     assert not output_dir.exists()
+
+
+# The launcher settings a rank can judge only under the real `accelerate launch` (its command line read from the
+# rank's parent): (the launcher's options, the one line every refusing machine prints after "shardtune: error: ").
+# tests/unit/test_bad_launch.py runs the same cases in-process, with the variables accelerate's code builds.
+SCRIPT = "recipes/tiny.py"
+LAUNCHER_CASES = {
+    "TP size beside ddp.yaml": (("--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
+                                 "--parallelism_config_tp_size", "2"), TP_TWO.format(config="ddp", strategy="DDP")),
+    "two processes without a config": (("--num_processes", "2"), ONE_PROCESS.replace("{script}", SCRIPT)),
+    "--cpu with two processes": (("--cpu", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2"),
+                                 CPU_FLAG.replace("{script}", SCRIPT)),
+    # Waited forever for a second machine while the file said num_machines: 2.
+    "fsdp_tp.yaml on one machine": (("--config_file", "accelerate_configs/fsdp_tp.yaml", "--num_processes", "2"),
+                                    FSDP_TP_ON_TWO),
+    "the launcher's precision against the recipe's": (
+        ("--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "1", "--mixed_precision", "fp16"),
+        "accelerate launch --mixed_precision fp16 and the recipe's --mixed_precision no disagree, and the recipe's "
+        "would be applied: give the recipe --mixed_precision fp16 (after the script) and drop the launcher's flag."),
+}
+
+
+@pytest.mark.parametrize("case", LAUNCHER_CASES)
+def test_a_launcher_setting_that_would_not_act_is_refused_at_start_up(case, tiny_assets, tmp_path):
+    """The real launcher, started from the repository as users start it: exit non-zero with the one line, before
+    any model loads or file is written, within a start-up's time (no rendezvous left waiting)."""
+    options, line = LAUNCHER_CASES[case]
+    model_dir, data_file = tiny_assets
+    output_dir = tmp_path / "out"
+    command = [str(Path(sys.executable).parent / "accelerate"), "launch", *options, "--main_process_port",
+               str(free_port()), SCRIPT, "--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir",
+               str(output_dir), "--report_to", "none", "--use_cpu", "true"]
+    # HF_HOME of its own: no default accelerate config of this machine's is read where the case names none.
+    process = popen(command, cwd=REPO, env=launch_env({"HF_HOME": str(tmp_path / "hf")}), stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        kill_tree(process)
+        raise AssertionError(f"{' '.join(command)}\nstill running after 300 s: a hang") from None
+    assert process.returncode != 0, stderr[-3000:]
+    assert {text for text in stderr.splitlines() if text.startswith("shardtune: error:")} == {
+        f"shardtune: error: {line}"}, stderr[-3000:]
+    assert "Loading weights" not in stderr and not output_dir.exists()
