@@ -4,11 +4,14 @@
 
 The base defaults to the one recorded in adapter_config.json (an absolute path, or a Hub id). An adapter that
 records a relative path (written before runs recorded it absolute) is resolved through the run_config.json beside
-it, which records the run's model absolute; failing that, the command names --base. Merging is peft's
-`merge_and_unload`: W + B·A·α/r. The merged model is written under a temporary name, loaded back (its weights'
-names and shapes against the model class its config names), then renamed: it appears whole or not at all, with
-the file modes any new file gets (0644 under umask 022). A checkpoint-<step> directory is exported with
-scripts/export_hf.py instead (merged by default).
+it, which records the run's model absolute; failing that, the command names --base. --base where the recorded base
+is still found must be that base (the same directory, or the Hub id); another model, even of the same shape,
+would merge without a word into weights the adapter was not trained on: it is refused unless --other_base says so
+(a copy of the base elsewhere). A recorded base that is no longer found (a moved directory) takes --base as given.
+Merging is peft's `merge_and_unload`: W + B·A·α/r. The merged model is written under a temporary name, loaded
+back (its weights' names and shapes against the model class its config names), then renamed: it appears whole or
+not at all, with the file modes any new file gets (0644 under umask 022). A checkpoint-<step> directory is
+exported with scripts/export_hf.py instead (merged by default).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import re
 import shutil
 import sys
+import typing
 from pathlib import Path
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -30,14 +34,59 @@ class Refused(Exception):
     """Bad input: the message names the problem and the fix."""
 
 
-def base_model(adapter_dir: str, given: str) -> str:
-    """The base to merge into: --base, else the adapter's recorded base, resolved (see the module's doc)."""
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's own errors (a missing directory argument, an unknown --dtype) in one line, exit code 2, instead
+    of its usage block."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        print(f"merge_lora: error: {message}; see --help.", file=sys.stderr)
+        sys.exit(2)
+
+
+def base_model(adapter_dir: str, given: str, other_base: bool = False) -> str:
+    """The base to merge into: --base, else the adapter's recorded base, resolved (see the module's doc). --base
+    must name the recorded base where that is still found, unless `other_base`."""
+    if other_base and not given:
+        raise Refused("--other_base merges into a base other than the recorded one, which --base names: add --base, "
+                      "or drop --other_base.")
     if given:
         if looks_local(given) and not os.path.isdir(given):
             raise Refused(f"--base {given} not found: give the base model's directory or its Hub id.")
-        return os.path.abspath(given) if os.path.isdir(given) else given
-    with open(os.path.join(adapter_dir, "adapter_config.json")) as file:
-        recorded = json.load(file).get("base_model_name_or_path") or ""
+        base = os.path.abspath(given) if os.path.isdir(given) else given
+        if not other_base:
+            check_recorded_base(adapter_dir, given, base)
+        return base
+    return recorded_base(adapter_dir)
+
+
+def check_recorded_base(adapter_dir: str, given: str, base: str) -> None:
+    """--base against the base adapter_config.json records, where that is still found: the same directory (the
+    real paths compared), or the same Hub id. A recorded base not found any more says nothing against --base."""
+    try:
+        recorded = recorded_base(adapter_dir)
+    except Refused:  # not found from here: --base is the fix the refusal names
+        return
+    if os.path.isdir(recorded) and os.path.isdir(base):
+        same = os.path.realpath(recorded) == os.path.realpath(base)
+    elif os.path.isdir(base):  # a Hub id's snapshot in the Hugging Face cache is that model
+        same = f"models--{recorded.replace('/', '--')}" in Path(os.path.realpath(base)).parts
+    else:
+        same = recorded == base
+    if not same:
+        raise Refused(f"--base {given} is not the base {adapter_dir}/adapter_config.json records ({recorded}), "
+                      "which the adapter was trained on: drop --base to merge into that one, or pass --base "
+                      f"{recorded}; add --other_base to merge into {given} all the same (a copy of that base).")
+
+
+def recorded_base(adapter_dir: str) -> str:
+    """The base adapter_config.json records, resolved: an absolute path that exists, a relative one through the
+    run's run_config.json or the working directory, or a Hub id; Refused when it is not found."""
+    try:
+        with open(os.path.join(adapter_dir, "adapter_config.json")) as file:
+            recorded = json.load(file).get("base_model_name_or_path") or ""
+    except (ValueError, AttributeError) as error:  # not JSON, or JSON but no object
+        raise Refused(f"{adapter_dir}/adapter_config.json is not a JSON object ({first_line(error)}): give the "
+                      "output_dir of a --use_peft run, whose adapter_config.json peft wrote.") from None
     if not recorded:
         raise Refused(f"{adapter_dir}/adapter_config.json records no base model: give it with --base.")
     if os.path.isabs(recorded) or recorded.startswith("~"):
@@ -129,10 +178,14 @@ def first_line(error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("adapter_dir", help="a --use_peft run's output_dir (holding adapter_config.json)")
     parser.add_argument("output_dir", help="new directory for the merged Hugging Face model")
-    parser.add_argument("--base", default="", help="Base model (default: adapter_config.json's)")
+    parser.add_argument("--base", default="", help="Base model (default: adapter_config.json's); where the "
+                        "recorded base is found, --base must be it unless --other_base")
+    parser.add_argument("--other_base", action="store_true",
+                        help="Merge into --base although adapter_config.json records another base that is found "
+                             "(a copy of the base elsewhere)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",
                         help="dtype of the merged weights (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -143,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = input_problem(args.adapter_dir, output_dir)
         if problem:
             raise Refused(problem)
-        base = base_model(args.adapter_dir, args.base)
+        base = base_model(args.adapter_dir, args.base, args.other_base)
         if os.path.lexists(scratch):  # not this run's: never deleted
             raise Refused(f"{scratch} already exists (a merge that did not finish, or not a merge's): remove it or "
                           "give another output directory.")

@@ -128,8 +128,22 @@ def check_dataset_path(dataset: str) -> None:
                               f"{', '.join(DATA_FILE_TYPES)} or a `save_to_disk` directory.")
         if os.path.getsize(dataset) == 0 or only_whitespace(dataset):
             raise ConfigError(f"The data file {dataset!r} is empty; give --dataset a file with training rows.")
+        if suffix == ".csv":
+            check_csv_delimiter(dataset)
     elif looks_like_path(dataset):
         raise ConfigError(f"Dataset file not found: {dataset!r}. Check the path given to --dataset.")
+
+
+def check_csv_delimiter(path: str) -> None:
+    """A .csv file's header is split on commas (datasets' CSV builder, pandas' default): a header with tabs and no
+    comma is a tab-separated file, which would load as one column named after the whole header line."""
+    with open(path, encoding="utf-8", errors="replace") as file:
+        header = next((line for line in file if line.strip()), "").rstrip("\r\n")
+    if "\t" in header and "," not in header:
+        columns = ", ".join(repr(name) for name in header.split("\t")[:4])
+        raise ConfigError(f"The data file {path!r} looks tab-separated (its header holds {columns} between tabs, "
+                          "no comma), and a .csv file is read with commas: write it comma-separated (e.g. pandas' "
+                          "to_csv), or as JSON Lines (.jsonl).")
 
 
 def only_whitespace(path: str) -> bool:

@@ -14,11 +14,15 @@ from shardtune.flags import set_fields
 # The Recipe fields that act only under --method dpo.
 DPO_FIELDS = ("beta", "loss_type", "loss_weights", "label_smoothing", "precompute_ref_log_probs",
               "ref_model_name_or_path")
+# The losses whose formula reads --label_smoothing (TRL 1.16's DPOTrainer._compute_loss: robust and exo_pair, and
+# the aot losses shardtune does not take); every other loss computes the same with any value.
+SMOOTHED_LOSSES = ("robust", "exo_pair")
 
 
 def check_dpo_values(recipe: Recipe) -> None:
     """--beta, --loss_type, --loss_weights and --label_smoothing under --method dpo, each problem one line, as TRL's
-    DPOConfig and DPOTrainer refuse them (without --method dpo check_dpo_flags refuses them all)."""
+    DPOConfig and DPOTrainer refuse them, and --label_smoothing where no --loss_type reads it (TRL would train as
+    with 0). Without --method dpo check_dpo_flags refuses them all."""
     if recipe.method != "dpo":
         return
     problems = []
@@ -42,6 +46,10 @@ def check_dpo_values(recipe: Recipe) -> None:
                         "(TRL suggests 1e-3).")
     elif not 0 <= recipe.label_smoothing < 1:
         problems.append(f"--label_smoothing must lie in [0, 1), got {recipe.label_smoothing}.")
+    elif recipe.label_smoothing and not set(SMOOTHED_LOSSES) & set(recipe.loss_type):
+        problems.append(f"--label_smoothing {recipe.label_smoothing} would be ignored: --loss_type "
+                        f"{' '.join(recipe.loss_type)} does not use it, only {' and '.join(SMOOTHED_LOSSES)} do: add "
+                        "one of them to --loss_type, or drop --label_smoothing.")
     if problems:
         raise ConfigError(problems)
 

@@ -21,7 +21,17 @@ import typing
 
 from shardtune.checks import batch_sizes
 from shardtune.config import FIELD_CHOICES, ConfigError, Recipe, below_lowest
-from shardtune.flops import BUILTIN_MODELS, ModelError, builtin_name, recipe_fields, resolve_config, shape_from_config
+from shardtune.flag_hints import RENAMED
+from shardtune.flags import is_flag
+from shardtune.flops import (
+    BUILTIN_MODELS,
+    ModelError,
+    ModelShape,
+    builtin_name,
+    recipe_fields,
+    resolve_config,
+    shape_from_config,
+)
 from shardtune.hardware import HardwareError, parse_hardware
 from shardtune.hub import is_hub_id, probe_hub
 from shardtune.plan.planned_run import (
@@ -32,6 +42,7 @@ from shardtune.plan.planned_run import (
     planned_recipe,
     recipe_peft,
     recipe_reference,
+    recipe_reference_shape,
     recipe_search,
 )
 from shardtune.plan.report import format_compare, format_plan, write_chart
@@ -63,7 +74,8 @@ PLAN_NOTES = {
     "per_device_eval_batch_size": "eval's activations are planned as a phase",
     "pad_to_multiple_of": "planned at --max_seq_length rounded up to it",
     "method": "dpo plans each pair as two sequences and the reference model as it is held (docs/dpo.md)",
-    "ref_model_name_or_path": "any value makes a LoRA run's reference live; planned in the policy's shape",
+    "ref_model_name_or_path": "any value makes a LoRA run's reference live; planned in its own shape, from its "
+                              "config.json or a built-in name",
 }
 MODEL_DEFAULT_WORDS = {"mixed_precision": "the accelerate config's; a recommendation's: bf16, which it never trades "
                                           "for fp8"}
@@ -77,9 +89,17 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+class PlanParser(argparse.ArgumentParser):
+    """argparse's own errors (a value of the wrong type, a missing --model) as ConfigError: one line, exit code 2,
+    as a recipe answers them, not argparse's usage block."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(f"Bad command line: {message.rstrip('.')}; see --help for the planner's flags.")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardtune.plan",
-                                     description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = PlanParser(prog="python -m shardtune.plan", description=" ".join(__doc__.split("\n\n")[0].split()),
+                        allow_abbrev=False)  # a typo such as --micro_batch must not pass as another flag
     parser.add_argument("--model", required=True,
                         help="Built-in name, any Hugging Face model id (only its config.json is fetched), a local "
                              "model directory or config.json, or a recipe file")
@@ -98,18 +118,45 @@ def main(argv: list[str] | None = None) -> int:
                                         "--compare)")
     parser.add_argument("--json", action="store_true", help="Print the plan as one JSON object instead of a table")
     add_run_flags(parser)
-    args = parser.parse_args(argv)
     try:
-        problems = check_args(args)
+        args, unknown = parser.parse_known_args(argv)
+        problems = unknown_argument_problems(unknown, parser) + check_args(args)
         if not problems:
             return _run(args)
-    except (PlanError, HardwareError, ModelError) as error:
+    except (PlanError, HardwareError) as error:
         problems = [str(error)]
+    except ModelError as error:  # its words are the recipe's, whose flag for the model the planner calls --model
+        problems = [str(error).replace("--model_name_or_path", "--model")]
+    except SyntaxError as error:  # --model names a Python file that is no recipe (read without running it)
+        problems = [f"--model {args.model!r} does not parse as Python ({error.msg}, line {error.lineno}): give a "
+                    "recipe file, e.g. recipes/llama8b.py."]
     except ConfigError as error:
         problems = error.messages
     for problem in problems:
         print(f"shardtune.plan: error: {problem}", file=sys.stderr)
     return 2
+
+
+def unknown_argument_problems(unknown: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """One line per flag the planner does not take, naming the planner's flag it most likely meant: by the names
+    other trainers give it (shardtune.flag_hints.RENAMED), else by spelling; a value after it is its value."""
+    known = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
+    problems, after_flag = [], False
+    for token in unknown:
+        if is_flag(token):
+            flag = token.partition("=")[0]
+            name = flag.lstrip("-").lower().replace("-", "_")
+            renamed = [target for target, names in RENAMED.items() if name in names and target in known]
+            nearest = renamed or difflib.get_close_matches(flag, known, n=1)
+            hint = f"did you mean {nearest[0]}?" if nearest else "see --help for the planner's flags."
+            problems.append(f"Unknown argument {flag}: {hint}")
+            after_flag = "=" not in token
+        elif after_flag:
+            after_flag = False
+        else:
+            problems.append(f"Unexpected value {token!r} on the command line: every value follows its flag "
+                            "(--name value); see --help.")
+    return problems
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
@@ -153,6 +200,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
                         "--method dpo, or drop them.")
     if args.chart and not args.chart.lower().endswith(".png"):
         problems.append(f"--chart writes a PNG: give a path ending in .png, got {args.chart!r}.")
+    elif args.chart:
+        problems += chart_problems(args.chart)
     if args.config_file and not os.path.isfile(args.config_file):
         problems.append(f"--config_file {args.config_file!r} does not exist: give an accelerate config YAML, e.g. "
                         "accelerate_configs/fsdp_full_shard.yaml.")
@@ -169,6 +218,20 @@ def check_args(args: argparse.Namespace) -> list[str]:
                         "accumulation from the global batch: give --per_device_train_batch_size with it, or "
                         "--global_batch_size alone.")
     return problems
+
+
+def chart_problems(chart: str) -> list[str]:
+    """--chart's folder exists and takes a new file, checked before anything is planned (PIL's own error comes
+    after the plans, as a traceback)."""
+    folder = os.path.dirname(chart) or "."
+    if os.path.isdir(chart):
+        return [f"--chart {chart!r} is a directory: give the PNG's file name, e.g. {os.path.join(chart, 'plan.png')}."]
+    if not os.path.isdir(folder):
+        return [f"--chart {chart!r}: the folder {folder!r} does not exist: create it (mkdir -p {folder}) or give a "
+                "path in an existing folder."]
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return [f"--chart {chart!r}: the folder {folder!r} is not writable: give a path in a folder you can write."]
+    return []
 
 
 def model_name_problems(model: str) -> list[str]:
@@ -218,6 +281,7 @@ def _run(args: argparse.Namespace) -> int:
     shape = shape_from_config(model_config, name)
     recipe = planned_recipe(args.model, {flag: getattr(args, flag) for flag in RUN_FLAGS})
     check_planned(recipe, model_config)
+    check_reference_shape(recipe, shape)
     if args.gradient_accumulation_steps is not None:  # it must agree with the global batch on this hardware
         batch_sizes(recipe, hardware.world_size)
     peft = recipe_peft(recipe)
@@ -239,7 +303,10 @@ def _run(args: argparse.Namespace) -> int:
         untaken = [strategy for strategy in planned if strategy.float8 and not strategy.takes_float8]
         plans = [plan_recipe(shape, hardware, strategy, recipe) for strategy in planned if strategy not in untaken]
         if args.chart:
-            write_chart(plans, args.chart)
+            try:
+                write_chart(plans, args.chart)
+            except OSError as error:  # what chart_problems cannot foresee (a full disk, a read-only mount)
+                raise PlanError(f"--chart {args.chart!r} cannot be written: {error.strerror or error}.") from None
         print(json.dumps([p.to_json() for p in plans]) if args.json else format_compare(plans))
         if untaken and not args.json:
             names = ", ".join(strategy.name for strategy in untaken)
@@ -275,6 +342,19 @@ def _run(args: argparse.Namespace) -> int:
         if found.plan:
             print(format_plan(found.plan))
     return 0 if found.plan else 1
+
+
+def check_reference_shape(recipe: Recipe, shape: ModelShape) -> None:
+    """A reference of its own is read (its config.json; a Hub id's fetched) and scores the policy's token ids, as
+    the launch refuses it otherwise (shardtune.methods.checks.check_reference_model)."""
+    path = recipe.ref_model_name_or_path
+    if path and is_hub_id(path) and not builtin_name(path) and not os.path.exists(path):
+        probe_hub()
+    reference = recipe_reference_shape(recipe)
+    if reference is not None and reference.vocab != shape.vocab:
+        raise PlanError(f"--ref_model_name_or_path {path!r} has a vocabulary of {reference.vocab} tokens and the "
+                        f"policy {shape.vocab}: the reference scores the policy's token ids, so it must share its "
+                        "tokenizer; give a reference of the policy's family and tokenizer.")
 
 
 def held_note(fixed: str, sources: list[str], searched: list[str]) -> str:

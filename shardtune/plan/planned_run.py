@@ -5,6 +5,7 @@ concern a plan; and the plan and the search of that run."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Collection
 
 from shardtune.checks import (
@@ -15,7 +16,7 @@ from shardtune.checks import (
     check_pad_to_multiple_of,
 )
 from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe, padded_length, reference_mode
-from shardtune.flops import ModelShape, recipe_fields
+from shardtune.flops import ModelError, ModelShape, recipe_fields, resolve_config, shape_from_config
 from shardtune.hardware import Hardware
 from shardtune.liger import check_liger_kernel
 from shardtune.model_checks import check_context_length
@@ -64,6 +65,25 @@ def recipe_reference(recipe: Recipe) -> str | None:
                           recipe.ref_model_name_or_path)
 
 
+def recipe_reference_shape(recipe: Recipe) -> ModelShape | None:
+    """The shape of the model --ref_model_name_or_path names where a DPO run loads it (live, or for the precomputing
+    pass), read from its config.json as the policy's is; None where the reference is the policy's own model."""
+    if recipe_reference(recipe) not in ("live", "precomputed") or not recipe.ref_model_name_or_path:
+        return None
+    return reference_model_shape(recipe.ref_model_name_or_path)
+
+
+@functools.lru_cache(maxsize=8)  # a --compare plans it under every config
+def reference_model_shape(model: str) -> ModelShape:
+    """A reference model's shape: a built-in name, a local model directory or config.json, or a Hub id; its problems
+    name --ref_model_name_or_path."""
+    try:
+        name, config = resolve_config(model)
+        return shape_from_config(config, name)
+    except ModelError as error:
+        raise ModelError(str(error).replace("--model_name_or_path", "--ref_model_name_or_path")) from None
+
+
 def recipe_peft(recipe: Recipe) -> Peft | None:
     return Peft(recipe.lora_r, recipe.lora_target_modules, recipe.load_in_4bit) if recipe.use_peft else None
 
@@ -95,7 +115,8 @@ def plan_recipe(shape: ModelShape, hardware: Hardware, strategy: Strategy, recip
                 gradient_accumulation_steps=recipe_accumulation(
                     recipe, hardware.world_size // strategy.tensor_parallel),  # the data-parallel ranks
                 torch_compile=recipe.torch_compile, use_liger_kernel=recipe.use_liger_kernel,
-                checkpointing_interval=recipe.gradient_checkpointing_interval, reference=recipe_reference(recipe))
+                checkpointing_interval=recipe.gradient_checkpointing_interval, reference=recipe_reference(recipe),
+                reference_shape=recipe_reference_shape(recipe))
 
 
 def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held: Collection[str] = (),
@@ -119,7 +140,8 @@ def recipe_search(recipe: Recipe, hardware: Hardware, mixed_precision: str, held
                   recipe.optim if "optim" in held else None,
                   recipe.bf16_stochastic_round if "bf16_stochastic_round" in held else None,
                   use_liger_kernel=recipe.use_liger_kernel,
-                  checkpointing_interval=recipe.gradient_checkpointing_interval, reference=recipe_reference(recipe))
+                  checkpointing_interval=recipe.gradient_checkpointing_interval, reference=recipe_reference(recipe),
+                  reference_shape=recipe_reference_shape(recipe))
 
 
 def kept_global_batch(recipe: Recipe, hardware: Hardware) -> int:

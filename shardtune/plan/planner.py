@@ -109,6 +109,9 @@ class MemoryPlan:
     reference_mode: str = ""
     reference_layout: str = ""  # a live reference's: "whole on every GPU" or "sharded as the policy"
     reference_advice: str = ""  # what to change where a whole live reference is what does not fit (a note too)
+    # A reference model of its own (--ref_model_name_or_path): its name and parameter count; "" and 0 otherwise.
+    reference_model: str = ""
+    reference_params: int = 0
 
     @property
     def fits(self) -> bool:
@@ -160,7 +163,7 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
          activation_offloading: bool = False, chunked_cross_entropy: bool = False, optim: str = "adamw_torch",
          bf16_stochastic_round: bool = False, gradient_accumulation_steps: int | None = None,
          torch_compile: bool = False, use_liger_kernel: bool = False, checkpointing_interval: int = 1,
-         reference: str | None = None) -> MemoryPlan:
+         reference: str | None = None, reference_shape: ModelShape | None = None) -> MemoryPlan:
     """Per-GPU memory of a run, the largest of its phases (forward/backward, optimizer step, eval at
     `eval_batch` rows, final gather and save; see phase_bytes), and host RAM per node (the hardware's, less
     headroom). per_gpu's components are the forward/backward phase's. `export_bytes`: bytes per parameter of the
@@ -183,7 +186,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     with `checkpointing`, every k-th layer recomputed (activations.recomputed_layers), the others saving all.
     `reference`: a DPO run's reference mode (shardtune.config.reference_mode; None: SFT): `micro_batch` and
     `eval_batch` are pairs, each two padded sequences (never packed), and the reference is planned as its mode holds
-    it (preference.dpo_phases)."""
+    it (preference.dpo_phases); `reference_shape`: the shape of the model --ref_model_name_or_path names, live or
+    loaded for the precomputing pass (None: the reference is the policy's model, in the policy's shape)."""
     params = shape.params
     tp = strategy.tensor_parallel
     check_tensor_parallel_plan(strategy, shape, hardware.world_size, peft, reference, use_liger_kernel)
@@ -258,19 +262,22 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
                          export_bytes, attn, graph, optim, bf16_stochastic_round, peak_moment,
                          head_positions(eval_batch * pair, eval_split_seq, loss_tile) if reference else None)
     phases = whole_model_phases(phases, strategy, whole, eval_batch * pair, eval_split_seq, attn, export_bytes)
-    resident = reference_resident(strategy, shape, world, reference)
+    # A named reference loaded for the precomputing pass is placed as a live one, and freed after it.
+    named = reference_shape if reference in ("live", "precomputed") else None
+    resident = reference_resident(strategy, named or shape, world, "live" if named else reference)
     if reference:
         phases = dpo_phases(phases, strategy, shape, reference, resident, 0.0 if fresh else states.gradients,
                             states.optimizer if strategy.kind == "deepspeed" else 0.0, rows,
-                            pair * max(micro_batch, eval_batch), length, masked, loss_tile)
+                            pair * max(micro_batch, eval_batch), length, masked, loss_tile, named)
         states.nvme += resident.nvme
     peak_phase = max(phases, key=lambda name: phases[name]["total"])
     per_gpu["total"] = phases[peak_phase]["total"]
     host = host_ram_terms(strategy, shape, world, hardware.gpus_per_node, states.host, peft, async_save,
                           save_only_model, export_bytes, bf16_stochastic_round)
     host = whole_model_terms(host, strategy, whole, hardware.gpus_per_node, export_bytes, bf16_stochastic_round)
-    if reference == "live":  # loaded once the policy is prepared, like it (16-bit, one copy per process or node)
-        host["reference_loading"] = loading_host_bytes(strategy, params, hardware.gpus_per_node, bf16_weights=True)
+    if reference == "live" or named:  # loaded after the policy is prepared, like it (16-bit, a copy a process or node)
+        host["reference_loading"] = loading_host_bytes(strategy, named.params if named else params,
+                                                       hardware.gpus_per_node, bf16_weights=True)
         host["reference_offloaded"] = resident.host * hardware.gpus_per_node
     if activation_offloading:
         host["offloaded_activations"] = hardware.gpus_per_node * offloaded_host_bytes(shape, rows, length, mode)
@@ -306,4 +313,5 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
         use_liger_kernel=use_liger_kernel, method="dpo" if reference else "sft", reference_mode=reference or "",
         reference_layout=("whole on every GPU" if reference_whole(strategy) else "sharded as the policy")
         if reference == "live" else "", reference_advice=advice,
+        reference_model=named.name if named else "", reference_params=named.params if named else 0,
     )

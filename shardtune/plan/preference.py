@@ -3,8 +3,9 @@
 (shardtune.methods.reference): "adapter" (the policy with its LoRA adapter off: no second model), "precomputed"
 (its log-probs computed in one pass before training: nothing held while training) or "live" (a frozen copy in the
 compute dtype, placed as the policy's strategy places it). The reference's forward runs under no_grad before the
-policy's forward and backward: its activations are transient and it saves none. Light like the rest of the planner
-(no torch)."""
+policy's forward and backward: its activations are transient and it saves none. A reference of its own
+(--ref_model_name_or_path) is planned in its own shape, live or loaded for the precomputing pass alone; the
+policy's shape stands for the policy's own copy. Light like the rest of the planner (no torch)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ def reference_whole(strategy: Strategy) -> bool:
 
 def reference_resident(strategy: Strategy, shape: ModelShape, world: int, mode: str | None) -> ReferenceBytes:
     """The live reference as it stays between its forwards, in the compute dtype (c bytes a parameter), P the
-    policy's parameter count (the reference is planned in the policy's shape), N the GPUs the states are sharded
-    over:
+    reference's parameter count (`shape`: the reference's own, which is the policy's unless
+    --ref_model_name_or_path names another model), N the GPUs the states are sharded over:
     - DDP, ZeRO-1/2: c·P, whole on every GPU.
     - ZeRO-3 (an engine of its own, no optimizer): its partition c·P/N (on the host or NVMe where the config
       offloads parameters), its persistent small parameters whole, and ZeRO++'s secondary copy where configured.
@@ -110,7 +111,8 @@ def reference_forward_parts(strategy: Strategy, shape: ModelShape, mode: str, ro
 
 def dpo_phases(phases: dict[str, dict], strategy: Strategy, shape: ModelShape, mode: str,
                reference: ReferenceBytes, gradients: float, optimizer_at_start: float, rows: int,
-               precompute_rows: int, seq: int, masked: bool, loss_tile: int | None) -> dict[str, dict]:
+               precompute_rows: int, seq: int, masked: bool, loss_tile: int | None,
+               reference_shape: ModelShape | None = None) -> dict[str, dict]:
     """`phases` (phases.phase_bytes of the policy at DPO's rows) with a live reference in every phase
     ("reference": reference_resident's GPU part, its host part in "on_host"), and DPO's own phases:
     - "reference_forward" (adapter, live): the step's reference forward, before the policy's: the states (the
@@ -120,19 +122,28 @@ def dpo_phases(phases: dict[str, dict], strategy: Strategy, shape: ModelShape, m
       no_grad forward of the policy as loaded at `precompute_rows` sequences, holding what the eval holds but the
       optimizer states, which torch's optimizers make at their first step (`optimizer_at_start`: DeepSpeed's,
       made at start-up). The eval's reference forward (adapter, live) runs after the policy's, at the same rows
-      and with no more gathered: the eval's own parts bound it."""
+      and with no more gathered: the eval's own parts bound it.
+    `reference_shape`: the model --ref_model_name_or_path names (None: the policy's shape). Live, it is what
+    `reference` holds and what the reference's forward runs; precomputed, it is loaded for the pass alone, placed
+    as a live one (`reference`, held in that phase only), and the pass is its forward."""
     held = {"reference": reference.gpu} if mode == "live" else {}
     for parts in phases.values():
         parts.update(held)
-        parts["on_host"] += reference.host
+        parts["on_host"] += reference.host if mode == "live" else 0.0
     step_forward = phases["forward_backward"]
     if mode in ("adapter", "live"):
         phases["reference_forward"] = {
             "weights": step_forward["weights"], "gradients": gradients, "optimizer": step_forward["optimizer"],
             "buffers": persistent_buffer_bytes(strategy, shape), **held,
-            **reference_forward_parts(strategy, shape, mode, rows, seq, masked, loss_tile),
+            **reference_forward_parts(strategy, reference_shape or shape, mode, rows, seq, masked, loss_tile),
             "on_host": step_forward["on_host"]}
-    if mode == "precomputed":
+    if mode == "precomputed" and reference_shape is not None:
+        evaluation = phases["eval"]
+        phases["reference_precompute"] = {
+            **evaluation, "optimizer": optimizer_at_start, "reference": reference.gpu,
+            **reference_forward_parts(strategy, reference_shape, "live", precompute_rows, seq, masked, loss_tile),
+            "on_host": evaluation["on_host"] + reference.host}
+    elif mode == "precomputed":
         evaluation = phases["eval"]
         pass_mode = activation_mode(strategy)
         phases["reference_precompute"] = {

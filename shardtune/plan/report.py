@@ -66,9 +66,10 @@ def method_line(p: MemoryPlan) -> list[str]:
     """A DPO plan's line: what a micro-batch runs and how the reference is held; none for SFT."""
     if p.method != "dpo":
         return []
+    of = f" of {p.reference_model} ({p.reference_params / 1e9:,.2f}B params)" if p.reference_model else ""
     held = {"adapter": "the base with the LoRA adapter off, no second model",
-            "precomputed": "log-probs precomputed before training, none held",
-            "live": f"a frozen {p.mixed_precision if p.mixed_precision != 'no' else 'fp32'} copy, "
+            "precomputed": f"log-probs precomputed before training{of and ' by ' + of[4:]}, none held",
+            "live": f"a frozen {p.mixed_precision if p.mixed_precision != 'no' else 'fp32'} copy{of}, "
                     f"{p.reference_layout}"}
     return [f"  method dpo: each pair 2 sequences ({2 * p.micro_batch} per micro-batch), reference "
             f"{p.reference_mode} ({held[p.reference_mode]})"]

@@ -102,6 +102,8 @@ class Search:
     checkpointing_interval: int = 1
     # --method dpo: its reference mode (shardtune.config.reference_mode), held; None: SFT.
     reference: str | None = None
+    # The shape of the model --ref_model_name_or_path names (None: the policy's), as plan() takes it.
+    reference_shape: ModelShape | None = None
 
     def fixed(self) -> str:
         """What the search holds as given, in words: '' when it varies all of it."""
@@ -197,7 +199,8 @@ def planned_group(shape: ModelShape, hardware: Hardware, search: Search, group: 
                             activation_offloading=search.activation_offloading,
                             chunked_cross_entropy=search.chunked_cross_entropy, optim=optim,
                             bf16_stochastic_round=stochastic, use_liger_kernel=search.use_liger_kernel,
-                            checkpointing_interval=search.checkpointing_interval, reference=search.reference),
+                            checkpointing_interval=search.checkpointing_interval, reference=search.reference,
+                            reference_shape=search.reference_shape),
                        accumulation, offload)
 
 

@@ -4,6 +4,7 @@ fingerprint; light (no torch, no transformers), since the runtime imports it bef
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from dataclasses import dataclass, replace
@@ -142,7 +143,8 @@ def read_accelerate_config(path: str, mixed_precision: str | None = None,
         with open(path) as file:
             config = yaml.safe_load(file) or {}
     except (OSError, yaml.YAMLError) as error:
-        raise PlanError(f"Cannot read accelerate config {path!r}: {error}") from error
+        raise PlanError(f"Cannot read accelerate config {path!r}: {' '.join(str(error).split())}") from error
+    check_accelerate_config(path, config)
     name = os.path.splitext(os.path.basename(path))[0]
     kind = str(config.get("distributed_type", "NO")).upper()
     if kind == "DEEPSPEED":
@@ -175,6 +177,42 @@ def read_accelerate_config(path: str, mixed_precision: str | None = None,
         return Strategy(name, "ddp", 0, mixed_precision=precision,
                         tensor_parallel=tensor_parallel_size(path, config.get("parallelism_config") or {}))
     raise PlanError(f"{path}: distributed_type {kind!r} is not planned (use NO, MULTI_GPU, FSDP or DEEPSPEED).")
+
+
+# Keys of a DeepSpeed config JSON that no accelerate config holds at its top level.
+DEEPSPEED_JSON_KEYS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "bf16", "fp16",
+                       "gradient_clipping", "optimizer", "scheduler")
+
+
+def check_accelerate_config(path: str, config: object) -> None:
+    """An accelerate config names its distributed_type, as `accelerate launch` requires: a DeepSpeed JSON (which
+    the accelerate YAML points at with deepspeed_config_file) or any other file is refused, not planned as DDP."""
+    if isinstance(config, dict) and "distributed_type" in config:
+        return
+    if isinstance(config, dict) and any(key in config for key in DEEPSPEED_JSON_KEYS):
+        users = yamls_naming(path)
+        use = (f"give the accelerate config that uses it: {' or '.join(users)}" if users else
+               "give an accelerate config YAML that names it (distributed_type: DEEPSPEED, deepspeed_config: "
+               f"deepspeed_config_file: {path}), e.g. a copy of accelerate_configs/ds_zero3.yaml")
+        raise PlanError(f"--config_file {path!r} is a DeepSpeed config JSON, not an accelerate config: {use}.")
+    raise PlanError(f"--config_file {path!r} is not an accelerate config (it names no distributed_type, which "
+                    "accelerate launch requires): give one such as accelerate_configs/fsdp_full_shard.yaml.")
+
+
+def yamls_naming(json_path: str) -> list[str]:
+    """The shipped accelerate configs whose deepspeed_config_file is `json_path`, relative to the working directory
+    where they lie below it."""
+    target, users = os.path.realpath(json_path), []
+    for yaml_path in sorted(glob.glob(os.path.join(CONFIGS_DIR, "*.yaml"))):
+        try:
+            with open(yaml_path) as file:
+                named = ((yaml.safe_load(file) or {}).get("deepspeed_config") or {}).get("deepspeed_config_file")
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        if named and os.path.realpath(resolve_deepspeed_json(str(named), yaml_path)) == target:
+            relative = os.path.relpath(yaml_path)
+            users.append(yaml_path if relative.startswith("..") else relative)
+    return users
 
 
 def hybrid_shard_size(path: str, parallelism: dict) -> int:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,10 +15,10 @@ import pytest
 
 from shardtune.cli import main
 from shardtune.config import Recipe
+from tests.conftest import overridden
 
 
 @dataclass(frozen=True)
-from tests.conftest import overridden
 class Case:
     """Flags (`{tmp}` is the test's directory), launch variables, files written under {tmp} first, modules made
     to look uninstalled, whether the Hub is out of reach (HF_HUB_OFFLINE=1), and what the one error line must
@@ -177,6 +180,21 @@ CASES = {
                                   files={"train.txt": "rev ab=ba\n"}),
     "directory not from save_to_disk": Case(("--dataset", "{tmp}/rows"), "not one written by `save_to_disk`",
                                             files={"rows/part-0.jsonl": '{"text": "a"}\n'}),
+    "tab-separated .csv": Case(("--dataset", "{tmp}/train.csv"), "train.csv' looks tab-separated (its header holds "
+                               "'prompt', 'completion' between tabs, no comma), and a .csv file is read with commas: "
+                               "write it comma-separated", files={"train.csv": "prompt\tcompletion\nrev ab=\tba\n"}),
+    # DPO's settings that its loss would not read.
+    "label smoothing under IPO": Case(("--method", "dpo", "--loss_type", "ipo", "--label_smoothing", "0.3"),
+                                      "--label_smoothing 0.3 would be ignored: --loss_type ipo does not use it, only "
+                                      "robust and exo_pair do: add one of them to --loss_type, or drop "
+                                      "--label_smoothing."),
+    "label smoothing under hinge": Case(("--method", "dpo", "--loss_type", "hinge", "--label_smoothing", "0.1"),
+                                        "--label_smoothing 0.1 would be ignored: --loss_type hinge does not use it"),
+    "label smoothing under the default sigmoid": Case(("--method", "dpo", "--label_smoothing", "0.1"),
+                                                      "--loss_type sigmoid does not use it"),
+    "label smoothing that no loss of several uses": Case(("--method", "dpo", "--loss_type", "sigmoid", "sft",
+                                                          "--label_smoothing", "0.2"),
+                                                         "--loss_type sigmoid sft does not use it"),
     # Hardware names for the memory plan.
     "unknown hardware": Case(("--hardware", "dgx-h100"), "Unknown hardware 'dgx-h100'. Valid: 8xh100-80gb"),
     "hardware without memory": Case(("--hardware", "9xh100"), "Unknown hardware '9xh100'"),
@@ -251,3 +269,142 @@ def refused(spec: Case, tiny_assets, tmp_path: Path, capsys, monkeypatch) -> tup
     return [line for line in stderr.splitlines() if line.startswith("shardtune: error:")], stderr
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The planner (python -m shardtune.plan) and the scripts answer the same way: one line, exit code 2.
+
+PLANNER = "shardtune.plan: error: "
+DS_ZERO3_JSON = "accelerate_configs/deepspeed/zero3.json"
+PLAN_CASES = {
+    "DeepSpeed's JSON for an accelerate config": (
+        ("--config_file", DS_ZERO3_JSON),
+        f"--config_file '{DS_ZERO3_JSON}' is a DeepSpeed config JSON, not an accelerate config: give the accelerate "
+        "config that uses it: accelerate_configs/ds_zero3.yaml or accelerate_configs/ds_zero3_ulysses.yaml."),
+    "a YAML that is no accelerate config": (
+        ("--config_file", "{tmp}/other.yaml"), "is not an accelerate config (it names no distributed_type"),
+    "a config file that is not YAML": (
+        ("--config_file", "{tmp}/broken.yaml"), "Cannot read accelerate config"),
+    "a chart in a missing folder": (
+        ("--chart", "{tmp}/missing_dir/x.png"),
+        "/missing_dir/x.png': the folder '{tmp}/missing_dir' does not exist: create it (mkdir -p {tmp}/missing_dir) "
+        "or give a path in an existing folder."),
+    "a chart that is a folder": (("--chart", "{tmp}/plots.png"), "is a directory: give the PNG's file name"),
+    "a number that is not one": (
+        ("--per_device_train_batch_size", "x"),
+        "Bad command line: argument --per_device_train_batch_size: invalid int value: 'x'; see --help for the "
+        "planner's flags."),
+    "another trainer's flag": (("--micro_batch_size", "x"),
+                               "Unknown argument --micro_batch_size: did you mean --per_device_train_batch_size?"),
+    "a misspelt flag with a negative value": (("--seq_len", "-3"),
+                                              "Unknown argument --seq_len: did you mean --max_seq_length?"),
+    "a negative length": (("--max_seq_length", "-3"), "--max_seq_length must be >= 2, got -3."),
+    "a flag abbreviated": (("--hardw", "8xh100-80gb"), "Unknown argument --hardw: did you mean --hardware?"),
+    "a stray value": (("stray",), "Unexpected value 'stray' on the command line"),
+    "a reference that is not there": (
+        ("--method", "dpo", "--ref_model_name_or_path", "{tmp}/no/ref"),
+        "Model directory not found: '{tmp}/no/ref'. Check the path given to --ref_model_name_or_path."),
+    "a reference of another tokenizer": (
+        ("--method", "dpo", "--ref_model_name_or_path", "mistral-7b"),
+        "--ref_model_name_or_path 'mistral-7b' has a vocabulary of 32000 tokens and the policy 128256"),
+    "a model that is a file": (("--model", "{tmp}/other.yaml"),
+                               "--model '{tmp}/other.yaml' is a file: give the model's directory, or a Hub model id."),
+    "a recipe that does not parse": (("--model", "{tmp}/bad.py"),
+                                     "--model '{tmp}/bad.py' does not parse as Python (invalid syntax, line 1)"),
+}
+PLAN_FILES = {"other.yaml": "num_processes: 2\n", "broken.yaml": "a: b: c\n", "plots.png/keep": "",
+              "bad.py": "def recipe(:\n"}
+
+
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_planner_refuses_in_one_line(case, tmp_path, capsys):
+    """In this process (nothing loads): exit code 2 and exactly one line on stderr, no usage block, no plan
+    printed, and nothing written (a chart's folder not made)."""
+    from shardtune.plan.__main__ import main as plan_main
+
+    args, message = PLAN_CASES[case]
+    for name, content in PLAN_FILES.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(content)
+    before = snapshot(tmp_path)
+    argv = ["--model", "llama-3.1-8b", *(arg.replace("{tmp}", str(tmp_path)) for arg in args)]
+    assert plan_main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(PLANNER) and message.replace("{tmp}", str(tmp_path)) in err, err
+    assert snapshot(tmp_path) == before
+
+
+def test_planner_without_a_model_is_one_line(capsys):
+    from shardtune.plan.__main__ import main as plan_main
+
+    assert plan_main(["--compare"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{PLANNER}Bad command line: the following arguments are required: --model; see --help for the planner's "
+        "flags."]
+
+
+def test_smoothing_refused_only_where_no_loss_reads_it():
+    """With several --loss_type values, --label_smoothing stands where one of them reads it; 0 stands anywhere."""
+    from shardtune.config import ConfigError
+    from shardtune.methods.checks import check_dpo_values
+
+    check_dpo_values(Recipe(method="dpo", loss_type=["sigmoid", "robust"], label_smoothing=0.1))
+    check_dpo_values(Recipe(method="dpo", loss_type=["hinge", "exo_pair"], label_smoothing=1e-3))
+    check_dpo_values(Recipe(method="dpo", loss_type=["ipo"], label_smoothing=0.0))
+    with pytest.raises(ConfigError, match="--loss_type hinge ipo does not use it"):
+        check_dpo_values(Recipe(method="dpo", loss_type=["hinge", "ipo"], label_smoothing=0.1))
+
+
+def test_prepare_data_refuses_a_model_that_is_not_there(tiny_assets, tmp_path, capsys):
+    """scripts/prepare_data.py judges --model_name_or_path before its tokenizer loads: a name that is no directory
+    and no Hub id (transformers would ask the Hub for it), a missing path, a directory without config.json."""
+    from tests.conftest import REPO, load_script
+
+    prepare_data = load_script("prepare_data")
+    (tmp_path / "weights").mkdir()
+    cases = {"no_such_dir": "--model_name_or_path 'no_such_dir' is no directory here and no Hub model id "
+                            "(owner/name): give the model's directory, or its Hub id.",
+             str(tmp_path / "models" / "llama"): f"Model directory not found: '{tmp_path}/models/llama'",
+             str(tmp_path / "weights"): "is a directory without config.json"}
+    for model, message in cases.items():
+        assert prepare_data.main([str(REPO / "recipes" / "tiny.py"), "--output_dir", str(tmp_path / "out"),
+                                  "--model_name_or_path", model]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith("shardtune: error: ") and message in err, (model, err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_lora_refuses_a_base_other_than_the_recorded_one(tiny_assets, tmp_path, capsys):
+    """--base naming another model than adapter_config.json's base (still found) is refused before any weight
+    loads, with the fix; the recorded base itself, by another path to the same directory, is not. --other_base
+    alone names no base. (That --other_base merges: tests/unit/test_scripts.py.)"""
+    from tests.conftest import load_script
+
+    merge_lora = load_script("merge_lora")
+    model_dir = tiny_assets[0]
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": model_dir,
+                                                             "peft_type": "LORA"}))
+    other = tmp_path / "other"
+    shutil.copytree(model_dir, other)
+    link = tmp_path / "link"
+    link.symlink_to(model_dir)
+    assert merge_lora.base_model(str(adapter), str(link)) == str(link)
+    cases = {(str(other),): f"merge_lora: error: --base {other} is not the base {adapter}/adapter_config.json records "
+                            f"({model_dir}), which the adapter was trained on: drop --base to merge into that one, or "
+                            f"pass --base {model_dir}; add --other_base to merge into {other} all the same (a copy of "
+                            "that base).",
+             ("--other_base",): "merge_lora: error: --other_base merges into a base other than the recorded one, "
+                                "which --base names: add --base, or drop --other_base.",
+             ("--dtype", "int8"): "merge_lora: error: argument --dtype: invalid choice: 'int8' (choose from 'bf16', "
+                                  "'fp16', 'fp32'); see --help."}
+    for extra, line in cases.items():
+        argv = [str(adapter), str(tmp_path / "merged"), *(["--base", *extra] if extra[0][0] != "-" else extra)]
+        with pytest.raises(SystemExit) if extra[0] == "--dtype" else contextlib.nullcontext() as exited:
+            assert merge_lora.main(argv) == 2
+        assert exited is None or exited.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [line]
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": ')
+    assert merge_lora.main([str(adapter), str(tmp_path / "merged")]) == 2
+    assert f"merge_lora: error: {adapter}/adapter_config.json is not a JSON object (" in capsys.readouterr().err
+    assert not (tmp_path / "merged").exists() and not (tmp_path / ".merged.tmp").exists()

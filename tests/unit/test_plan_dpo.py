@@ -12,7 +12,7 @@ import os
 import pytest
 
 from shardtune.config import LOSS_TILE_POSITIONS, Recipe
-from shardtune.flops import resolve_model
+from shardtune.flops import BUILTIN_CONFIG_VALUES, resolve_model
 from shardtune.hardware import parse_hardware
 from shardtune.plan.__main__ import main
 from shardtune.plan.activations import eval_activation_bytes
@@ -176,3 +176,66 @@ def test_a_dpo_search_never_offers_the_sequence_split():
     assert "ds_zero3" in offered and not any("ulysses" in name for name in offered)
     assert any("ulysses" in candidate.config for candidate, _, _ in
                candidates(LLAMA8B, H100, dataclasses.replace(search, reference=None)))
+
+
+LLAMA1B = resolve_model("llama-3.2-1b")
+
+
+@pytest.mark.parametrize("name", ["ddp", "ds_zero2"])
+def test_a_reference_of_another_size_is_planned_at_its_own_whole(name):
+    """A whole live reference (DDP, ZeRO-1/2) of Llama-3.2-1B beside an 8B policy: 2 bytes a parameter of its own
+    1.24B, in every phase and in the host RAM it loads through; the policy's states are as they were. The plan
+    names the model and its size."""
+    same, small = dpo(name, "live"), dpo(name, "live", reference_shape=LLAMA1B)
+    difference = 2 * (P - LLAMA1B.params)
+    for phase in ("forward_backward", "optimizer", "eval", "save"):
+        assert same.phases[phase]["reference"] - small.phases[phase]["reference"] == difference, phase
+        assert small.phases[phase]["reference"] == 2 * LLAMA1B.params
+        assert same.phases[phase]["total"] - small.phases[phase]["total"] == pytest.approx(difference), phase
+    assert same.host_ram["reference_loading"] - small.host_ram["reference_loading"] == difference * 8
+    assert (small.reference_model, small.reference_params) == ("llama-3.2-1b", LLAMA1B.params)
+    assert "reference live (a frozen bf16 copy of llama-3.2-1b (1.24B params), whole on every GPU)" in \
+        format_plan(small)
+
+
+def test_a_reference_of_another_size_is_planned_at_its_own_partition():
+    """Under ZeRO-3 the reference's partition is its own 2P/8 (with its own persistent small parameters), and its
+    forward gathers its own largest parameter and prefetch bucket."""
+    strategy = config("ds_zero3")
+    small = dpo("ds_zero3", "live", reference_shape=LLAMA1B)
+    own = 2 * LLAMA1B.params / 8 + 2 * persistent_elements(strategy, LLAMA1B)
+    assert small.phases["forward_backward"]["reference"] == pytest.approx(own)
+    prefetch = deepspeed_sizes(strategy, LLAMA1B)["prefetch_bucket"]
+    assert small.phases["reference_forward"]["gathered"] == 2 * (largest_parameter(LLAMA1B) + prefetch) * 2
+
+
+def test_a_named_reference_is_held_for_the_precompute_pass_alone():
+    """--precompute_ref_log_probs with --ref_model_name_or_path loads that model for the pass: its partition in
+    that phase only, and the pass's activations its own forward's (Llama-3.2-1B's 2048-wide residual stream)."""
+    small = dpo("ds_zero3", "precomputed", reference_shape=LLAMA1B)
+    policy = dpo("ds_zero3", "precomputed")
+    assert small.phases["reference_precompute"]["reference"] == pytest.approx(
+        2 * LLAMA1B.params / 8 + 2 * persistent_elements(config("ds_zero3"), LLAMA1B))
+    assert all("reference" not in parts for name, parts in small.phases.items() if name != "reference_precompute")
+    assert small.phases["forward_backward"] == policy.phases["forward_backward"]
+    assert small.phases["reference_precompute"]["activations"] < policy.phases["reference_precompute"]["activations"]
+
+
+def test_the_planner_reads_the_reference_s_config(tmp_path, capsys):
+    """--ref_model_name_or_path of a local model directory is planned from its config.json, as --model is: a
+    reference of half the layers holds what its own parameter count makes, not the policy's."""
+    policy = json.loads(json.dumps(BUILTIN_CONFIG_VALUES["llama-3.2-1b"]))
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "ref" / "config.json").write_text(json.dumps({**policy, "num_hidden_layers": 8,
+                                                              "architectures": ["LlamaForCausalLM"]}))
+    half = dataclasses.replace(LLAMA1B, layers=8)
+    plans = {}
+    for reference in ("", str(tmp_path / "ref")):
+        flags = ["--ref_model_name_or_path", reference] if reference else []
+        assert main(["--model", "llama-3.2-1b", "--method", "dpo", "--config_file",
+                     os.path.join(CONFIGS_DIR, "ddp.yaml"), "--json", *flags]) == 0
+        plans[reference] = json.loads(capsys.readouterr().out)
+    named = plans[str(tmp_path / "ref")]
+    assert named["reference_params"] == half.params and named["reference_model"] == "ref"
+    assert plans[""]["phases"]["forward_backward"]["reference"] - named["phases"]["forward_backward"]["reference"] \
+        == 2 * 8 * LLAMA1B.layer_params

@@ -4,6 +4,7 @@ is one line naming the problem, exit code 2, before anything is launched."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -118,3 +119,36 @@ def test_bench_levers_rows_run_each_lever_where_it_runs():
     on_gpus = {name: why for name, _, why in bench.lever_rows("fsdp", 3, 8, "bf16", True, cuda=True)}
     assert not any(on_gpus.values()), on_gpus
     assert "packing to full rows" in [name for name in on_gpus if name.startswith("recommended")][0]
+
+
+def test_merge_lora_other_base_merges_into_the_base_named(tiny_assets, tmp_path):
+    """--other_base acts: an adapter whose recorded base is found merges into the --base named (here a copy of that
+    base, as a user keeps one on a faster disk), and the merge is the adapter's: the merged weights differ from the
+    base's by B·A·α/r."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    merge_lora = load_script("merge_lora")
+    model_dir = tiny_assets[0]
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    model.save_pretrained(tmp_path / "adapter")
+    copy = tmp_path / "copy"
+    shutil.copytree(model_dir, copy)
+    assert merge_lora.main([str(tmp_path / "adapter"), str(tmp_path / "refused"), "--base", str(copy)]) == 2
+    assert merge_lora.main([str(tmp_path / "adapter"), str(tmp_path / "merged"), "--base", str(copy),
+                            "--other_base"]) == 0
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    base = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32).state_dict()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    delta = (layer.lora_B["default"].weight @ layer.lora_A["default"].weight) * 8 / 4
+    name = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(merged[name], base[name] + delta)
+    assert not (tmp_path / "refused").exists()
