@@ -186,3 +186,56 @@ def test_the_wheel_set_installs_alone_and_imports_what_the_check_imports(tmp_pat
     result = subprocess.run([str(tmp_path / "clean" / "bin" / "python"), "-c", CHECK_IMPORTS], capture_output=True,
                             text=True, env=env, timeout=300, cwd=tmp_path)
     assert result.returncode == 0 and result.stdout.splitlines()[-1] == "imported", result.stderr[-3000:]
+
+
+# gpu_check's reporting as run_cases and main drive it: a case that ended (its row appended, the table and the
+# archive rewritten), then a hanging case writing its log; `timeout` sends SIGTERM, as the device command's does.
+REPORTED = """
+import argparse, importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("gpu_check", sys.argv[3])
+gpu_check = importlib.util.module_from_spec(spec)
+sys.modules["gpu_check"] = gpu_check
+spec.loader.exec_module(gpu_check)
+out, logs, pids = sys.argv[1], sys.argv[4], sys.argv[5]
+args = argparse.Namespace(out=f"{out}/results.jsonl", table=f"{out}/table.txt", archive=f"{out}/logs.tar.gz",
+                          log_dir=logs)
+reporter, rows = gpu_check.Reporter(args), []
+
+def work(root):
+    open(f"{logs}/ddp-padded-x1.log", "w").write("trained\\n")
+    rows.append({"case": "ddp padded x1", "error": "exit 1: boom"})
+    reporter.append(rows[-1])
+    reporter.write(rows, [])
+    open(f"{logs}/hanging.log", "w").write("step 1\\n")
+    gpu_check.run_killing_group([sys.executable, "-c", sys.argv[2], pids], 600, root / "x.log", dict(os.environ))
+
+stopped = gpu_check.in_scratch(work)
+reporter.write(rows, [])
+sys.exit(128 + stopped if stopped else 0)
+"""
+
+
+def test_a_killed_check_leaves_its_three_files(tmp_path):
+    """Under `timeout`, as on the device: the rows of the cases that ended, the table and the logs' archive (the
+    killed case's partial log in it) are in the output folder, and nothing else; the case's processes are gone."""
+    import json
+    import tarfile
+
+    out, logs, pids = tmp_path / "out", tmp_path / "logs", tmp_path / "pids"
+    for folder in (out, logs, pids):
+        folder.mkdir()
+    started = time.monotonic()
+    result = subprocess.run(["timeout", "-k", "30", "8", sys.executable, "-c", REPORTED, str(out), HANGING,
+                             str(REPO / "scripts" / "gpu_check.py"), str(logs), str(pids)], cwd=REPO,
+                            env={**ENV, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 124, result.stderr[-3000:]  # timeout's own code once it sent SIGTERM
+    assert time.monotonic() - started < 8 + 2 * 10 + 10  # ended on SIGTERM, not on the SIGKILL 30 s later
+    pid_values = [int(path.read_text()) for path in pids.glob("*.pid")]
+    assert len(pid_values) == 3 and all(gone(pid) for pid in pid_values)
+    assert sorted(path.name for path in out.iterdir()) == ["logs.tar.gz", "results.jsonl", "table.txt"]
+    assert [json.loads(line)["case"] for line in (out / "results.jsonl").read_text().splitlines()] == [
+        "ddp padded x1"]
+    assert "ddp padded x1                      FAILED: exit 1: boom" in (out / "table.txt").read_text()
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        assert sorted(archive.getnames()) == ["gpu-check/ddp-padded-x1.log", "gpu-check/hanging.log"]
+        assert archive.extractfile("gpu-check/hanging.log").read() == b"step 1\n"
