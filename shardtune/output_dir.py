@@ -223,15 +223,15 @@ def described(names: list[str], count: int = 3) -> str:
 
 def never_cleared(output_dir: str) -> str | None:
     """Why `output_dir` is a place --overwrite_output_dir must never empty, whatever it holds now: a home
-    directory, a filesystem's root, a repository's root, or the working directory or one above it. None where
+    directory, the filesystem's root, a repository's root, or the working directory or one above it. None where
     none of these."""
     target = os.path.realpath(output_dir)
     home = os.path.realpath(os.path.expanduser("~"))
     here = os.path.realpath(os.getcwd())
     if target == home:
         return "is the home directory"
-    if target == os.path.dirname(target) or os.path.ismount(target):
-        return "is the root of a filesystem"
+    if target == os.path.dirname(target):  # a volume mounted as the run's own directory is fine: strangers() guards it
+        return "is the root of the filesystem"
     if os.path.lexists(os.path.join(target, ".git")):
         return "is the root of a repository (it holds .git)"
     if target == here:

@@ -223,7 +223,7 @@ def test_overwrite_never_clears_home_root_repository_or_the_working_directory(tm
     monkeypatch.setenv("HOME", str(home))
     assert "which is the home directory: it is never cleared" in refusal(home)
     assert "which is the home directory" in refusal(tmp_path / "home" / ".." / "home")  # compared resolved
-    assert "which is the root of a filesystem" in refusal("/")
+    assert "which is the root of the filesystem" in refusal("/")
     assert "which is the root of a repository (it holds .git)" in refusal(repository)
     monkeypatch.chdir(work)
     assert "which is the working directory" in refusal(work)
