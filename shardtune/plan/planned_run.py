@@ -23,7 +23,7 @@ from shardtune.model_checks import check_context_length
 from shardtune.plan.planner import MemoryPlan, plan
 from shardtune.plan.search import Search
 from shardtune.plan.states import Peft
-from shardtune.plan.strategy import CONFIGS_DIR, Strategy
+from shardtune.plan.strategy import CONFIGS_DIR, PlanError, Strategy
 
 # The optimizer is a choice of numerics, not of layout: the alternatives offered for a recipe's run keep it.
 HELD_OPTIMIZER = ("optim", "bf16_stochastic_round")
@@ -76,12 +76,12 @@ def recipe_reference_shape(recipe: Recipe) -> ModelShape | None:
 @functools.lru_cache(maxsize=8)  # a --compare plans it under every config
 def reference_model_shape(model: str) -> ModelShape:
     """A reference model's shape: a built-in name, a local model directory or config.json, or a Hub id; its problems
-    name --ref_model_name_or_path."""
+    name --ref_model_name_or_path, as a PlanError (a launch's plan, a dry run's included, refuses it in one line)."""
     try:
         name, config = resolve_config(model)
         return shape_from_config(config, name)
     except ModelError as error:
-        raise ModelError(str(error).replace("--model_name_or_path", "--ref_model_name_or_path")) from None
+        raise PlanError(str(error).replace("--model_name_or_path", "--ref_model_name_or_path")) from None
 
 
 def recipe_peft(recipe: Recipe) -> Peft | None:

@@ -130,3 +130,23 @@ def test_the_reference_must_share_the_policys_vocabulary(tiny_assets, tmp_path, 
 
     same = reference_copy(tiny_assets, tmp_path / "same")
     check_reference_model(Recipe(method="dpo", model_name_or_path=tiny_assets[0], ref_model_name_or_path=str(same)))
+
+
+def test_a_dry_run_plans_the_reference_in_its_own_shape(capsys, tmp_path):
+    """A recipe's --dry_run plans --ref_model_name_or_path from its config.json (here a built-in shape, 8B beside
+    the 1B policy), and one it cannot read is refused in one line naming that flag, not a traceback."""
+    from shardtune.cli import main
+    from tests.conftest import CONFIGS
+    from tests.unit.test_checks_shared import PLANNED
+
+    config = str(CONFIGS / "ds_zero3.yaml")
+    with pytest.raises(SystemExit) as exit_info:
+        main(PLANNED, ["--dry_run", "--hardware", "8xh100-80gb", "--config_file", config, *DPO,
+                       "--ref_model_name_or_path", "llama-3.1-8b"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "a frozen bf16 copy of llama-3.1-8b (8.03B params), sharded as the policy" \
+        in out, out[-2000:]
+    errors = dry_run_errors(capsys, config, *DPO, "--ref_model_name_or_path", str(tmp_path / "missing"))
+    assert len(errors) == 1 and errors[0].startswith(
+        f"shardtune: error: Model directory not found: '{tmp_path}/missing'. Check the path given to "
+        "--ref_model_name_or_path."), errors
