@@ -4,7 +4,8 @@ the sum over pairs by the global batch's pair count, which is TRL's mean over a 
 micro-batches and ranks when every micro-batch holds the same number of pairs (shardtune's always do).
 
 TRL's f-divergence variants, WPO weighting, `ld_alpha` and the batch-sorted AOT losses are not taken: each needs
-more than the pair's own log-probs, or changes the log-probs themselves."""
+more than the pair's own log-probs, or changes the log-probs themselves. --label_smoothing is read by robust and
+exo_pair alone, as in TRL; with no such loss it is refused (shardtune.methods.checks.SMOOTHED_LOSSES)."""
 
 from __future__ import annotations
 
