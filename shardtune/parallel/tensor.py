@@ -1,8 +1,11 @@
 """Tensor parallelism: every decoder layer's matmuls split over the tp ranks of a group, on transformers' own plan
-for the model (Llama's: q, k, v, gate and up projections column-wise, o and down projections row-wise, the
-embedding split over the vocabulary, the LM head column-wise with its output gathered), over the tp axis of the
-device mesh accelerate builds from the launch's parallelism_config ([dp_replicate, dp_shard, tp], tp innermost:
-a group is consecutive ranks, the GPUs of one node). FSDP2 shards what each rank holds over the dp_shard axis.
+for the model (Llama's: q, k, v, gate and up projections column-wise, o and down projections row-wise, the LM head
+column-wise with its output gathered, and the embedding split over the vocabulary: Llama's base_model_tp_plan names
+no embedding, and transformers 5.24 adds `embed_tokens: embedding_rowwise` to any model whose plan is not empty,
+distributed/mixin.py init_parallel_plans; 5.17 adds none and has no _resolve_parallel_plans: TP needs 5.24,
+check_tensor_parallel_heads), over the tp axis of the device mesh accelerate builds from the launch's
+parallelism_config ([dp_replicate, dp_shard, tp], tp innermost: a group is consecutive ranks, the GPUs of one
+node). FSDP2 shards what each rank holds over the dp_shard axis.
 
 How the trainer drives it:
 - Loading. Under FSDP's RAM-efficient loading (fsdp_cpu_ram_efficient_loading, fsdp_tp.yaml's) rank 0 alone
@@ -185,6 +188,12 @@ def check_tensor_parallel_heads(config: PretrainedConfig, tp_size: int) -> None:
     """Each rank of a group computes whole attention heads: tp must divide the heads and the key/value heads."""
     if tp_size == 1:
         return
+    from transformers import PreTrainedModel, __version__
+
+    if not hasattr(PreTrainedModel, "_resolve_parallel_plans"):  # 5.17's split takes no plan and keeps the embedding
+        raise ConfigError(f"tensor parallelism splits the model on the plan transformers 5.24 resolves (the pinned "
+                          f"version; its embedding split over the vocabulary); transformers {__version__} has no "
+                          "such plan: pip install -r requirements.txt, or launch without parallelism_config_tp_size.")
     text = config.get_text_config()
     if not getattr(text, "base_model_tp_plan", None):  # the supported families all have one; a new one may not
         raise ConfigError(f"transformers has no tensor-parallel plan for {text.model_type} models "

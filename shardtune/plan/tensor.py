@@ -1,6 +1,7 @@
 """Tensor parallelism in the plan (shardtune.parallel.tensor): transformers' Llama plan splits q, k, v, gate and up
-column-wise, o and down row-wise, the embedding over the vocabulary and lm_head column-wise with its output
-gathered; the norms stay whole. So each GPU of a tp group holds:
+column-wise, o and down row-wise, the embedding over the vocabulary (the embedding_rowwise rule transformers adds to
+the plan) and lm_head column-wise with its output gathered; the norms stay whole. So each GPU of a tp group holds
+(the embedding's placements in a tp 2 x dp_shard 2 run: tests/launch/test_tp_embedding.py):
 
 - the slices of the linear weights (attention and MLP projections, embedding, lm_head), which FSDP2 shards over the
   data-parallel ranks (world / tp), and the whole norms, sharded over those alone: the plan of the model's TP slice

@@ -86,6 +86,22 @@ def test_a_model_without_a_tensor_parallel_plan_is_refused():
     check_tensor_parallel_heads(config, 1)  # without TP no plan is needed
 
 
+def test_a_transformers_without_the_plan_tp_splits_on_is_refused(monkeypatch):
+    """transformers 5.17 (the device tool's own) resolves no plan and adds no embedding rule: refused in one line
+    before anything loads."""
+    from transformers import PreTrainedModel
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    check_tensor_parallel_heads(config, 2)
+    owner = next(cls for cls in PreTrainedModel.__mro__ if "_resolve_parallel_plans" in vars(cls))
+    monkeypatch.delattr(owner, "_resolve_parallel_plans")
+    with pytest.raises(ConfigError) as error:
+        check_tensor_parallel_heads(config, 2)
+    (line,) = error.value.messages
+    assert "transformers 5.24 resolves" in line and "pip install -r requirements.txt" in line and "\n" not in line
+    check_tensor_parallel_heads(config, 1)  # without TP it is not needed
+
+
 RECIPE_REFUSALS = {
     "dpo": (["--method", "dpo"], "--method dpo under tensor parallelism (tp_size 2) is not wired"),
     "the tiled loss asked for": (["--chunked_cross_entropy", "true"], "--chunked_cross_entropy true under tensor "
