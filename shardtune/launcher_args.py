@@ -102,6 +102,7 @@ class LauncherRequest:
     # The parallelism sizes its command line gave (other than 1), and whether it exports any parallelism size.
     sizes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     exports_parallelism: bool = False
+    engine: str = ""  # "DeepSpeed" or "FSDP" where the config file's distributed_type names one
 
     @classmethod
     def of_options(cls, options: list[str], cwd: str) -> LauncherRequest | None:
@@ -130,7 +131,9 @@ class LauncherRequest:
                    num_processes=int(args.num_processes or 1), cpu=bool(args.cpu),
                    mixed_precision=str(args.mixed_precision).lower(), precision_source=source,
                    sizes=MappingProxyType({name: size for name, size in sizes.items() if size != 1}),
-                   exports_parallelism=bool(args.use_parallelism_config))
+                   exports_parallelism=bool(args.use_parallelism_config),
+                   engine={"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP"}.get(
+                       str(getattr(defaults, "distributed_type", "")).rsplit(".", 1)[-1].upper(), ""))
 
 
 def this_launcher() -> LauncherRequest | None:
@@ -153,19 +156,22 @@ def launcher_problems(launcher: LauncherRequest, world_size: int, strategy: str)
         problems.append(f"accelerate launch {given} reaches no process: accelerate passes parallelism sizes on only "
                         f"from a config file with a parallelism_config section, and {config} has none, so the run "
                         f"would train {strategy} without them. Launch a config that applies them ({configs}).")
-    if launcher.num_processes > 1 and world_size == 1:
-        count = f"--num_processes {launcher.num_processes}"
-        script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "recipes/<recipe>.py"
-        if launcher.cpu:
-            problems.append(f"accelerate launch --cpu starts the script as one process, whatever {count} asks: drop "
-                            "--cpu and give the recipe --use_cpu true instead (accelerate launch --config_file "
-                            f"accelerate_configs/ddp.yaml {count} {script} --use_cpu true).")
-        else:
-            why = (f"{config} runs one process (distributed_type NO)" if launcher.config_file else
-                   "without a config file accelerate starts several processes only on a machine with several GPUs")
-            problems.append(f"accelerate launch {count} started one process: {why}. Give it a config: accelerate "
-                            f"launch --config_file accelerate_configs/ddp.yaml {count} {script} (on CPU with the "
-                            "recipe's --use_cpu true).")
+    count = f"--num_processes {launcher.num_processes}"
+    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "recipes/<recipe>.py"
+    if launcher.cpu and (launcher.engine or launcher.num_processes > 1):
+        # Under --cpu accelerate's launcher runs its simple launcher whatever the config's distributed_type says.
+        without = f" without {config}'s {launcher.engine}" if launcher.engine else ""
+        whatever = f", whatever {count} asks" if launcher.num_processes > 1 else ""
+        problems.append(f"accelerate launch --cpu starts the script as one process{without}{whatever}: drop --cpu "
+                        "and give the recipe --use_cpu true instead (accelerate launch "
+                        f"--config_file {launcher.config_file or 'accelerate_configs/ddp.yaml'} {count} {script} "
+                        "--use_cpu true).")
+    elif launcher.num_processes > 1 and world_size == 1:
+        why = (f"{config} runs one process (distributed_type NO)" if launcher.config_file else
+               "without a config file accelerate starts several processes only on a machine with several GPUs")
+        problems.append(f"accelerate launch {count} started one process: {why}. Give it a config: accelerate "
+                        f"launch --config_file accelerate_configs/ddp.yaml {count} {script} (on CPU with the "
+                        "recipe's --use_cpu true).")
     return problems
 
 

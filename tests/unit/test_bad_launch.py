@@ -59,6 +59,11 @@ LAUNCH_CASES = {
     "two processes without a config": (("--num_processes", "2"), (), ONE_PROCESS),
     "--cpu with a config of two processes": (
         ("--cpu", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2"), (), CPU_FLAG),
+    "--cpu with a DeepSpeed config": (
+        ("--cpu", "--config_file", "accelerate_configs/ds_zero3.yaml", "--num_processes", "1"), (),
+        "accelerate launch --cpu starts the script as one process without accelerate_configs/ds_zero3.yaml's "
+        "DeepSpeed: drop --cpu and give the recipe --use_cpu true instead (accelerate launch --config_file "
+        "accelerate_configs/ds_zero3.yaml --num_processes 1 {script} --use_cpu true)."),
     "the launcher's precision against the recipe's": (
         ("--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "1", "--mixed_precision", "fp16"),
         ("--mixed_precision", "no"), PRECISION_FLAG),
