@@ -45,11 +45,17 @@ from shardtune.parallel.tensor import check_tensor_parallel
 from shardtune.schedule import check_schedule
 
 
-def check_device(recipe: Recipe, has_cuda: bool) -> None:
-    """A node whose CUDA is broken must not train on CPU unnoticed: CPU mode is asked for, or there is a GPU."""
+def check_device(recipe: Recipe, has_cuda: bool, local_processes: int = 1, gpus: int = 0) -> None:
+    """A node whose CUDA is broken must not train on CPU unnoticed: CPU mode is asked for, or there is a GPU. On
+    GPUs, one process per GPU: a config written for several nodes (its num_processes their total) launched on one
+    machine without --num_machines starts more processes than the machine has GPUs."""
     if not has_cuda and not recipe.use_cpu:
         raise ConfigError("No CUDA GPU is visible (torch.cuda.is_available() is False): check the node's GPUs and "
                           "driver (nvidia-smi, CUDA_VISIBLE_DEVICES), or pass --use_cpu true to train on CPU.")
+    if has_cuda and not recipe.use_cpu and local_processes > gpus:
+        raise ConfigError(f"{local_processes} processes were started on this machine, which has {gpus} GPUs: one "
+                          "process per GPU. A config's num_processes counts every node's: launch each node with "
+                          f"accelerate launch --num_machines N --machine_rank R, or --num_processes {gpus} on one.")
 
 
 def check_attention(recipe: Recipe, on_gpu: bool, loads: bool = True) -> None:
@@ -353,11 +359,25 @@ def batch_sizes(recipe: Recipe, world_size: int, tp_size: int = 1, cp_size: int 
     if total % per_step:
         raise ConfigError(f"--global_batch_size {total} is not divisible by per_device_train_batch_size x {what} = "
                           f"{micro} x {ranks} = {per_step}. Pick a global batch that is a multiple of {per_step}, "
-                          "or change --per_device_train_batch_size.")
+                          f"or {sizes_keeping(total, micro, ranks, tp_size * cp_size)}.")
     if gas is not None and gas * per_step != total:
         raise ConfigError(f"--gradient_accumulation_steps {gas} disagrees with --global_batch_size {total}: "
                           f"{micro} x {gas} x {ranks} {what} = {gas * per_step}. Give only one of the two.")
     return BatchSizes(micro, total // per_step, world_size, tp_size, cp_size)
+
+
+def sizes_keeping(total: int, micro: int, ranks: int, group: int) -> str:
+    """The micro-batches on these ranks, and the process counts at this micro-batch, that make `total` (the global
+    batch a resumed run must keep)."""
+    def listed(sizes: list[int]) -> str:
+        return ", ".join(map(str, sizes[:-1])) + f" or {sizes[-1]}" if len(sizes) > 1 else str(sizes[0])
+
+    micros = [size for size in range(1, total // ranks + 1) if total % (size * ranks) == 0]
+    processes = [size * group for size in range(1, total // micro + 1) if total % (size * micro) == 0]
+    ways = ([f"--per_device_train_batch_size {listed(micros)} on these {ranks} data ranks"] if micros else []) + \
+        ([f"{listed(processes)} processes at --per_device_train_batch_size {micro}"] if processes else [])
+    return f"to keep {total} (a resumed run's): {', or '.join(ways)}" if ways else \
+        "change --per_device_train_batch_size"
 
 
 # Compute capability of the GPUs --hardware can name (hardware.PEAK_BF16_FLOPS), which a dry run plans fp8 on; a
@@ -469,7 +489,9 @@ def check_on_device(recipe: Recipe, problems: Problems, launch: LaunchDescriptio
 def check_machine(recipe: Recipe, problems: Problems, has_gpu: bool, launch: LaunchDescription) -> None:
     """The checks that depend on this machine: a GPU, or CPU mode asked for; DPO's reference model; check_on_device
     with this machine's GPU; NVMe offload's async_io op. `has_gpu`: CUDA is available."""
-    problems.check(check_device, recipe, has_gpu)
+    import torch  # imported by now (cli.checked_launch)
+
+    problems.check(check_device, recipe, has_gpu, launch.local_world_size, torch.cuda.device_count() if has_gpu else 0)
     problems.check(check_reference_model, recipe)
     on_gpu = has_gpu and not recipe.use_cpu
     check_on_device(recipe, problems, launch, on_gpu, gpu_capability(recipe, on_gpu))

@@ -6,6 +6,7 @@ need the real launcher."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -222,3 +223,23 @@ def test_the_applied_parallelism_is_recorded(monkeypatch):
     launch = LaunchDescription.from_env(LauncherRequest.of_options([*options, "r.py"], str(REPO)))
     assert launch.parallelism_sizes == {"tp_size": 1, "cp_size": 1, "sp_size": 2, "dp_shard_size": 0,
                                         "dp_replicate_size": 0}
+
+
+@pytest.mark.parametrize(("local_processes", "gpus", "refused"), [(16, 8, True), (8, 8, False), (2, 8, False)])
+def test_more_processes_than_gpus_on_a_machine_refused(local_processes: int, gpus: int, refused: bool) -> None:
+    """A 2-node config (num_processes: 16) launched on one 8-GPU machine without --num_machines starts 16 processes
+    there: refused in one line before the ranks ask for devices 8 to 15 (a CUDA 'invalid device ordinal')."""
+    from shardtune.checks import check_device
+    from shardtune.config import ConfigError
+
+    recipe = Recipe(model_name_or_path="m")
+    if not refused:
+        check_device(recipe, True, local_processes, gpus)
+        return
+    with pytest.raises(ConfigError) as caught:
+        check_device(recipe, True, local_processes, gpus)
+    assert str(caught.value) == (
+        "16 processes were started on this machine, which has 8 GPUs: one process per GPU. A config's num_processes "
+        "counts every node's: launch each node with accelerate launch --num_machines N --machine_rank R, or "
+        "--num_processes 8 on one.")
+    check_device(dataclasses.replace(recipe, use_cpu=True), False, local_processes, 0)  # CPU ranks share the cores
