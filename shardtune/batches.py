@@ -3,6 +3,9 @@ and this rank's micro-batches of each optimizer step with those counts (the loss
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -133,3 +136,45 @@ def counted_steps(batches: Iterator[list[dict]]) -> Iterator[StepBatch]:
         upcoming_counts = take_counts(upcoming)
         yield StepBatch(current, counts, upcoming_counts["targets"])
         current, counts = upcoming, upcoming_counts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which rows each step trained, for the tests that compare the data order of two runs.
+
+TRACE_ROWS_ENV = "SHARDTUNE_TRACE_ROWS"  # a directory: each rank appends its rows of each step to rows-rank<i>.jsonl
+
+
+def row_digests(micro_batches: list[dict]) -> list[str]:
+    """One digest per row of these micro-batches: of its tokens where the attention mask is set (padding differs
+    with the micro-batch a row lands in), or of the whole row where there is no mask."""
+    digests = []
+    for batch in micro_batches:
+        if "input_ids" not in batch:  # preference pairs: not traced
+            continue
+        ids = batch["input_ids"].cpu()
+        mask = batch["attention_mask"].cpu().bool() if "attention_mask" in batch else torch.ones_like(ids).bool()
+        for row, kept in zip(ids, mask, strict=True):
+            digests.append(hashlib.sha256(row[kept].to(torch.int64).numpy().tobytes()).hexdigest()[:16])
+    return digests
+
+
+class RowTrace:
+    """Appends this rank's row digests of each step to $SHARDTUNE_TRACE_ROWS/rows-rank<i>.jsonl; does nothing when
+    the variable is unset."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    @classmethod
+    def from_env(cls, rank: int) -> RowTrace:
+        directory = os.environ.get(TRACE_ROWS_ENV)
+        if not directory:
+            return cls(None)
+        os.makedirs(directory, exist_ok=True)
+        return cls(os.path.join(directory, f"rows-rank{rank}.jsonl"))
+
+    def record(self, step: int, micro_batches: list[dict]) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a") as file:
+            file.write(json.dumps({"step": step, "rows": row_digests(micro_batches)}) + "\n")

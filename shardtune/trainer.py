@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from shardtune.batches import counted_steps, global_batches, make_collator
+from shardtune.batches import RowTrace, counted_steps, global_batches, make_collator
 from shardtune.checkpoint.nvme_resume import load_state
 from shardtune.checkpoint.run_settings import ResumePoint, check_resumed_length, run_settings
 from shardtune.checkpoint.saver import Checkpointer
@@ -245,6 +245,7 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
                            method_metrics=PAIR_METRICS if run.dpo else ())
     split = sequence_split(launch.sp_size, launch.deepspeed_settings)
     hooks = BackwardHooks(ModelStateProbe(model, run.optimizer), Fault.from_env(accelerator.process_index))
+    rows = RowTrace.from_env(accelerator.process_index)
 
     steps = counted_steps(global_batches(run.train_loader, batching, run.steps_per_epoch, start_step))
     model.train()
@@ -252,6 +253,7 @@ def train_loop(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, l
                     disable=not accelerator.is_main_process, desc="training")
     for step, batch in zip(progress, steps, strict=False):  # batches never end
         hooks.step = step
+        rows.record(step, batch.micro_batches)
         begin_phase("forward_backward")
         out = train_step(accelerator, model, run.optimizer, run.scheduler, batch.micro_batches,
                          metrics.global_targets(batch), batching, recipe.max_grad_norm, hooks.after_backward,

@@ -6,7 +6,8 @@ schedule's state from the checkpoint, which silently replaces what the command l
 the new --max_steps), and it continues the data order of the checkpoint's seed, data and global batch. So a resume
 whose settings differ from the checkpoint's is refused, one line per difference naming both values and how to
 proceed, unless the difference is carried over exactly (a micro-batch and accumulation that make the same global
-batch; a longer or shorter run on the constant schedule), which the start-up line then says.
+batch, on the same or, under DDP and FSDP2, another number of processes; a longer or shorter run on the constant
+schedule), which the start-up line then says.
 
 Standard library only: the command line checks a resume before anything heavy is imported."""
 
@@ -47,7 +48,7 @@ def run_settings(recipe: Recipe, launch: LaunchDescription, batching: BatchSizes
     return {**settings, "explicit_max_steps": recipe.max_steps, "global_batch": batching.global_batch,
             "micro_batch": batching.micro_batch, "accumulation": batching.accumulation, "strategy": launch.kind,
             "zero_stage": launch.deepspeed_settings.get("stage") if launch.uses_deepspeed else None,
-            "tp_size": launch.tp_size, "cp_size": launch.cp_size}
+            "tp_size": launch.tp_size, "cp_size": launch.cp_size, "world_size": launch.world_size}
 
 
 # The held settings that may name local files (eval_split: a file, or a split's name).
@@ -108,6 +109,8 @@ def check_resume_settings(checkpoint: str, step: int, saved: dict, current: dict
         problems.append(f"this launch's global batch is {current['global_batch']} and {checkpoint} was trained with "
                         f"{saved['global_batch']} (the order of the rows it continues follows it): resume with "
                         f"--global_batch_size {saved['global_batch']}, {fresh}.")
+    elif saved.get("world_size", current.get("world_size")) != current.get("world_size"):
+        notes.append(world_size_change(saved, current, step))
     elif (saved["micro_batch"], saved["accumulation"]) != (current["micro_batch"], current["accumulation"]):
         notes.append(f"micro-batch {current['micro_batch']} x {current['accumulation']} accumulation where the "
                      f"checkpoint had {saved['micro_batch']} x {saved['accumulation']}: the same global batch of "
@@ -142,6 +145,29 @@ def tensor_parallel_change(checkpoint: str, saved: dict, current: dict, fresh: s
                 "reshards its FSDP2 states")
     return (f"{checkpoint} was saved with tp_size {had} and this launch has tp_size {has}: outside FSDP2 a "
             f"checkpoint holds each rank's own tensors. Resume with parallelism_config_tp_size {had}, {fresh}.")
+
+
+def world_size_change(saved: dict, current: dict, step: int) -> str:
+    """What a resume on another number of processes changes and keeps. Only DDP and FSDP2 get here
+    (markers.resolve_resume refuses DeepSpeed): DDP's states are whole on every rank; FSDP2's sharded state dict
+    is torch.distributed.checkpoint's, which reshards each tensor to the new mesh on load. The data order is the
+    seeded shuffle of the rows, cut into global batches of consecutive rows whatever the ranks
+    (batches.global_batches), so the same global batch continues from the same row."""
+    def split(settings: dict) -> str:
+        ranks = settings["global_batch"] // (settings["micro_batch"] * settings["accumulation"])
+        return f"micro-batch {settings['micro_batch']} x {settings['accumulation']} accumulation x {ranks} data ranks"
+
+    states = "FSDP2 states resharded by torch.distributed.checkpoint" if current["strategy"] == "fsdp" else \
+        "every rank loads the whole model and optimizer states"
+    # accelerate's load_state restores rank i's random streams from the checkpoint's file of rank i, if it has one
+    added = current["world_size"] - saved["world_size"]
+    streams = f"; ranks {saved['world_size']} to {current['world_size'] - 1} start their random streams from " \
+        "--seed" if added > 0 else ""
+    processes = f"{current['world_size']} process{'es' if current['world_size'] > 1 else ''}"
+    return (f"{processes} where the checkpoint had {saved['world_size']}: {split(current)} "
+            f"where it had {split(saved)}; kept: the global batch of {current['global_batch']}, the data order "
+            f"after the {step * current['global_batch']} rows of its {step} steps, the schedule and the optimizer's "
+            f"step count ({states}{streams})")
 
 
 def check_resumed_length(checkpoint: str, saved: dict, max_steps: int) -> None:
@@ -179,6 +205,8 @@ def resume_point(recipe: Recipe, launch: LaunchDescription, batching: BatchSizes
     path, step = resolve_resume(recipe.resume_from_checkpoint, recipe.resolved_output_dir, launch.world_size)
     if path is None:
         return ResumePoint()
-    saved = read_marker(path).get("run", {})
+    marker = read_marker(path)
+    # Markers written before the run recorded its world size hold it beside the run's settings only.
+    saved = {"world_size": marker["world_size"], **marker["run"]} if marker.get("run") else {}
     notes = check_resume_settings(path, step, saved, run_settings(recipe, launch, batching))
     return ResumePoint(path, step, saved, tuple(notes))

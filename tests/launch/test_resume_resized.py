@@ -1,0 +1,82 @@
+"""A run resumes on another number of processes as the same run: a 2-process checkpoint resumed on 4 processes,
+and that run's checkpoint resumed on 2 again, train the uninterrupted 2-process run's steps (DDP and FSDP2):
+per-step losses and gradient norms within 1e-5, and every step the same rows, row for row. The global batch of 32
+is kept (micro-batch 8 x 2 accumulation x 2 ranks, then 8 x 1 x 4), the data order continues from the same row,
+and the schedule and Adam's step count continue (a restarted schedule or bias correction shows in the losses)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from shardtune.batches import TRACE_ROWS_ENV
+from tests.conftest import REFERENCE_ARGS, grad_norms, made_once, read_metrics, run_recipe, train_losses
+
+# The reference runs (tests/conftest.py): 2 processes, 8 steps of 32 rows, a checkpoint every 2 steps.
+GROWN_FROM, SHRUNK_FROM, STEPS = 4, 6, 8
+TOLERANCE = 1e-5  # the same global batches, reduced over other ranks and micro-batches: rounding only
+
+
+def rows_by_step(trace: Path) -> dict[int, list[str]]:
+    """The rows every rank trained at each step (their digests, shardtune.batches.row_digests), over all ranks."""
+    steps = defaultdict(list)
+    for path in trace.glob("rows-rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            steps[record["step"]].extend(record["rows"])
+    return {step: sorted(rows) for step, rows in steps.items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_rows(tiny_assets, tmp_path_factory) -> dict[int, list[str]]:
+    """The rows of each step of an uninterrupted run: one process, 8 x 4 accumulation (the order is the seeded
+    shuffle cut into global batches, the same on any number of processes: this is what the resumes must match)."""
+
+    def make(root: Path) -> None:
+        run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, "--save_steps", "0", "--save_model", "false",
+                   env={TRACE_ROWS_ENV: str(root / "rows")})
+
+    return rows_by_step(made_once(tmp_path_factory, "rows-uninterrupted", make) / "rows")
+
+
+def steps_from(output_dir: Path) -> list[int]:
+    return [row["step"] for row in read_metrics(output_dir) if "loss" in row]
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp_full_shard"])
+def test_resume_on_other_world_sizes_continues_the_run(config, reference_run, uninterrupted_rows, tiny_assets,
+                                                       tmp_path):
+    reference = reference_run(config)
+    reference_losses, reference_norms = train_losses(reference), grad_norms(reference)
+    assert len(uninterrupted_rows) == STEPS and all(len(rows) == 32 for rows in uninterrupted_rows.values())
+
+    # 2 -> 4 processes at step 4, into a directory of its own: steps 5 to 8.
+    grown = tmp_path / "grown"
+    result = run_recipe(grown, tiny_assets, *REFERENCE_ARGS, "--resume_from_checkpoint",
+                        str(reference / f"checkpoint-{GROWN_FROM}"), config=config, processes=4,
+                        env={TRACE_ROWS_ENV: str(tmp_path / "rows-grown")})
+    resumed_line = next(line for line in result.stdout.splitlines() if "resumed from" in line)
+    assert ("4 processes where the checkpoint had 2: micro-batch 8 x 1 accumulation x 4 data ranks where it had "
+            "micro-batch 8 x 2 accumulation x 2 data ranks; kept: the global batch of 32, the data order after the "
+            "128 rows of its 4 steps") in resumed_line, resumed_line
+    assert "global batch 32 = 8 x 1 accumulation x 4 ranks" in result.stdout
+    assert steps_from(grown) == list(range(GROWN_FROM + 1, STEPS + 1))
+    assert train_losses(grown) == pytest.approx(reference_losses[GROWN_FROM:], rel=TOLERANCE, abs=TOLERANCE)
+    assert grad_norms(grown) == pytest.approx(reference_norms[GROWN_FROM:], rel=TOLERANCE, abs=TOLERANCE)
+    grown_rows = rows_by_step(tmp_path / "rows-grown")
+    assert grown_rows == {step: uninterrupted_rows[step] for step in range(GROWN_FROM + 1, STEPS + 1)}
+
+    # 4 -> 2 processes at step 6, from the 4-process run's own checkpoint: steps 7 and 8.
+    shrunk = tmp_path / "shrunk"
+    result = run_recipe(shrunk, tiny_assets, *REFERENCE_ARGS, "--resume_from_checkpoint",
+                        str(grown / f"checkpoint-{SHRUNK_FROM}"), config=config, processes=2,
+                        env={TRACE_ROWS_ENV: str(tmp_path / "rows-shrunk")})
+    assert "2 processes where the checkpoint had 4: micro-batch 8 x 2 accumulation x 2 data ranks" in result.stdout
+    assert steps_from(shrunk) == list(range(SHRUNK_FROM + 1, STEPS + 1))
+    assert train_losses(shrunk) == pytest.approx(reference_losses[SHRUNK_FROM:], rel=TOLERANCE, abs=TOLERANCE)
+    assert grad_norms(shrunk) == pytest.approx(reference_norms[SHRUNK_FROM:], rel=TOLERANCE, abs=TOLERANCE)
+    assert rows_by_step(tmp_path / "rows-shrunk") == {step: uninterrupted_rows[step]
+                                                      for step in range(SHRUNK_FROM + 1, STEPS + 1)}
