@@ -46,7 +46,7 @@ def steps_from(output_dir: Path) -> list[int]:
     return [row["step"] for row in read_metrics(output_dir) if "loss" in row]
 
 
-@pytest.mark.parametrize("config", ["ddp", "fsdp_full_shard"])
+@pytest.mark.parametrize("config", ["ddp", "fsdp_full_shard", "fsdp_shard_grad_op"])
 def test_resume_on_other_world_sizes_continues_the_run(config, reference_run, uninterrupted_rows, tiny_assets,
                                                        tmp_path):
     reference = reference_run(config)
