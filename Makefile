@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's compiled CPU ops live in the virtualenv, beside the stamp that says they are built (not ~/.cache).
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: demo demo-dpo test unit lint gpu-check gpu-wheels clean
+.PHONY: demo demo-dpo test unit lint gpu-check gpu-wheels device-rehearsal clean
 
 $(VENV)/installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -67,6 +67,12 @@ gpu-check: $(VENV)/installed
 # names it (docs/planner.md gives the call).
 gpu-wheels: $(VENV)/installed
 	$(PY) scripts/gpu_wheels.py --dest .whl
+
+# The device's machine rehearsed here, on CPU, before device time is spent: a virtualenv of its versions (torch 2.11,
+# transformers 5.17, accelerate 1.15; built once into $(VENV)/device-rehearsal, several GB) with the carried wheels
+# installed as the device command installs them, then each gpu-check case's launch with the tiny model to its end.
+device-rehearsal: $(VENV)/installed
+	$(PY) scripts/device_rehearsal.py
 
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .

@@ -51,17 +51,18 @@ def stopping_on_signals():
             signal.signal(sig, handler)
 
 
-def run_killing_group(command: list[str], timeout: float, log_path: Path, env: dict[str, str]) -> Finished:
-    """Run `command` in a session (and process group) of its own, its output to `log_path`. At `timeout`, or when
-    Stopped interrupts the wait, it is killed whole: SIGTERM, then after KILL_GRACE_S SIGKILL, to its group and to
-    every descendant's group. torchrun starts each rank in a session of its own, which a signal to the launcher's
-    group alone never reaches."""
+def run_killing_group(command: list[str], timeout: float, log_path: Path, env: dict[str, str],
+                      cwd: Path | None = None) -> Finished:
+    """Run `command` (in `cwd`) in a session (and process group) of its own, its output to `log_path`. At
+    `timeout`, or when Stopped interrupts the wait, it is killed whole: SIGTERM, then after KILL_GRACE_S SIGKILL, to
+    its group and to every descendant's group. torchrun starts each rank in a session of its own, which a signal to
+    the launcher's group alone never reaches."""
     import psutil
 
     started = time.monotonic()
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   start_new_session=True)
+                                   start_new_session=True, cwd=cwd)
         returncode: int | None = None
         try:
             returncode = process.wait(timeout=timeout)

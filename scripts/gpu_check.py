@@ -220,15 +220,17 @@ def lever_flags(levers: dict) -> list[str]:
             for word in (f"--{field}", str(value).lower())]
 
 
-def launch_command(case: Case, model: str, data: str, output_dir: Path) -> list[str]:
+def launch_command(case: Case, model: str, data: str, output_dir: Path, seq: int = SEQ, micro: int = MICRO,
+                   steps: int = STEPS) -> list[str]:
+    """The case's `accelerate launch` (the sizes given apart for scripts/device_rehearsal.py's tiny model)."""
     return [  # accelerate's launcher as a module of this interpreter: its console script may sit elsewhere
         sys.executable, "-m", "accelerate.commands.launch", "--config_file",
         str(REPO / "accelerate_configs" / f"{case.config}.yaml"), "--num_processes", "1", "--num_machines", "1",
         "--main_process_port", "29555", str(REPO / "scripts" / "device_counted_launch.py"),
         str(REPO / "recipes" / "tiny.py"),
         "--model_name_or_path", model, "--dataset", data, "--output_dir", str(output_dir),
-        "--max_seq_length", str(SEQ), "--per_device_train_batch_size", str(MICRO),
-        "--global_batch_size", str(MICRO * case.accumulation), "--max_steps", str(STEPS), "--logging_steps", "1",
+        "--max_seq_length", str(seq), "--per_device_train_batch_size", str(micro),
+        "--global_batch_size", str(micro * case.accumulation), "--max_steps", str(steps), "--logging_steps", "1",
         "--learning_rate", "1e-5", "--mixed_precision", case.levers.get("mixed_precision", "bf16"),
         "--gradient_checkpointing", "true",
         "--packing", str(case.packing).lower(), "--attn_implementation", "flex_attention" if case.packing else "sdpa",
