@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from shardtune.models.families import LIGER_MODEL_TYPES  # noqa: F401 (its home is the families' table)
+
 MIXED_PRECISIONS = ("bf16", "fp16", "no", "fp8")
 # --mixed_precision fp8 (shardtune.float8): the decoder layers' linears in float8, everything else as under bf16.
 FP8_COMPUTE_PRECISION = "bf16"
@@ -42,7 +44,6 @@ TORCHAO_BLOCK_SIZE = 256
 # --use_liger_kernel: the pinned Liger (requirements.txt), and the model types whose layers shardtune.liger patches
 # (Liger's apply_liger_kernel_to_llama, _mistral and _qwen2: the families the recipes train).
 LIGER_VERSION = "0.8.5"
-LIGER_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # transformers' attention implementations for training, and the package each needs beyond torch.
 ATTENTION_PACKAGES = {"sdpa": None, "eager": None, "flex_attention": None, "flash_attention_2": "flash_attn",
                       "flash_attention_3": "flash_attn_interface"}

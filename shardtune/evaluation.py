@@ -96,7 +96,8 @@ def plain_head(unwrapped: torch.nn.Module) -> bool:
     config, head = unwrapped.config, unwrapped.get_output_embeddings()
     own_forward = type(head).forward is torch.nn.Linear.forward and "forward" not in vars(head)
     return isinstance(head, torch.nn.Linear) and own_forward and \
-        getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", 1.0) == 1.0
+        getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", 1.0) == 1.0 \
+        and getattr(config, "logits_scaling", 1.0) == 1.0
 
 
 @torch.no_grad()

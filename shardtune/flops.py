@@ -16,6 +16,8 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from shardtune.hardware import PEAK_BF16_FLOPS, peak_flops
+from shardtune.models.builtin import ALIASES, BUILTIN_CONFIG_VALUES
+from shardtune.models.families import MIXTURE_OF_EXPERTS_TYPES, SUPPORTED_MODEL_TYPES, family_of, layer_types
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -23,42 +25,8 @@ if TYPE_CHECKING:
 DEFAULT_SEQ_LEN = 4096  # the recipes' max_seq_length
 
 
-def _llama3(hidden: int, inter: int, layers: int, heads: int, tied: bool, rope_factor: float) -> dict:
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": rope_factor,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    return dict(
-        model_type="llama", vocab_size=128256, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_parameters=rope, tie_word_embeddings=tied, bos_token_id=128000, eos_token_id=128001,
-    )
-
-
-# The public config.json values of the seven models in MISSION.md, as plain values: planning a built-in model
-# needs no transformers import (which pulls in torch and takes seconds).
-BUILTIN_CONFIG_VALUES = {
-    "llama-3.2-1b": _llama3(2048, 8192, 16, 32, tied=True, rope_factor=32.0),
-    "llama-3.2-3b": _llama3(3072, 8192, 28, 24, tied=True, rope_factor=32.0),
-    "llama-3.1-8b": _llama3(4096, 14336, 32, 32, tied=False, rope_factor=8.0),
-    "llama-3.1-70b": _llama3(8192, 28672, 80, 64, tied=False, rope_factor=8.0),
-    "llama-3.1-405b": _llama3(16384, 53248, 126, 128, tied=False, rope_factor=8.0),
-    "mistral-7b": dict(
-        model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=4096,
-        tie_word_embeddings=False,
-    ),
-    # Qwen2 puts biases on q, k and v (not on o): 3584 + 2 x 512 extra parameters per layer.
-    "qwen2.5-7b": dict(
-        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
-    ),
-}
+# The built-in shapes and the families live in shardtune.models; imported here, where the planner reads them.
 BUILTIN_MODELS = tuple(BUILTIN_CONFIG_VALUES)
-# The model types whose decoder layers are the ones ModelShape counts: q, k, v and o projections over
-# grouped-query heads (Qwen2: biases on q, k and v), a SwiGLU MLP of three matrices, two RMSNorms and rotary
-# positions (no position table). The parameter counts, FLOPs and memory formulas hold for these alone.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # The config.json fields a shape is read from. transformers fills a missing one with its config class's default
 # (LlamaConfig's are Llama 2 7B's), which plans and builds some other model than the one whose weights load.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -70,14 +38,11 @@ def builtin_configs() -> dict[str, PretrainedConfig]:
 
     return {name: CONFIG_MAPPING[values["model_type"]](**{k: v for k, v in values.items() if k != "model_type"})
             for name, values in BUILTIN_CONFIG_VALUES.items()}
-# Hub ids whose last path component, lower-cased, does not already equal a built-in name: Mistral's releases
-# share one shape; Llama 3.3 70B is Llama 3.1 70B's architecture.
-_ALIASES = {"mistral-7b-v0.1": "mistral-7b", "mistral-7b-v0.3": "mistral-7b", "llama-3.3-70b": "llama-3.1-70b"}
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the FLOPs and memory formulas need from a decoder-only Llama-class config."""
+    """What the FLOPs and memory formulas need from a dense decoder's config (shardtune.models.families)."""
 
     name: str
     hidden: int
@@ -91,21 +56,33 @@ class ModelShape:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    family: str = "llama"
+    qk_norms: tuple[int, ...] = ()  # a layer's q and k norm weights (Qwen3, Gemma 3: head_dim; OLMo 2: q, k widths)
+    layer_norms: int = 2  # hidden-size RMSNorms per layer (Gemma 3: 4)
+    sliding_layers: int = 0  # layers whose attention reaches back sliding_window positions only
+    sliding_window: int = 0
+    logits_scaling: float = 1.0  # Granite divides the logits by it
+    final_logit_softcapping: float | None = None  # Gemma: tanh(logits / c) x c where the config sets it
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weights of q, k, v, o and the three SwiGLU projections of one decoder layer."""
+        """Weights of q, k, v, o and the three gated-MLP projections of one decoder layer."""
         q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
         attention = self.hidden * q_out + 2 * self.hidden * kv_out + q_out * self.hidden
         return attention + 3 * self.hidden * self.intermediate
 
     @property
+    def layer_norm_params(self) -> int:
+        """The RMSNorm weights of one layer: its hidden-size norms and the q/k norms."""
+        return self.layer_norms * self.hidden + sum(self.qk_norms)
+
+    @property
     def layer_params(self) -> int:
-        """Matmul weights plus biases and the two RMSNorm weights."""
+        """Matmul weights plus biases and the RMSNorm weights."""
         q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
         biases = (q_out + 2 * kv_out) * self.qkv_bias + self.hidden * self.o_bias
         biases += (2 * self.intermediate + self.hidden) * self.mlp_bias
-        return self.layer_matmul_params + biases + 2 * self.hidden
+        return self.layer_matmul_params + biases + self.layer_norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -123,20 +100,34 @@ class ModelShape:
         the input embedding, which is a lookup and does no FLOPs)."""
         return self.layers * self.layer_matmul_params + self.embedding_params
 
+    def attended_positions(self, seq_len: int) -> int:
+        """Key positions summed over the layers at sequence length T: T for a global layer, min(window, T) for a
+        sliding one (counted without causal savings, as PaLM counts)."""
+        window = min(self.sliding_window, seq_len) if self.sliding_window else seq_len
+        return (self.layers - self.sliding_layers) * seq_len + self.sliding_layers * window
+
 
 def shape_from_config(config: PretrainedConfig, name: str = "") -> ModelShape:
     check_architecture(config, name or getattr(config, "name_or_path", ""))
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     model_type = getattr(config, "model_type", "llama")
+    family = family_of(model_type)
     attention_bias = bool(getattr(config, "attention_bias", False))
+    qk_norms = {"": (), "head": (head_dim, head_dim), "width": (heads * head_dim, kv_heads * head_dim)}[family.qk_norm]
+    sliding = sum(kind == "sliding_attention" for kind in layer_types(config))
     return ModelShape(
         name=name or getattr(config, "name_or_path", "") or model_type,
         hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
-        heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         vocab=config.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias and model_type != "qwen2",
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qkv_bias=family.qkv_bias or attention_bias, o_bias=attention_bias and not family.qkv_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)), family=model_type, qk_norms=qk_norms,
+        layer_norms=family.layer_norms, sliding_layers=sliding,
+        sliding_window=(getattr(config, "sliding_window", None) or 0) if sliding else 0,
+        logits_scaling=float(getattr(config, "logits_scaling", None) or 1.0),
+        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
     )
 
 
@@ -153,8 +144,16 @@ def check_architecture(config: PretrainedConfig, name: str = "") -> None:
         return
     classes = getattr(config, "architectures", None) or []
     described = f"{model_type} model" + (f" ({', '.join(classes)})" if classes else "")
-    raise ModelError(f"{name or 'The model'!r} is a {described}: shardtune plans and trains Llama-class decoders "
-                     f"only (model_type {', '.join(SUPPORTED_MODEL_TYPES)}: grouped-query attention, a SwiGLU MLP, "
+    if model_type in MIXTURE_OF_EXPERTS_TYPES:
+        raise ModelError(f"{name or 'The model'!r} is a {described}, a mixture of experts, whose weights, states "
+                         f"and FLOPs shardtune does not plan yet: give a dense model (model_type "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}).")
+    if model_type == "gemma3":
+        raise ModelError(f"{name or 'The model'!r} is Gemma 3's image-and-text model ({described}): shardtune "
+                         "trains its text model, model_type gemma3_text; save the language model alone "
+                         "(docs/models.md) and give that directory.")
+    raise ModelError(f"{name or 'The model'!r} is a {described}: shardtune plans and trains dense decoders of "
+                     f"model_type {', '.join(SUPPORTED_MODEL_TYPES)} (grouped-query attention, a gated MLP, "
                      "RMSNorm). Give a model of one of those families.")
 
 
@@ -174,7 +173,7 @@ def check_shape_fields(name: str) -> None:
 def builtin_name(model_id: str) -> str | None:
     """'meta-llama/Llama-3.1-70B' or 'llama-3.1-70b-instruct' -> 'llama-3.1-70b'; None when not built in."""
     key = model_id.rstrip("/").split("/")[-1].lower().removesuffix("-instruct")
-    key = _ALIASES.get(key, key)
+    key = ALIASES.get(key, key)
     return key if key in BUILTIN_MODELS else None
 
 
@@ -269,6 +268,7 @@ def flops_per_token(shape: ModelShape, seq_len: int = DEFAULT_SEQ_LEN, recompute
     lm_head included); each of them costs 2 FLOPs per token in forward and 4 in backward. 12·L·H·Q·T is the
     attention score and value matmuls (QKᵀ and AV: 2·2·H·Q·T per layer forward, times 3 for forward+backward),
     with L layers, H query heads, Q head dim, T sequence length; counted without causal-mask savings, as PaLM does.
+    A sliding-window layer (Gemma 3's local layers, Mistral's) attends min(window, T) positions in place of T.
 
     With `recompute=True` the hardware FLOPs (HFU) of full activation recomputation: the forward runs twice, so
     8·N + 16·L·H·Q·T. MFU never counts recomputation; HFU does.
@@ -279,7 +279,7 @@ def flops_per_token(shape: ModelShape, seq_len: int = DEFAULT_SEQ_LEN, recompute
     dense, attention = 6, 12
     if recompute:
         dense, attention = 8, 16
-    attention_flops = attention * shape.layers * shape.heads * shape.head_dim * seq_len
+    attention_flops = attention * shape.heads * shape.head_dim * shape.attended_positions(seq_len)
     if adapters is not None:
         return (dense - 2) * shape.non_embedding_matmul_params + dense * adapters + attention_flops
     return dense * shape.non_embedding_matmul_params + attention_flops

@@ -1,7 +1,8 @@
-"""--use_liger_kernel: Liger's Triton kernels (liger-kernel) in a Llama-family model, and what they cannot run with.
+"""--use_liger_kernel: Liger's Triton kernels (liger-kernel) in a model of a family Liger patches
+(shardtune.models.families.LIGER_MODEL_TYPES), and what they cannot run with.
 
-The layers: each RMSNorm and SwiGLU MLP instance gets Liger's forward (apply_liger_kernel_to_llama, _mistral or
-_qwen2 with `model=`, applied to the loaded model before accelerate's prepare, as --torch_compile is), so the
+The layers: each RMSNorm and SwiGLU MLP instance gets Liger's forward (apply_liger_kernel_to_<model_type> with
+`model=`, applied to the loaded model before accelerate's prepare, as --torch_compile is), so the
 hooks ZeRO-3 and FSDP2 put on those modules still gather their weights around them. RoPE is a module-level
 function that the attention's forward looks up at every call: it stays replaced in the model's modeling module
 for the process. The classes Liger also swaps in that module (for models built later) are put back: only this
@@ -15,7 +16,8 @@ import importlib.util
 import sys
 from typing import TYPE_CHECKING
 
-from shardtune.config import LIGER_MODEL_TYPES, LIGER_VERSION, ConfigError, Recipe
+from shardtune.config import LIGER_VERSION, ConfigError, Recipe
+from shardtune.models.families import FAMILIES, LIGER_MODEL_TYPES
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +64,9 @@ def check_liger_model(recipe: Recipe, config: PretrainedConfig) -> None:
     """Liger patches the layers of the families it knows by their model type: another family would train with
     its plain layers and a fused loss, not what the flag says."""
     model_type = getattr(config, "model_type", "")
+    refusal = FAMILIES[model_type].liger_refusal if model_type in FAMILIES else ""
+    if recipe.use_liger_kernel and refusal:
+        raise ConfigError(f"--use_liger_kernel: {refusal}")
     if recipe.use_liger_kernel and model_type not in LIGER_MODEL_TYPES:
         raise ConfigError(f"--use_liger_kernel patches the layers of {', '.join(LIGER_MODEL_TYPES)} models; this "
                           f"model's type is {model_type!r}: drop --use_liger_kernel.")
@@ -76,8 +81,9 @@ def apply_liger_kernels(model: torch.nn.Module) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     modeling = sys.modules[type(base).__module__]
     before = dict(vars(modeling))
-    MODEL_TYPE_TO_APPLY_LIGER_FN[base.config.model_type](rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                                         fused_linear_cross_entropy=False, model=base)
+    model_type = base.config.model_type
+    MODEL_TYPE_TO_APPLY_LIGER_FN[model_type](rope=True, rms_norm=True, cross_entropy=False, model=base,
+                                             fused_linear_cross_entropy=False, **FAMILIES[model_type].liger_options)
     for name, value in before.items():  # the classes: later models of the family build their own modules
         if isinstance(value, type) and vars(modeling)[name] is not value:
             setattr(modeling, name, value)

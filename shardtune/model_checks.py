@@ -28,7 +28,7 @@ def check_model(recipe: Recipe, sp_size: int = 1, tp_size: int = 1, cp_size: int
     read and is of a supported family, a local directory holds whole weights and a tokenizer, it has room for
     --max_seq_length, --lora_target_modules name some of its layers, and a sequence split over `sp_size` ranks
     divides its attention heads, as tensor parallelism over `tp_size` ranks must; the ring attention over `cp_size`
-    ranks takes no sliding window."""
+    ranks takes no sliding window; and the model's family allows the levers asked for (check_family_levers)."""
     config = read_model_config(recipe.model_name_or_path)
     problems = Problems()
     if os.path.isdir(recipe.model_name_or_path):  # a Hub id's files are fetched, and judged, when it loads
@@ -40,7 +40,37 @@ def check_model(recipe: Recipe, sp_size: int = 1, tp_size: int = 1, cp_size: int
     problems.check(check_split_heads, config, sp_size)
     problems.check(check_tensor_parallel_heads, config, tp_size)
     problems.check(check_context_model, config, cp_size)
+    problems.check(check_family_levers, recipe, config, sp_size, tp_size)
     problems.raise_any()
+
+
+def check_family_levers(recipe: Recipe, config: PretrainedConfig, sp_size: int, tp_size: int) -> None:
+    """The levers a family refuses (shardtune.models.families): tensor parallelism where its plan is not the one
+    planned or proven; Ulysses over sliding-window layers under a kernel that takes the window from the mask
+    Ulysses drops (flash attention reads it from the module instead); DPO's log-probs, which read the LM head's
+    output as it comes, on a model that scales or soft-caps its logits."""
+    from shardtune.models.families import FAMILIES, layer_types
+    from shardtune.tiled_loss import logits_after_head
+
+    text = config.get_text_config()
+    family = FAMILIES[text.model_type]
+    problems = []
+    if tp_size > 1 and family.tensor_parallel_refusal:
+        problems.append(f"tensor parallelism (tp_size {tp_size}) on a {text.model_type} model: "
+                     f"{family.tensor_parallel_refusal}")
+    window = getattr(text, "sliding_window", None) or 0
+    sliding = "sliding_attention" in layer_types(text) and 0 < window < recipe.max_seq_length
+    if sp_size > 1 and sliding and not recipe.attn_implementation.startswith("flash_attention"):
+        problems.append(f"The model's sliding-window layers attend {window} positions back, and Ulysses (sp_size "
+                     f"{sp_size}) drops the attention mask that carries the window under {recipe.attn_implementation}"
+                     f": use --attn_implementation flash_attention_2 (which takes the window from the layer), or "
+                     f"--max_seq_length {window}.")
+    if recipe.method == "dpo" and logits_after_head(text) != (1.0, None):
+        problems.append(f"--method dpo computes log-probs from the LM head's output as it comes, and this "
+                     f"{text.model_type} model scales or soft-caps its logits after the head (logits_scaling, "
+                     "final_logit_softcapping), which those log-probs would leave out: train it with --method sft.")
+    if problems:
+        raise ConfigError(problems)
 
 
 def read_model_config(name: str) -> PretrainedConfig:

@@ -36,21 +36,35 @@ from shardtune.data import IGNORE_INDEX
 LABEL_KEYS = ("labels", "shift_labels")
 
 
-def tile_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def logits_after_head(config: object) -> tuple[float, float | None]:
+    """What a family's forward does to the LM head's output before the loss: Granite divides it by
+    logits_scaling, Gemma soft-caps it (tanh(logits / c) x c) where final_logit_softcapping is set."""
+    return float(getattr(config, "logits_scaling", None) or 1.0), getattr(config, "final_logit_softcapping", None)
+
+
+def tile_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scaling: float = 1.0,
+              softcap: float | None = None) -> torch.Tensor:
     """The summed cross-entropy of one tile of positions: its logits in the compute dtype (autocast's, where on),
-    upcast to fp32 as ForCausalLMLoss does."""
-    return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    scaled and soft-capped as the model's forward does (logits_after_head), upcast to fp32 as ForCausalLMLoss
+    does."""
+    logits = F.linear(hidden, weight)
+    if scaling != 1.0:
+        logits = logits / scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor,
-                        tile: int = LOSS_TILE_POSITIONS) -> torch.Tensor:
+                        tile: int = LOSS_TILE_POSITIONS, scaling: float = 1.0, softcap: float | None = None
+                        ) -> torch.Tensor:
     """Sum over tiles of `tile` positions of the tile's loss, divided by `targets`. `hidden` (rows, positions, h)
     and `labels` (rows, positions) are already aligned: position t's label is the token at t + 1."""
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     total = None
     for start in range(0, flat_labels.shape[0], tile):
         part = checkpoint(tile_loss, flat_hidden[start:start + tile], weight, flat_labels[start:start + tile],
-                          use_reentrant=False)
+                          scaling, softcap, use_reentrant=False)
         total = part if total is None else total + part
     return total / targets
 
@@ -86,6 +100,22 @@ def forward_replaced(module: torch.nn.Module, forward):
         del module.forward  # back to the class's forward
 
 
+@contextmanager
+def head_output_kept(config: object):
+    """For the calls inside, the model's forward returns its LM head's output as the head returned it: the tiles
+    applied the family's scaling and soft-cap already (logits_after_head), and the loss the head returns must not
+    be scaled or capped again by the forward's code after the head. The forward reads both from its config."""
+    neutral = {"logits_scaling": 1.0, "final_logit_softcapping": None}
+    kept = {name: getattr(config, name) for name in neutral if getattr(config, name, None) is not None}
+    for name in kept:
+        setattr(config, name, neutral[name])
+    try:
+        yield
+    finally:
+        for name, value in kept.items():
+            setattr(config, name, value)
+
+
 def chunked_token_loss(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict, targets: torch.Tensor,
                        tile: int = LOSS_TILE_POSITIONS, fused: bool = False) -> torch.Tensor:
     """The micro-batch's summed target-token loss over `targets`, in fp32, without its full logits: the model's
@@ -94,15 +124,16 @@ def chunked_token_loss(model: torch.nn.Module, unwrapped: torch.nn.Module, batch
     # A slice of the sequence split carries its labels shifted before the cut (shardtune.parallel.sequence).
     labels = batch["shift_labels"] if "shift_labels" in batch else shifted_labels(batch["labels"])
     head = unwrapped.get_output_embeddings()
+    scaling, softcap = logits_after_head(unwrapped.config)  # Liger's path is refused where they act (models/)
     computed = []
 
     def loss_forward(hidden_states: torch.Tensor) -> torch.Tensor:
         loss = fused_linear_cross_entropy(hidden_states, head.weight, labels, targets) if fused else \
-            tiled_cross_entropy(hidden_states, head.weight, labels, targets, tile)
+            tiled_cross_entropy(hidden_states, head.weight, labels, targets, tile, scaling, softcap)
         computed.append(loss)
         return loss
 
-    with forward_replaced(head, loss_forward):
+    with forward_replaced(head, loss_forward), head_output_kept(unwrapped.config):
         returned = model(**{key: value for key, value in batch.items() if key not in LABEL_KEYS}).logits
     # FSDP2's output cast (MixedPrecisionPolicy.output_dtype) rounds the root's outputs to bf16, after it hooked
     # its pre-backward on the fp32 tensor the head returned: that one is the loss. Elsewhere the returned tensor is

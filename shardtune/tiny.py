@@ -1,5 +1,6 @@
-"""A tiny Llama, its character tokenizer and a synthetic instruction task, made locally for the CPU demo and
-tests. The model is saved with `save_pretrained` and read back by the same `from_pretrained` path as real runs."""
+"""A tiny Llama (or a tiny model of another family: shardtune.models.tiny), its character tokenizer and a
+synthetic instruction task, made locally for the CPU demo and tests. The model is saved with `save_pretrained` and
+read back by the same `from_pretrained` path as real runs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 # them made (every run after the first).
 if TYPE_CHECKING:
     import torch
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = string.ascii_lowercase + string.digits + " =:>"
@@ -46,15 +47,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_llama_config(vocab_size: int, **overrides) -> LlamaConfig:
-    from transformers import LlamaConfig
+    return tiny_config(vocab_size, "llama", **overrides)
 
-    values = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    return LlamaConfig(**(values | overrides))
+
+def tiny_config(vocab_size: int, model_type: str = "llama", **overrides) -> PretrainedConfig:
+    """The tiny random config of a family (shardtune.models.tiny)."""
+    from transformers import AutoConfig
+
+    from shardtune.models.tiny import tiny_config_values
+
+    return AutoConfig.for_model(model_type, **tiny_config_values(model_type, vocab_size, **overrides))
 
 
 def reversal_examples(count: int, seed: int) -> list[dict]:
@@ -92,16 +94,16 @@ def ensure_tiny_preferences(root: str, count: int = 2048, seed: int = 1) -> str:
 
 
 def write_tiny_assets(root: str, num_examples: int = 4096, seed: int = 0, save_dtype: torch.dtype | None = None,
-                      **config_overrides) -> None:
-    """Write `root/model` (config, random weights stored in `save_dtype`, default fp32, tokenizer) and
-    `root/data.jsonl`."""
+                      model_type: str = "llama", **config_overrides) -> None:
+    """Write `root/model` (config, random weights of the `model_type` family's tiny model stored in `save_dtype`,
+    default fp32, tokenizer) and `root/data.jsonl`."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     os.makedirs(os.path.join(root, "model"))
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), **config_overrides))
+    model = AutoModelForCausalLM.from_config(tiny_config(len(tokenizer), model_type, **config_overrides))
     model.to(save_dtype or torch.float32).save_pretrained(os.path.join(root, "model"))
     tokenizer.save_pretrained(os.path.join(root, "model"))
     with open(os.path.join(root, "data.jsonl"), "w") as file:

@@ -88,7 +88,7 @@ def peft_states(strategy: Strategy, shape: ModelShape, world: int, peft: Peft, o
 
 @lru_cache(maxsize=64)  # the search plans one shape thousands of times; callers only read the list
 def parameter_sizes(shape: ModelShape) -> list[tuple[int, bool]]:
-    """(elements, weight-decayed) of every parameter of a Llama-class model, in `model.parameters()` order: the
+    """(elements, weight-decayed) of every parameter of a dense decoder, in `model.parameters()` order: the
     order in which DeepSpeed fills each parameter group's sub-groups. Decayed as the trainer splits them
     (shardtune.optimizers.param_groups: matrices decay, norms and biases do not)."""
     h, inter = shape.hidden, shape.intermediate
@@ -97,10 +97,10 @@ def parameter_sizes(shape: ModelShape) -> list[tuple[int, bool]]:
     layer = [(h * q_dim, True), *([(q_dim, False)] if shape.qkv_bias else []),
              (h * kv_dim, True), *([(kv_dim, False)] if shape.qkv_bias else []),
              (h * kv_dim, True), *([(kv_dim, False)] if shape.qkv_bias else []),
-             (q_dim * h, True), *([(h, False)] if shape.o_bias else [])]
+             (q_dim * h, True), *([(h, False)] if shape.o_bias else []), *[(norm, False) for norm in shape.qk_norms]]
     for matrix in ((h, inter), (h, inter), (inter, h)):
         layer += [(matrix[0] * matrix[1], True)] + ([(matrix[1], False)] if shape.mlp_bias else [])
-    sizes += (layer + [(h, False), (h, False)]) * shape.layers + [(h, False)]
+    sizes += (layer + [(h, False)] * shape.layer_norms) * shape.layers + [(h, False)]
     return sizes + ([] if shape.tied else [(shape.vocab * h, True)])
 
 

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from shardtune.config import ConfigError, Recipe
@@ -22,7 +23,7 @@ from shardtune.plan.__main__ import main as plan_main
 from shardtune.tiny import build_tokenizer
 from tests.unit.test_bad_input import Case, refused
 
-ARCHITECTURE = "shardtune plans and trains Llama-class decoders only (model_type llama, mistral, qwen2"
+ARCHITECTURE = "shardtune plans and trains dense decoders of model_type llama, mistral, qwen2, qwen3, gemma3_text"
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +72,14 @@ def test_other_architecture_is_refused_at_launch_in_dry_run_and_by_the_planner(g
 def test_supported_architectures_are_planned_exactly(model_type):
     """What is accepted is what the shape counts: each supported family's parameters, as the planner counts them
     from the config, equal the model's own (built on the meta device)."""
-    from accelerate import init_empty_weights
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from shardtune.flops import shape_from_config
 
+    # The family's own defaults beside these sizes (Gemma 3's head_dim 256, tied embeddings, sliding layers).
     config = CONFIG_MAPPING[model_type](vocab_size=96, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2)
-    with init_empty_weights():
+                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    with torch.device("meta"):  # accelerate's init_empty_weights unties a tied head
         model = AutoModelForCausalLM.from_config(config)
     assert shape_from_config(config).params == sum(parameter.numel() for parameter in model.parameters())
 

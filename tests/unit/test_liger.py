@@ -83,8 +83,8 @@ def test_an_lm_head_adapter_is_refused_once_with_liger():
 
 def test_another_model_family_is_refused():
     (message,) = refusal(check_liger_model, LIGER, types.SimpleNamespace(model_type="gemma"))
-    assert message == ("--use_liger_kernel patches the layers of llama, mistral, qwen2 models; this model's type is "
-                       "'gemma': drop --use_liger_kernel.")
+    assert message == (f"--use_liger_kernel patches the layers of {', '.join(LIGER_MODEL_TYPES)} models; this "
+                       "model's type is 'gemma': drop --use_liger_kernel.")
     for model_type in LIGER_MODEL_TYPES:
         check_liger_model(LIGER, types.SimpleNamespace(model_type=model_type))
 

@@ -1,0 +1,72 @@
+"""The dense decoder families shardtune plans and trains, each as data: which parameters its layers hold beyond
+Llama's (biases, q/k norms, extra norms), what its logits pass through after the LM head, and the levers it
+refuses, each in one line. Read from transformers 5.24's modeling_<family>.py and liger-kernel 0.8.5's
+monkey_patch.py; the counts are held to the model built on the meta device by tests/unit/test_models.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model_type's layer layout. Every family here has q, k, v and o projections over grouped-query heads, a
+    gated MLP of three matrices, RMSNorms and no position table."""
+
+    model_type: str
+    # "head": one weight of head_dim each for q and k, shared by the heads (Qwen3, Gemma 3); "width": over all
+    # heads' width, q's heads x head_dim and k's kv_heads x head_dim (OLMo 2); "": none.
+    qk_norm: str = ""
+    layer_norms: int = 2  # hidden-size RMSNorms per layer: Gemma 3 has four (before and after attention and MLP)
+    post_norms: bool = False  # OLMo 2 normalises the sublayers' outputs, not their inputs
+    qkv_bias: bool = False  # Qwen2: biases on q, k and v whatever the config says (others: attention_bias)
+    liger_refusal: str = ""  # why --use_liger_kernel cannot run on the family ("" where it can)
+    liger_options: dict = field(default_factory=lambda: {"swiglu": True})  # the MLP kernel's keyword in Liger
+    tensor_parallel_refusal: str = ""  # why tensor parallelism cannot run ("" where it can)
+
+
+_UNPROVEN_TP = ("its tensor-parallel plan is not yet proven equal to one process on CPU here "
+                "(tests/launch/test_tensor_parallel.py runs Llama's): launch without parallelism_config_tp_size.")
+
+FAMILIES = {family.model_type: family for family in (
+    Family("llama"),
+    Family("mistral"),
+    Family("qwen2", qkv_bias=True),
+    Family("qwen3", qk_norm="head", tensor_parallel_refusal=_UNPROVEN_TP),
+    Family("gemma3_text", qk_norm="head", layer_norms=4, liger_options={"geglu": True},
+           liger_refusal="Liger's fused loss would run in place of Gemma 3's LM head without its final-logit "
+                         "soft-capping, and its GeGLU and offset-RMSNorm kernels are not measured here: drop "
+                         "--use_liger_kernel.",
+           tensor_parallel_refusal=_UNPROVEN_TP),
+    # OLMo 2's tensor-parallel plan gathers q, k and v whole on every rank (colwise_gather_output, for its norms
+    # over all heads), which the tensor-parallel plan here does not count.
+    Family("olmo2", qk_norm="width", post_norms=True,
+           tensor_parallel_refusal="OLMo 2's tensor-parallel plan gathers q, k and v whole on every rank for its "
+                                   "q/k norms (colwise_gather_output), which the planner does not count: launch "
+                                   "without parallelism_config_tp_size."),
+    Family("smollm3", tensor_parallel_refusal=_UNPROVEN_TP),
+    Family("granite", liger_refusal="Liger's fused loss would run in place of Granite's LM head without dividing "
+                                    "the logits by logits_scaling: drop --use_liger_kernel.",
+           tensor_parallel_refusal=_UNPROVEN_TP),
+)}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+LIGER_MODEL_TYPES = tuple(name for name, family in FAMILIES.items() if not family.liger_refusal)
+# Mixture-of-experts families: their weights, states, activations and FLOPs follow the experts, which the shape
+# does not count yet.
+MIXTURE_OF_EXPERTS_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+
+
+def family_of(model_type: str) -> Family:
+    return FAMILIES[model_type]
+
+
+def layer_types(config: object) -> list[str]:
+    """Each layer's attention kind as transformers builds it: the config's layer_types, else (Mistral, configs
+    before layer_types) every layer sliding when sliding_window is set."""
+    layers = config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return list(kinds)
+    if getattr(config, "model_type", "") == "mistral" and getattr(config, "sliding_window", None):
+        return ["sliding_attention"] * layers
+    return ["full_attention"] * layers
