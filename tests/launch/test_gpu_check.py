@@ -143,17 +143,30 @@ CHECK_IMPORTS = ("import shardtune.trainer, shardtune.gpu_check_figures, deepspe
 
 def device_site(root: Path) -> Path:
     """A folder holding what the GPU machine has installed, taken from this virtualenv: the distributions of
-    scripts/device_packages.txt installed here, linked file by top-level entry."""
+    scripts/device_packages.txt installed here and what they require here (this virtualenv's versions may need
+    more than the device's: huggingface-hub 2.5 its httpx2), never a carried one, linked file by top-level entry.
+    (`make device-rehearsal` installs the device's own versions instead.)"""
     import importlib.metadata
+    import json
+
+    from packaging.requirements import Requirement
 
     wheels = load_script("gpu_wheels")
+    carried = set(json.loads(wheels.SET_RECORD.read_text())["wheels"])
     site = root / "device-site"
     site.mkdir()
-    for name in wheels.read_device_packages():
+    todo, seen = [name for name in wheels.read_device_packages() if name not in carried], set()
+    while todo:
+        name = wheels.normalized(todo.pop())
+        if name in seen or name in carried:
+            continue
+        seen.add(name)
         try:
             distribution = importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:
             continue
+        todo += [Requirement(line).name for line in distribution.requires or []
+                 if Requirement(line).marker is None or Requirement(line).marker.evaluate({"extra": ""})]
         base = Path(distribution.locate_file(""))
         for entry in {Path(str(file)).parts[0] for file in distribution.files or []}:
             if (base / entry).exists() and not (site / entry).exists() and entry not in ("..", "__pycache__"):
