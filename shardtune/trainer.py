@@ -25,6 +25,7 @@ from shardtune.batches import RowTrace, counted_steps, global_batches, make_coll
 from shardtune.checkpoint.nvme_resume import load_state
 from shardtune.checkpoint.run_settings import ResumePoint, check_resumed_length, run_settings
 from shardtune.checkpoint.saver import Checkpointer
+from shardtune.checkpoint.universal import universal_checkpoint
 from shardtune.compilation import compile_decoder_layers, compile_figures, eager_calls
 from shardtune.config import BatchSizes, ConfigError, Recipe, token_multiple
 from shardtune.data import load_splits
@@ -301,7 +302,9 @@ def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch
         run.dpo.precompute(accelerator, recipe)
     if resume.path:
         started = time.perf_counter()
-        load_state(accelerator, resume.path)
+        # a DeepSpeed checkpoint of another world size: its universal form, converted once
+        path = universal_checkpoint(accelerator, resume.path) if resume.universal else resume.path
+        load_state(accelerator, path, universal=resume.universal)
         accelerator.print(f"shardtune: resumed from {resume.path} at step {resume.step} "
                           f"(state loaded in {time.perf_counter() - started:.1f}s)"
                           + "".join(f"; {note}" for note in resume.notes))

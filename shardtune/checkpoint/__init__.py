@@ -19,5 +19,6 @@ state copied or written, one function per strategy), `markers` (completion marke
 standard library only, so that the command line resolves a resume before torch loads), `durable` (fsync),
 `tensor_files` (torch and safetensors files, streamed), `pending` (a save in flight), `mmap_load` (DeepSpeed's
 checkpoint loads memory-mapped), `nvme_resume` (the resume's load_state, and what DeepSpeed's load leaves out
-when the optimizer is on NVMe).
+when the optimizer is on NVMe), `universal` (a ZeRO checkpoint converted to DeepSpeed's universal form for a resume
+on another number of processes).
 """

@@ -178,13 +178,13 @@ def resolve_resume(resume_from: str, output_dir: str, world_size: int) -> tuple[
                               "holds no optimizer state to resume from. Export it with scripts/export_hf.py and "
                               "start a new run from the export.")
     marker = read_marker(checkpoint)
-    if marker["world_size"] != world_size and marker.get("strategy", "deepspeed") == "deepspeed":
-        # DDP's states are whole on every rank and FSDP2's are resharded by torch.distributed.checkpoint on load
-        # (run_settings.world_size_change); ZeRO's partitions are cut for the processes that saved them.
+    if marker["world_size"] != world_size and "strategy" not in marker:
+        # Another number of processes is judged by the strategy that saved it (run_settings.resume_point); a
+        # marker that does not record it cannot tell.
         raise ConfigError(
-            f"Checkpoint {checkpoint!r} was saved by {marker['world_size']} processes under DeepSpeed and this run "
-            f"has {world_size}: each ZeRO partition file holds 1/{marker['world_size']} of the optimizer states. "
-            f"Resume with --num_processes {marker['world_size']}, or export it with scripts/export_hf.py and start a "
-            "new run."
+            f"Checkpoint {checkpoint!r} was saved by {marker['world_size']} processes and this run has {world_size}; "
+            f"its marker does not say under which strategy, which decides whether its states load on another "
+            f"number. Resume with --num_processes {marker['world_size']}, or export it with scripts/export_hf.py and "
+            "start a new run."
         )
     return checkpoint, marker["step"]

@@ -25,6 +25,7 @@ import torch
 from accelerate import Accelerator
 
 from shardtune.checkpoint.mmap_load import detach_from_files, load_mapped, mapped_deepspeed_loads
+from shardtune.checkpoint.universal import loading_universal, restore_engines
 
 
 def nvme_optimizers(accelerator: Accelerator) -> list:
@@ -33,11 +34,16 @@ def nvme_optimizers(accelerator: Accelerator) -> list:
     return [engine.optimizer for engine in engines if engine.zero_nvme_offload_optimizer()]
 
 
-def load_state(accelerator: Accelerator, path: str) -> None:
+def load_state(accelerator: Accelerator, path: str, universal: bool = False) -> None:
     """accelerate's load_state, with DeepSpeed's files memory-mapped (shardtune.checkpoint.mmap_load), completed
-    for NVMe-offloaded optimizers (see the module docstring)."""
-    with mapped_deepspeed_loads(accelerator) as mapped:
-        accelerator.load_state(path)
+    for NVMe-offloaded optimizers (see the module docstring). `universal`: `path` is DeepSpeed's universal form of
+    a checkpoint (shardtune.checkpoint.universal), which DeepSpeed slices for this run's ranks."""
+    engines = loading_universal(accelerator, universal)
+    try:
+        with mapped_deepspeed_loads(accelerator) as mapped:
+            accelerator.load_state(path)
+    finally:
+        restore_engines(engines)
     detach_from_files(accelerator, mapped)
     optimizers = nvme_optimizers(accelerator)
     if not optimizers:

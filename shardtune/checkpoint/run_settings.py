@@ -148,17 +148,19 @@ def tensor_parallel_change(checkpoint: str, saved: dict, current: dict, fresh: s
 
 
 def world_size_change(saved: dict, current: dict, step: int) -> str:
-    """What a resume on another number of processes changes and keeps. Only DDP and FSDP2 get here
-    (markers.resolve_resume refuses DeepSpeed): DDP's states are whole on every rank; FSDP2's sharded state dict
-    is torch.distributed.checkpoint's, which reshards each tensor to the new mesh on load. The data order is the
+    """What a resume on another number of processes changes and keeps. DDP's states are whole on every rank;
+    FSDP2's sharded state dict is torch.distributed.checkpoint's, which reshards each tensor to the new mesh on
+    load; DeepSpeed's ZeRO-1/2 partitions are converted to its universal checkpoint (shardtune.checkpoint.universal,
+    the launches it supports: deepspeed_resize_problem). The data order is the
     seeded shuffle of the rows, cut into global batches of consecutive rows whatever the ranks
     (batches.global_batches), so the same global batch continues from the same row."""
     def split(settings: dict) -> str:
         ranks = settings["global_batch"] // (settings["micro_batch"] * settings["accumulation"])
         return f"micro-batch {settings['micro_batch']} x {settings['accumulation']} accumulation x {ranks} data ranks"
 
-    states = "FSDP2 states resharded by torch.distributed.checkpoint" if current["strategy"] == "fsdp" else \
-        "every rank loads the whole model and optimizer states"
+    states = {"fsdp": "FSDP2 states resharded by torch.distributed.checkpoint",
+              "deepspeed": "ZeRO states through DeepSpeed's universal checkpoint, converted once"}.get(
+        current["strategy"], "every rank loads the whole model and optimizer states")
     # accelerate's load_state restores rank i's random streams from the checkpoint's file of rank i, if it has one
     added = current["world_size"] - saved["world_size"]
     streams = f"; ranks {saved['world_size']} to {current['world_size'] - 1} start their random streams from " \
@@ -198,6 +200,26 @@ class ResumePoint:
     step: int = 0
     saved: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    universal: bool = False  # a DeepSpeed checkpoint of another world size: loaded as DeepSpeed's universal form
+
+
+# DeepSpeed launches that resume on another number of processes through the universal checkpoint: ZeRO-1 and
+# ZeRO-2 without offload, measured equal to the uninterrupted run (tests/launch/test_resume_resized.py). Measured
+# under ZeRO-3 (DeepSpeed 0.19): the first step after a universal load trains the same loss, the next ones do not.
+UNIVERSAL_STAGES = (1, 2)
+
+
+def deepspeed_resize_problem(checkpoint: str, saved_world: int, launch: LaunchDescription) -> str | None:
+    """Why this DeepSpeed launch cannot resume a checkpoint of `saved_world` processes, or None."""
+    stage = launch.deepspeed_settings.get("stage")
+    if stage in UNIVERSAL_STAGES and not launch.deepspeed_offloads and launch.sp_size == 1:
+        return None
+    what = "with offloaded states" if stage in UNIVERSAL_STAGES and launch.deepspeed_offloads else \
+        "with the sequence split" if stage in UNIVERSAL_STAGES else f"under ZeRO-{stage}"
+    return (f"{checkpoint} was saved by {saved_world} processes and this DeepSpeed launch has {launch.world_size}: "
+            f"a resume on another number of processes {what} is not supported yet (ZeRO-1 and ZeRO-2 without offload "
+            f"resume through DeepSpeed's universal checkpoint). Resume with --num_processes {saved_world}, or start "
+            f"a new run from its weights (scripts/export_hf.py {checkpoint}).")
 
 
 def resume_point(recipe: Recipe, launch: LaunchDescription, batching: BatchSizes) -> ResumePoint:
@@ -209,4 +231,7 @@ def resume_point(recipe: Recipe, launch: LaunchDescription, batching: BatchSizes
     # Markers written before the run recorded its world size hold it beside the run's settings only.
     saved = {"world_size": marker["world_size"], **marker["run"]} if marker.get("run") else {}
     notes = check_resume_settings(path, step, saved, run_settings(recipe, launch, batching))
-    return ResumePoint(path, step, saved, tuple(notes))
+    universal = launch.uses_deepspeed and marker["world_size"] != launch.world_size
+    if universal and (problem := deepspeed_resize_problem(path, marker["world_size"], launch)):
+        raise ConfigError(problem)
+    return ResumePoint(path, step, saved, tuple(notes), universal)

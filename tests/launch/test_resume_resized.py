@@ -1,12 +1,14 @@
 """A run resumes on another number of processes as the same run: a 2-process checkpoint resumed on 4 processes,
-and that run's checkpoint resumed on 2 again, train the uninterrupted 2-process run's steps (DDP and FSDP2):
+and that run's checkpoint resumed on 2 again, train the uninterrupted 2-process run's steps (DDP, FSDP2, ZeRO-1/2):
 per-step losses and gradient norms within 1e-5, and every step the same rows, row for row. The global batch of 32
 is kept (micro-batch 8 x 2 accumulation x 2 ranks, then 8 x 1 x 4), the data order continues from the same row,
-and the schedule and Adam's step count continue (a restarted schedule or bias correction shows in the losses)."""
+and the schedule and Adam's step count continue (a restarted schedule or bias correction shows in the losses).
+ZeRO-1 and ZeRO-2 the same, through DeepSpeed's universal checkpoint, converted once beside the checkpoint's files."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections import defaultdict
 from pathlib import Path
 
@@ -46,23 +48,32 @@ def steps_from(output_dir: Path) -> list[int]:
     return [row["step"] for row in read_metrics(output_dir) if "loss" in row]
 
 
-@pytest.mark.parametrize("config", ["ddp", "fsdp_full_shard", "fsdp_shard_grad_op"])
+@pytest.mark.parametrize("config", ["ddp", "fsdp_full_shard", "fsdp_shard_grad_op", "ds_zero1", "ds_zero2"])
 def test_resume_on_other_world_sizes_continues_the_run(config, reference_run, uninterrupted_rows, tiny_assets,
                                                        tmp_path):
     reference = reference_run(config)
     reference_losses, reference_norms = train_losses(reference), grad_norms(reference)
     assert len(uninterrupted_rows) == STEPS and all(len(rows) == 32 for rows in uninterrupted_rows.values())
 
-    # 2 -> 4 processes at step 4, into a directory of its own: steps 5 to 8.
+    # 2 -> 4 processes at step 4, into a directory of its own: steps 5 to 8. From a copy of the shared reference's
+    # checkpoint: a DeepSpeed resume converts it in place (shardtune.checkpoint.universal).
+    source = tmp_path / "source" / f"checkpoint-{GROWN_FROM}"
+    shutil.copytree(reference / source.name, source)
     grown = tmp_path / "grown"
-    result = run_recipe(grown, tiny_assets, *REFERENCE_ARGS, "--resume_from_checkpoint",
-                        str(reference / f"checkpoint-{GROWN_FROM}"), config=config, processes=4,
-                        env={TRACE_ROWS_ENV: str(tmp_path / "rows-grown")})
+    result = run_recipe(grown, tiny_assets, *REFERENCE_ARGS, "--resume_from_checkpoint", str(source),
+                        config=config, processes=4, env={TRACE_ROWS_ENV: str(tmp_path / "rows-grown")})
     resumed_line = next(line for line in result.stdout.splitlines() if "resumed from" in line)
     assert ("4 processes where the checkpoint had 2: micro-batch 8 x 1 accumulation x 4 data ranks where it had "
             "micro-batch 8 x 2 accumulation x 2 data ranks; kept: the global batch of 32, the data order after the "
             "128 rows of its 4 steps") in resumed_line, resumed_line
     assert "global batch 32 = 8 x 1 accumulation x 4 ranks" in result.stdout
+    deepspeed = config.startswith("ds_")
+    assert (f"converting {source} to DeepSpeed's universal checkpoint" in result.stdout) == deepspeed
+    if deepspeed:  # converted once, durable and listed in the checkpoint's marker as its own files are
+        assert (source / "universal" / "pytorch_model" / "zero").is_dir() and not (source / ".universal.tmp").exists()
+        listed = json.loads((source / "checkpoint_complete.json").read_text())["files"]
+        assert {name for name in listed if name.startswith("universal/")} == {
+            str(path.relative_to(source)) for path in (source / "universal").rglob("*") if path.is_file()}
     assert steps_from(grown) == list(range(GROWN_FROM + 1, STEPS + 1))
     assert train_losses(grown) == pytest.approx(reference_losses[GROWN_FROM:], rel=TOLERANCE, abs=TOLERANCE)
     assert grad_norms(grown) == pytest.approx(reference_norms[GROWN_FROM:], rel=TOLERANCE, abs=TOLERANCE)

@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 
 from shardtune.checkpoint.markers import describe_files, resolve_resume, write_marker
-from shardtune.checkpoint.run_settings import check_resume_settings, run_settings
+from shardtune.checkpoint.run_settings import (
+    check_resume_settings,
+    deepspeed_resize_problem,
+    resume_point,
+    run_settings,
+)
 from shardtune.checks import batch_sizes
 from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.launch import LaunchDescription
@@ -74,19 +79,55 @@ def checkpoint(tmp_path, strategy: str | None, world_size: int = 2) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("strategy", ["replicated", "fsdp"])
-def test_ddp_and_fsdp_checkpoints_resume_on_any_number_of_processes(tmp_path, strategy):
+@pytest.mark.parametrize("strategy", ["replicated", "fsdp", "deepspeed"])
+def test_a_checkpoint_of_another_world_size_is_found_and_judged_by_its_strategy(tmp_path, strategy):
     path = checkpoint(tmp_path, strategy)
     assert resolve_resume(path, str(tmp_path), 4) == (path, 4)
     assert resolve_resume("auto", str(tmp_path), 1) == (path, 4)
 
 
-@pytest.mark.parametrize("strategy", ["deepspeed", None])  # None: a marker older than its strategy, not trusted
-def test_deepspeed_checkpoints_resume_on_their_own_number_of_processes_only(tmp_path, strategy):
-    path = checkpoint(tmp_path, strategy)
+def test_a_marker_without_its_strategy_resumes_on_its_own_number_of_processes_only(tmp_path):
+    path = checkpoint(tmp_path, None)
     assert resolve_resume(path, str(tmp_path), 2) == (path, 4)
     with pytest.raises(ConfigError) as error:
         resolve_resume(path, str(tmp_path), 3)
     (line,) = error.value.messages
-    assert "saved by 2 processes under DeepSpeed and this run has 3" in line and "--num_processes 2" in line
-    assert "\n" not in line
+    assert "saved by 2 processes and this run has 3" in line and "--num_processes 2" in line and "\n" not in line
+
+
+def deepspeed(stage: int, world_size: int = 4, **settings) -> LaunchDescription:
+    return LaunchDescription(world_size=world_size, uses_deepspeed=True,
+                             deepspeed_settings={"stage": stage, **settings})
+
+
+def test_deepspeed_resumes_on_another_world_size_at_zero_1_and_2_without_offload():
+    saved = saved_settings(deepspeed(2, world_size=2), batch_sizes(RECIPE, 2))
+    (note,) = check_resume_settings("ckpt", 4, saved, run_settings(RECIPE, deepspeed(2), batch_sizes(RECIPE, 4)))
+    assert "ZeRO states through DeepSpeed's universal checkpoint, converted once" in note
+    for stage in (1, 2):
+        assert deepspeed_resize_problem("ckpt", 2, deepspeed(stage)) is None
+    refused = {"under ZeRO-3": deepspeed(3),
+               "with offloaded states": deepspeed(2, offload_optimizer="cpu"),
+               "with the sequence split": LaunchDescription(world_size=4, uses_deepspeed=True, sp_size=2,
+                                                            deepspeed_settings={"stage": 2})}
+    for what, launch in refused.items():
+        line = deepspeed_resize_problem("ckpt", 2, launch)
+        assert ("saved by 2 processes and this DeepSpeed launch has 4: a resume on another number of processes "
+                f"{what} is not supported yet") in line and "--num_processes 2" in line, line
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deepspeed_resume_point_on_another_world_size_loads_the_universal_form_or_is_refused(tmp_path, stage):
+    path = tmp_path / "checkpoint-4"
+    path.mkdir()
+    run = saved_settings(deepspeed(stage, world_size=2), batch_sizes(RECIPE, 2))
+    write_marker(str(path), {"step": 4, "world_size": 2, "strategy": "deepspeed", "model_only": False, "run": run,
+                             "files": describe_files(str(path))})
+    recipe = Recipe(max_steps=10, global_batch_size=32, per_device_train_batch_size=8, resume_from_checkpoint=str(path))
+    assert not resume_point(recipe, deepspeed(stage, world_size=2), batch_sizes(recipe, 2)).universal
+    if stage == 3:
+        with pytest.raises(ConfigError, match="under ZeRO-3 is not supported yet"):
+            resume_point(recipe, deepspeed(stage), batch_sizes(recipe, 4))
+    else:
+        resumed = resume_point(recipe, deepspeed(stage), batch_sizes(recipe, 4))
+        assert resumed.universal and resumed.step == 4 and "universal checkpoint" in resumed.notes[0]
