@@ -29,8 +29,6 @@ arguments or without a CUDA device. Nothing is downloaded and no samples are gen
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import math
 import os
@@ -38,7 +36,6 @@ import random
 import signal
 import string
 import sys
-import tarfile
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -56,11 +53,11 @@ from device_budget import (  # noqa: E402
     time_for,
 )
 from device_processes import Finished, Stopped, failure, in_scratch, run_killing_group  # noqa: E402, F401
+from device_reports import Reporter  # noqa: E402
 
 from shardtune.gpu_check_figures import (  # noqa: E402
     COMPARED,
     TOLERANCE,
-    append_jsonl,
     as_json,
     case_name,
     compared_suffix,
@@ -300,38 +297,6 @@ def child_env() -> dict[str, str]:
     PYTHONPATH already holds (the device command's wheel directory)."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
     return {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
-
-
-class Reporter:
-    """The three files that come back from the device: --out (a JSON line per row and comparison, appended as each
-    ends), --table (the table as printed) and --archive (a tar.gz of --log_dir's logs), the last two rewritten
-    whole, each through a temporary file, so that a kill at any moment leaves the previous complete one."""
-
-    def __init__(self, args) -> None:
-        self.out, self.table, self.archive, self.log_dir = args.out, args.table, args.archive, Path(args.log_dir)
-
-    def append(self, record: dict) -> None:
-        append_jsonl(self.out, record)
-
-    def write(self, rows: list[dict], comparisons: list[dict]) -> None:
-        if self.table:
-            text = io.StringIO()
-            with contextlib.redirect_stdout(text):
-                print_table(rows, comparisons)
-            replace_file(Path(self.table), text.getvalue().encode())
-        if self.archive:
-            packed = io.BytesIO()
-            with tarfile.open(fileobj=packed, mode="w:gz") as archive:
-                for path in sorted(self.log_dir.glob("*")):
-                    if path.suffix in (".log", ".jsonl", ".json"):
-                        archive.add(path, arcname=f"gpu-check/{path.name}")
-            replace_file(Path(self.archive), packed.getvalue())
-
-
-def replace_file(path: Path, content: bytes) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_bytes(content)
-    os.replace(partial, path)
 
 
 def run_cases(root: Path, cases: list[Case], deadline: float, args, gpu_memory: int, rows: list,
