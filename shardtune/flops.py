@@ -59,6 +59,7 @@ class ModelShape:
     family: str = "llama"
     qk_norms: tuple[int, ...] = ()  # a layer's q and k norm weights (Qwen3, Gemma 3: head_dim; OLMo 2: q, k widths)
     layer_norms: int = 2  # hidden-size RMSNorms per layer (Gemma 3: 4)
+    norm_scale_fp32: bool = False  # Gemma's norms scale by (1 + weight) in fp32, keeping an fp32 copy for backward
     sliding_layers: int = 0  # layers whose attention reaches back sliding_window positions only
     sliding_window: int = 0
     logits_scaling: float = 1.0  # Granite divides the logits by it
@@ -124,7 +125,7 @@ def shape_from_config(config: PretrainedConfig, name: str = "") -> ModelShape:
         vocab=config.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", False)),
         qkv_bias=family.qkv_bias or attention_bias, o_bias=attention_bias and not family.qkv_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)), family=model_type, qk_norms=qk_norms,
-        layer_norms=family.layer_norms, sliding_layers=sliding,
+        layer_norms=family.layer_norms, norm_scale_fp32=family.norm_scale_fp32, sliding_layers=sliding,
         sliding_window=(getattr(config, "sliding_window", None) or 0) if sliding else 0,
         logits_scaling=float(getattr(config, "logits_scaling", None) or 1.0),
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),

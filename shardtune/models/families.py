@@ -19,6 +19,7 @@ class Family:
     qk_norm: str = ""
     layer_norms: int = 2  # hidden-size RMSNorms per layer: Gemma 3 has four (before and after attention and MLP)
     post_norms: bool = False  # OLMo 2 normalises the sublayers' outputs, not their inputs
+    norm_scale_fp32: bool = False  # Gemma's RMSNorm scales by (1 + weight) in fp32, Llama's by weight in x's dtype
     qkv_bias: bool = False  # Qwen2: biases on q, k and v whatever the config says (others: attention_bias)
     liger_refusal: str = ""  # why --use_liger_kernel cannot run on the family ("" where it can)
     liger_options: dict = field(default_factory=lambda: {"swiglu": True})  # the MLP kernel's keyword in Liger
@@ -33,7 +34,7 @@ FAMILIES = {family.model_type: family for family in (
     Family("mistral"),
     Family("qwen2", qkv_bias=True),
     Family("qwen3", qk_norm="head", tensor_parallel_refusal=_UNPROVEN_TP),
-    Family("gemma3_text", qk_norm="head", layer_norms=4, liger_options={"geglu": True},
+    Family("gemma3_text", qk_norm="head", layer_norms=4, norm_scale_fp32=True, liger_options={"geglu": True},
            liger_refusal="Liger's fused loss would run in place of Gemma 3's LM head without its final-logit "
                          "soft-capping, and its GeGLU and offset-RMSNorm kernels are not measured here: drop "
                          "--use_liger_kernel.",

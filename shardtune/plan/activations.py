@@ -65,7 +65,34 @@ def layer_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, a
         attention = compute * n * (2 * q_dim + key + value) + 4 * n * shape.heads
         if masked:  # each layer's SDPA call saves its own converted copy of the additive mask
             attention += batch * seq * seq * compute
-    return norms + attention + (3 if liger else 4) * compute * n * inter
+    return norms + attention + (3 if liger else 4) * compute * n * inter + family_norm_bytes(shape, n, mode, frozen,
+                                                                                             liger)
+
+
+def family_norm_bytes(shape: ModelShape, n: int, mode: str, frozen: bool = False, liger: bool = False) -> int:
+    """What a layer's norms beyond Llama's two save (shardtune.models.families), each as a Llama norm saves
+    (layer_activation_bytes) over its own width:
+    - hidden-size norms beyond two (Gemma 3's after attention and after the MLP), whose outputs go to the residual
+      add, which saves nothing;
+    - q and k norms (Qwen3 and Gemma 3 per head, OLMo 2 over all heads' width), over q_proj's and k_proj's outputs
+      in the compute dtype: their fp32 upcast, the fp32 rstd per head (or per token), the normalised x in the
+      compute dtype. The rotated output is what SDPA saves, counted already.
+    Gemma's norms multiply by (1 + weight) in fp32: their normalised x is kept in fp32 whatever the dtype."""
+    compute, residual = dtype_bytes(mode)
+    kept = 4 if shape.norm_scale_fp32 else None
+
+    def norm(elements: int, rows: int, dtype: int) -> int:
+        if liger:
+            return dtype * elements + 4 * rows
+        return 4 * elements + 4 * rows + (0 if frozen else (kept or dtype) * elements)
+
+    extra = (shape.layer_norms - 2) * norm(n * shape.hidden, n, residual)
+    q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    if shape.qk_norms:
+        per_head = shape.qk_norms[0] == shape.head_dim and shape.heads > 1
+        extra += norm(n * q_dim, n * (shape.heads if per_head else 1), compute)
+        extra += norm(n * kv_dim, n * (shape.kv_heads if per_head else 1), compute)
+    return extra
 
 
 def shared_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, attn: str = "sdpa",
