@@ -15,12 +15,15 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shardtune from this checkout
+from shardtune.gpu_check_processes import KILL_GRACE_S  # noqa: E402
 
 # Seconds, estimated: one case of each kind (launch to exit), a probe of its exported model, writing the model and
 # data, installing the carried wheels, the closing (table, archive, removal of the temporary model).
 KIND_SECONDS = {"plain": 45, "zero3": 55, "liger": 65, "levers": 150, "fp8": 150}
 PROBE_S, ASSETS_S, INSTALL_S, CLOSING_S = 20, 30, 10, 15
-KILL_GRACE_S = 10  # a kill takes up to two of these (SIGTERM, then SIGKILL)
 LIMIT_FACTOR = 2  # a case is killed at this many times its kind's time
 # The device tool: 15 minutes of device time a session, machine starts (1 to 2 minutes each) included; 10 minutes a
 # command; the results copied back after the command (TRANSFER_S).
@@ -113,7 +116,8 @@ def device_command(call: int, budget: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Print the device call's arguments (carry, command, timeout_s) as "
                                      "JSON: the first call's, or the second's for the device time left.")
-    parser.add_argument("--call", type=int, choices=(1, 2), required=True)
+    parser.add_argument("--call", type=int, choices=(1, 2), required=True,
+                        help="the first call (its fixed budget) or the second (from --budget_left_s)")
     parser.add_argument("--budget_left_s", type=float, default=DEVICE_TIME_S,
                         help="the device tool's status budget_left_s before this call (default: %(default)s)")
     args = parser.parse_args(argv)

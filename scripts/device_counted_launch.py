@@ -9,6 +9,7 @@ before the recipe runs.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import runpy
@@ -43,8 +44,15 @@ def install_counters(path: str | None) -> None:
     trainer.convert_linears = counted(trainer.convert_linears, path)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", help="the recipe file to run (recipes/tiny.py)")
+    parser.add_argument("flags", nargs=argparse.REMAINDER, help="the recipe's own flags, passed on as given")
+    args = parser.parse_args(argv)
     install_counters(os.environ.get(REPLACED_FILE))
-    recipe, *flags = sys.argv[1:]
-    sys.argv = [recipe, *flags]
-    runpy.run_path(recipe, run_name="__main__")
+    sys.argv = [args.recipe, *args.flags]
+    runpy.run_path(args.recipe, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

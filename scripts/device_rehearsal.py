@@ -32,7 +32,8 @@ from packaging.requirements import Requirement
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check  # noqa: E402
 import gpu_wheels  # noqa: E402
-from device_processes import Stopped, run_killing_group, stopping_on_signals  # noqa: E402
+
+from shardtune.gpu_check_processes import Stopped, run_killing_group, stopping_on_signals  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # The device's own packages installed at the version its list gives (the others the set needs at pip's choice).

@@ -52,12 +52,11 @@ from device_budget import (  # noqa: E402
     case_seconds,
     time_for,
 )
-from device_processes import Finished, Stopped, failure, in_scratch, run_killing_group  # noqa: E402, F401
-from device_reports import Reporter  # noqa: E402
 
 from shardtune.gpu_check_figures import (  # noqa: E402
     COMPARED,
     TOLERANCE,
+    Reporter,
     as_json,
     case_name,
     compared_suffix,
@@ -69,6 +68,13 @@ from shardtune.gpu_check_figures import (  # noqa: E402
     planned_replacements,
     print_table,
     summarize,
+)
+from shardtune.gpu_check_processes import (  # noqa: E402, F401 (the tests reach them here)
+    Finished,
+    Stopped,
+    failure,
+    in_scratch,
+    run_killing_group,
 )
 
 REPO = Path(__file__).resolve().parents[1]

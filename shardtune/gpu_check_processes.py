@@ -1,5 +1,6 @@
-"""gpu_check's processes: each case launched in a session of its own and killed whole (the launcher's group and
-every rank's) at its timeout or when SIGTERM or SIGINT arrives; the temporary model and data removed on the way out."""
+"""scripts/gpu_check.py's processes: each case launched in a session of its own and killed whole (the launcher's
+group and every rank's) at its timeout or when SIGTERM or SIGINT arrives; the temporary model and data removed on
+the way out."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from device_budget import KILL_GRACE_S
+KILL_GRACE_S = 10  # seconds: a kill takes up to two of these (SIGTERM, then SIGKILL)
 
 
 @dataclass
