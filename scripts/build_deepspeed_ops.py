@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardtune.cpu_threads import optimizer_steps_on_cpu
+from shardtune.deepspeed_ops import op_builders
 from shardtune.plan.strategy import CONFIGS_DIR, PlanError, read_accelerate_config
 
 
@@ -30,14 +30,8 @@ def needed_ops(config_files: list[Path]) -> list[NeededOp]:
     """The ops DeepSpeed loads for these accelerate configs (and the DeepSpeed JSON files they name)."""
     users: dict[str, list[str]] = {"CPUAdamBuilder": [], "AsyncIOBuilder": [], "ShareMemCommBuilder": []}
     for path in config_files:
-        strategy = read_accelerate_config(str(path))
-        if strategy.kind != "deepspeed":
-            continue
-        users["ShareMemCommBuilder"].append(path.stem)  # deepspeed.comm loads it where the accelerator has it
-        if optimizer_steps_on_cpu(strategy):  # accelerate swaps the optimizer for DeepSpeedCPUAdam
-            users["CPUAdamBuilder"].append(path.stem)
-        if "nvme" in (strategy.offload_optimizer, strategy.offload_params):
-            users["AsyncIOBuilder"].append(path.stem)
+        for builder in op_builders(read_accelerate_config(str(path))):
+            users[builder].append(path.stem)
     return [NeededOp(name, tuple(configs)) for name, configs in users.items() if configs]
 
 

@@ -23,6 +23,7 @@ from shardtune.checks import (
     planned_capability,
 )
 from shardtune.config import BatchSizes, ConfigError, Problems, Recipe
+from shardtune.deepspeed_ops import compile_notice
 from shardtune.flag_hints import launch_line
 from shardtune.flags import given_fields, parse_flags
 from shardtune.hub import is_hub_id, probe_hub
@@ -125,7 +126,7 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, Laun
     # What `accelerate launch` was asked, read from its command line: a setting it did not pass on is refused.
     launch = problems.check(LaunchDescription.from_env, this_launcher() if launched() else None)
     if launch is not None:
-        problems.check(check_launcher_precision, recipe, launch)
+        problems.check(check_launcher_precision, recipe, launch.launcher_precision, launch.launcher_precision_source)
     if recipe.config_file:  # accelerate launch reads a config; the script only plans one under --dry_run
         problems.messages.append(f"--config_file is read only with --dry_run (to plan that config): to train under "
                                  f"it, give it to the launcher: {launch_line(recipe.config_file)}")
@@ -150,10 +151,14 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, Laun
         problems.check(print_memory_plan, recipe, launch, bool(recipe.hardware))
     problems.raise_any()
     # Whether a launcher started the ranks at all is judged once the run is right in every other respect.
-    check_started_by_launcher(launch)
-    note = launcher_precision_note(recipe, launch)
+    check_started_by_launcher(launch.uses_deepspeed)
+    note = launcher_precision_note(recipe, launch.launcher_precision, launch.launcher_precision_source)
     if note and is_rank_zero():
         print(f"shardtune: note: {note}", file=sys.stderr, flush=True)
+    if launch.uses_deepspeed and first_on_machine():  # each machine compiles its own
+        compiling = compile_notice(launch.strategy(recipe.mixed_precision), config_file)
+        if compiling:
+            print(f"shardtune: note: {compiling}", file=sys.stderr, flush=True)
     assert batching is not None  # no problems: batch_sizes returned
     return recipe, launch, batching
 

@@ -14,12 +14,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from shardtune.config import ConfigError, Recipe
-
-if TYPE_CHECKING:
-    from shardtune.launch import LaunchDescription
 
 LAUNCHER_DEPTH = 4  # a rank's ancestors looked at for its launcher: the launcher itself, or a wrapper around it
 PARALLELISM_SIZES = ("tp", "cp", "sp", "dp_shard", "dp_replicate")
@@ -181,29 +177,28 @@ def launcher_problems(launcher: LauncherRequest, world_size: int, strategy: str)
 # file's value, written for every recipe launched with it, gets a note.
 
 
-def check_launcher_precision(recipe: Recipe, launch: LaunchDescription) -> None:
-    """`accelerate launch --mixed_precision X` that disagrees with the recipe's precision: it would not act."""
-    asked = launch.launcher_precision
-    if launch.launcher_precision_source == "flag" and asked != recipe.mixed_precision:
+def check_launcher_precision(recipe: Recipe, asked: str | None, source: str | None) -> None:
+    """`accelerate launch --mixed_precision X` that disagrees with the recipe's precision: it would not act.
+    `asked`, `source`: LaunchDescription.launcher_precision and launcher_precision_source."""
+    if source == "flag" and asked != recipe.mixed_precision:
         raise ConfigError(f"accelerate launch --mixed_precision {asked} and the recipe's --mixed_precision "
                           f"{recipe.mixed_precision} disagree, and the recipe's would be applied: give the recipe "
                           f"--mixed_precision {asked} (after the script) and drop the launcher's flag.")
 
 
-def launcher_precision_note(recipe: Recipe, launch: LaunchDescription) -> str | None:
+def launcher_precision_note(recipe: Recipe, asked: str | None, source: str | None) -> str | None:
     """The note for a config file's mixed_precision other than the recipe's, which is applied; None otherwise."""
-    asked = launch.launcher_precision
-    if launch.launcher_precision_source != "config" or asked == recipe.mixed_precision:
+    if source != "config" or asked == recipe.mixed_precision:
         return None
     return (f"training in {recipe.mixed_precision} (the recipe's --mixed_precision), not the accelerate config's "
             f"mixed_precision {asked}: the recipe's precision wins, as a TrainingArguments script's bf16/fp16 do "
             f"(give --mixed_precision {asked} to train in it).")
 
 
-def check_started_by_launcher(launch: LaunchDescription) -> None:
+def check_started_by_launcher(uses_deepspeed: bool) -> None:
     """DeepSpeed's engine needs the process group a launcher's variables describe: without WORLD_SIZE,
     accelerate's state asks torch.distributed for a world size no one initialized (a traceback)."""
-    if launch.uses_deepspeed and "WORLD_SIZE" not in os.environ:
+    if uses_deepspeed and "WORLD_SIZE" not in os.environ:
         raise ConfigError("ACCELERATE_USE_DEEPSPEED=true is set but no launcher started this process (WORLD_SIZE "
                           "is unset): start DeepSpeed runs with accelerate launch --config_file "
                           "accelerate_configs/ds_zero3.yaml (or another ds_*.yaml) recipes/<recipe>.py ..., or "

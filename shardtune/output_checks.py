@@ -8,10 +8,11 @@ import json
 import os
 
 from shardtune.checkpoint.markers import MARKER
+from shardtune.checkpoint.run_files import clear_problem, described, strangers
 from shardtune.config import SAVE_DTYPES, ConfigError, Recipe
 from shardtune.data_sources import dataset_sources
 from shardtune.launch import LaunchDescription
-from shardtune.output_dir import clear_problem, described, in_use, in_use_message, is_rank_zero, strangers
+from shardtune.output_dir import in_use, in_use_message, is_rank_zero
 
 
 def check_checkpoints(recipe: Recipe) -> None:
@@ -50,7 +51,7 @@ def check_output_dir(recipe: Recipe) -> None:
 
 def check_not_occupied(recipe: Recipe) -> None:
     """A new run (neither resumed nor overwriting) starts in an empty --output_dir; --overwrite_output_dir true
-    clears only a directory that holds nothing but a run's files (shardtune.output_dir.clear_problem). Checked with
+    clears only a directory that holds nothing but a run's files (checkpoint.run_files.clear_problem). Checked with
     the flags, and again once the run holds the directory's lock: a run started beside it may have written there in
     between."""
     output_dir = recipe.resolved_output_dir

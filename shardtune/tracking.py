@@ -14,10 +14,8 @@ from accelerate.utils import DistributedType
 from shardtune.config import Recipe
 from shardtune.data_sources import dataset_sources
 from shardtune.launch import LaunchDescription
-from shardtune.output_dir import METRICS_FILE
+from shardtune.output_dir import METRICS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
 
-RUN_CONFIG = "run_config.json"
-SAMPLES = "samples.jsonl"
 # what `accelerate launch` exports from its config file and flags
 LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
 
@@ -27,7 +25,7 @@ def start_tracking(accelerator: Accelerator, recipe: Recipe, launch: LaunchDescr
     The run id lives in output_dir, so a resumed run continues the same W&B run."""
     config = run_config(accelerator, recipe, launch)
     if accelerator.is_main_process:
-        with open(os.path.join(recipe.resolved_output_dir, RUN_CONFIG), "w") as file:
+        with open(os.path.join(recipe.resolved_output_dir, RUN_CONFIG_FILE), "w") as file:
             json.dump(config, file, indent=2, allow_nan=False)
             file.write("\n")
     if recipe.report_to != "wandb":
@@ -127,7 +125,7 @@ def memory_plan(recipe: Recipe, launch: LaunchDescription) -> tuple[dict | None,
 
 def truncate_metrics(output_dir: str, after_step: int) -> None:
     """Drop metrics and samples logged after `after_step`: a resumed run logs those steps again."""
-    for name in (METRICS_FILE, SAMPLES):
+    for name in (METRICS_FILE, SAMPLES_FILE):
         path = os.path.join(output_dir, name)
         if not os.path.isfile(path):
             continue
@@ -150,7 +148,7 @@ def log_samples(accelerator: Accelerator, output_dir: str, step: int, samples: l
     `samples`) when W&B tracks the run. Main process only."""
     if not accelerator.is_main_process:
         return
-    with open(os.path.join(output_dir, SAMPLES), "a") as file:
+    with open(os.path.join(output_dir, SAMPLES_FILE), "a") as file:
         for sample in samples:
             file.write(json.dumps({"step": step, **sample}) + "\n")
     if any(tracker.name == "wandb" for tracker in accelerator.trackers):

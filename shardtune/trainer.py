@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from shardtune.batches import RowTrace, counted_steps, global_batches, make_collator
 from shardtune.checkpoint.nvme_resume import load_state
+from shardtune.checkpoint.run_files import clear_output_dir
 from shardtune.checkpoint.run_settings import ResumePoint, check_resumed_length, run_settings
 from shardtune.checkpoint.saver import Checkpointer
 from shardtune.checkpoint.universal import universal_checkpoint
@@ -63,7 +64,6 @@ from shardtune.methods.training import DPOTraining
 from shardtune.metrics import MAX_SKIPPED_IN_A_ROW, StepSummary, TrainMetrics
 from shardtune.model import enable_activation_offloading, load_model, load_tokenizer
 from shardtune.optimizers import make_optimizer
-from shardtune.output_dir import clear_output_dir
 from shardtune.packing import pack_rows
 from shardtune.parallel.context import row_multiple
 from shardtune.parallel.sequence import check_right_padding, plain_loader, sequence_split, split_in_eval

@@ -18,6 +18,7 @@ from accelerate.utils import broadcast_object_list
 from shardtune.checkpoint.durable import fsync_path
 from shardtune.checkpoint.markers import checkpoint_step, complete_checkpoints, describe_files, warn, write_marker
 from shardtune.checkpoint.pending import PendingSave
+from shardtune.checkpoint.run_files import remove_checkpoint
 from shardtune.checkpoint.staging import (
     async_save_obstacle,
     dcp_save_count,
@@ -30,7 +31,6 @@ from shardtune.checkpoint.staging import (
     strategy_kind,
 )
 from shardtune.config import Recipe
-from shardtune.output_dir import remove_checkpoint
 from shardtune.ranks import set_collective_timeout
 
 

@@ -18,10 +18,10 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from transformers import AutoModelForCausalLM
 
 from shardtune.checkpoint.markers import MARKER, complete_checkpoints, describe_files, write_marker
+from shardtune.checkpoint.run_files import RUN_DIRECTORIES, RUN_FILES, remove_checkpoint, strangers
 from shardtune.checkpoint.saver import Checkpointer
 from shardtune.config import Recipe
 from shardtune.export import remove_stale_shards, save_hf_model
-from shardtune.output_dir import RUN_DIRECTORIES, RUN_FILES, remove_checkpoint, strangers
 from shardtune.tiny import build_tokenizer, ensure_tiny_assets
 from tests.conftest import load_script
 
@@ -139,7 +139,7 @@ def test_the_names_other_modules_write_are_on_the_list():
     from shardtune import tracking
     from shardtune.methods.reference import REFERENCE_CACHE
 
-    assert {tracking.RUN_CONFIG, tracking.SAMPLES, tracking.METRICS_FILE} <= RUN_FILES
+    assert {tracking.RUN_CONFIG_FILE, tracking.SAMPLES_FILE, tracking.METRICS_FILE} <= RUN_FILES
     assert REFERENCE_CACHE in RUN_DIRECTORIES
 
 

@@ -13,9 +13,10 @@ import sys
 import pytest
 
 from shardtune.checkpoint.markers import describe_files, resolve_resume, write_marker
+from shardtune.checkpoint.run_files import clear_output_dir, strangers
 from shardtune.config import ConfigError, Recipe
 from shardtune.output_checks import check_checkpoints, check_output_dir
-from shardtune.output_dir import LOCK_FILE, OutputDirLock, clear_output_dir, in_use, strangers
+from shardtune.output_dir import LOCK_FILE, OutputDirLock, in_use
 
 HOLD = "import sys, time; from shardtune.output_dir import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(False); " \
        "print('held', flush=True); time.sleep(600)"
