@@ -52,6 +52,7 @@ from device_budget import (  # noqa: E402
     case_seconds,
     time_for,
 )
+from gpu_wheels import installed_problems  # noqa: E402
 
 from shardtune.gpu_check_figures import (  # noqa: E402
     COMPARED,
@@ -429,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     comparisons: list[dict] = []
     reporter = Reporter(args)
+    problems = installed_problems()  # the device's versions its list did not give, read where they are installed
+    for problem in problems:
+        print(f"gpu_check: warning: {problem}: the cases that import it will fail; carry that version "
+              "(scripts/device_packages.txt)", flush=True)
+    if problems:
+        reporter.append({"environment": problems})
     memory = torch.cuda.get_device_properties(0).total_memory
     stopped = in_scratch(lambda root: run_cases(root, cases, deadline, args, memory, rows, comparisons, reporter))
     reporter.write(rows, comparisons)  # again: a signal may have ended a case since the last write

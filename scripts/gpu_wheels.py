@@ -125,6 +125,26 @@ def unverified(requires: dict[str, list[str]], device: dict[str, str | None], ca
     return sorted(found)
 
 
+def installed_problems(record: dict | None = None) -> list[str]:
+    """Each requirement of the carried set (SET_RECORD's wheels, or `record`'s) that the running environment, as
+    installed, does not meet: on the device, the ranges this list could only take as met (its unread versions)."""
+    wheels = (record or json.loads(SET_RECORD.read_text()))["wheels"]
+    problems = []
+    for name, entry in sorted(wheels.items()):
+        for line in entry["requires"]:
+            requirement = Requirement(line)
+            if not applies(requirement):
+                continue
+            try:
+                version = importlib.metadata.version(requirement.name)
+            except importlib.metadata.PackageNotFoundError:
+                problems.append(f"{name} {entry['version']} requires {line}: not installed")
+                continue
+            if not satisfies(version, requirement):
+                problems.append(f"{name} {entry['version']} requires {line}: {version} is installed")
+    return problems
+
+
 def installed(name: str) -> importlib.metadata.Distribution:
     return importlib.metadata.distribution(name)
 

@@ -75,3 +75,15 @@ def test_the_recorded_set_is_the_one_this_virtualenvs_metadata_gives(gpu_wheels,
     pins = gpu_wheels.read_pins()
     assert all(carried[name] == pins[name] for name in computed if name in pins)
 
+
+
+def test_the_running_environment_is_checked_against_the_sets_requirements(gpu_wheels, recorded):
+    """What gpu_check reads on the device before its cases (the ranges the list gives no version for): here, where
+    the pinned versions are installed, nothing is missing; a range no installed version meets is named."""
+    assert gpu_wheels.installed_problems() == []
+    strict = {"wheels": {"pydantic": {"version": "2.14.4", "requires": ["typing-extensions>=99", "not-there>=1",
+                                                                       "pywin32>=1; sys_platform == 'win32'"]}}}
+    problems = gpu_wheels.installed_problems(strict)
+    assert problems[0] == "pydantic 2.14.4 requires typing-extensions>=99: " \
+        f"{__import__('importlib.metadata').metadata.version('typing-extensions')} is installed"
+    assert problems[1:] == ["pydantic 2.14.4 requires not-there>=1: not installed"]
