@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from shardtune.flops import ModelShape
 from shardtune.hardware import Hardware
+from shardtune.models.families import FAMILIES
 from shardtune.plan.planner import MemoryPlan, gb, plan
 from shardtune.plan.report import checkpointing_words, optimizer_words, plan_checkpointing_words
 from shardtune.plan.states import Peft
@@ -212,6 +213,8 @@ def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: st
     not beside DeepSpeed's offload (checks.check_activation_offloading); and a sequence split where the trainer
     runs one (split_runs), never under DPO; tensor parallelism where the launch and the trainer run it
     (plan.tensor.tensor_parallel_problems), one group per node at most (its all-reduces stay on NVLink)."""
+    if not family_allows(strategy, search, shape):
+        return False
     if strategy.tensor_parallel > 1 and (
             hardware.gpus_per_node % strategy.tensor_parallel or tensor_parallel_problems(
                 strategy, shape, hardware.world_size, search.peft, search.reference, search.use_liger_kernel)):
@@ -233,6 +236,21 @@ def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: st
         return search.mixed_precision == "bf16" and search.peft is None and (
             unreplicated or hardware.world_size == 1)
     return True
+
+
+def family_allows(strategy: Strategy, search: Search, shape: ModelShape | None) -> bool:
+    """Whether the model's family takes the strategy's axis (shardtune.model_checks.check_family_levers and
+    shardtune.parallel.context refuse the rest): tensor parallelism where the family's plan is planned and proven;
+    no ring attention over sliding-window layers; Ulysses over windows shorter than the row only under flash
+    attention, which reads the window from the layer rather than from the mask Ulysses drops."""
+    if shape is None:
+        return True
+    if strategy.tensor_parallel > 1 and FAMILIES[shape.family].tensor_parallel_refusal:
+        return False
+    if strategy.context_parallel > 1 and shape.sliding_layers:
+        return False
+    windowed = shape.sliding_layers and 0 < shape.sliding_window < search.seq
+    return not (strategy.sequence_split > 1 and windowed and search.attn != "flash")
 
 
 def split_runs(split: int, hardware: Hardware, search: Search, shape: ModelShape | None) -> bool:

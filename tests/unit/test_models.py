@@ -133,3 +133,23 @@ def test_tiled_loss_is_each_familys_own_loss(model_type):
     targets = (labels[:, 1:] != -100).sum()
     tiled = chunked_token_loss(model, model, {"input_ids": ids, "labels": labels}, targets, tile=5)
     torch.testing.assert_close(tiled, model(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_the_search_plans_no_axis_a_family_refuses():
+    """The planner's search offers no layout the start-up checks would refuse for the family: ring attention over
+    sliding layers, Ulysses over windows shorter than the row under SDPA, tensor parallelism where refused."""
+    import os
+
+    from shardtune.plan.search import Search, family_allows
+    from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
+
+    def allowed(model: str, config: str, seq: int = 32768, attn: str = "sdpa") -> bool:
+        strategy = read_accelerate_config(os.path.join(CONFIGS_DIR, f"{config}.yaml"))
+        return family_allows(strategy, Search(64, seq, attn=attn), resolve_model(model))
+
+    assert not allowed("gemma-3-12b", "ds_zero3_ulysses") and allowed("gemma-3-12b", "ds_zero3_ulysses", attn="flash")
+    assert allowed("gemma-3-12b", "ds_zero3_ulysses", seq=1024)  # rows within the window
+    assert not allowed("gemma-3-12b", "fsdp_cp") and allowed("qwen3-32b", "fsdp_cp")
+    assert not allowed("qwen3-8b", "fsdp_tp") and not allowed("olmo-2-7b", "fsdp_tp") and allowed("llama-3.1-8b",
+                                                                                                   "fsdp_tp")
+    assert allowed("gemma-3-12b", "fsdp_full_shard")

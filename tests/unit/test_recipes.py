@@ -18,7 +18,7 @@ from tests.unit.documented_commands import agrees, outside_a_launch, run, same_s
 
 RECIPES = sorted(path for path in (REPO / "recipes").glob("*.py") if path.stem != "tiny")
 EXPECTED = {"llama1b", "llama3b", "llama8b", "llama70b", "llama70b_no_offload", "llama405b", "llama405b_tp",
-            "mistral7b", "qwen2_5_7b",
+            "mistral7b", "qwen2_5_7b", "qwen3_8b", "qwen3_32b", "gemma3_12b", "olmo2_7b",
             "llama8b_lora", "llama70b_lora", "llama70b_qlora", "llama8b_128k", "llama70b_long", "llama8b_dpo",
             "llama70b_dpo_lora"}
 
