@@ -220,6 +220,22 @@ def record(wheels: list[Path], python_version: str, device: dict[str, str | None
             "unmet": unmet(requires, device, carried), "unverified": unverified(requires, device, carried)}
 
 
+def earlier_set(dest: Path) -> tuple[list[Path], list[str]]:
+    """The files of the set an earlier run wrote into `dest` (its wheels, as its manifest.json lists them, and the
+    manifest), and the names of whatever else `dest` holds, hidden ones included: those are not this script's to
+    delete, and a wheel among them would join the set."""
+    if not dest.is_dir():
+        return [], []
+    manifest = dest / "manifest.json"
+    try:
+        listed = {entry["file"] for entry in json.loads(manifest.read_text())["wheels"].values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        listed = set()
+    ours = [dest / name for name in sorted(listed)] + ([manifest] if listed else [])
+    strangers = sorted(path.name for path in dest.iterdir() if path not in ours)
+    return ours, strangers
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dest", default=str(REPO / ".whl"), help="the folder written (default: %(default)s)")
@@ -233,8 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_wheels: error: {error}", file=sys.stderr)
         return 1
     dest = Path(args.dest)
+    earlier, strangers = earlier_set(dest)
+    if strangers:
+        print(f"gpu_wheels: error: --dest {str(dest)!r} holds {', '.join(strangers[:3])}"
+              f"{' and more' * (len(strangers) > 3)}, which no earlier set written here lists: the set is what the "
+              "folder holds, so give --dest a folder of its own (default .whl/).", file=sys.stderr)
+        return 2
     dest.mkdir(parents=True, exist_ok=True)
-    for old in [*dest.glob("*.whl"), dest / "manifest.json"]:  # only what an earlier run of this script wrote
+    for old in earlier:  # only what an earlier run of this script wrote, as its manifest lists
         old.unlink(missing_ok=True)
     download({name: version for name, version in pins.items() if name not in BUILT_HERE}, dest, args.python_version)
     build({name: version for name, version in pins.items() if name in BUILT_HERE}, dest)

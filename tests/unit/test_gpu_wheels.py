@@ -87,3 +87,21 @@ def test_the_running_environment_is_checked_against_the_sets_requirements(gpu_wh
     assert problems[0] == "pydantic 2.14.4 requires typing-extensions>=99: " \
         f"{__import__('importlib.metadata').metadata.version('typing-extensions')} is installed"
     assert problems[1:] == ["pydantic 2.14.4 requires not-there>=1: not installed"]
+
+
+def test_an_earlier_set_is_replaced_and_nothing_else_in_its_folder_deleted(gpu_wheels, tmp_path):
+    """--dest: the wheels an earlier run's manifest lists are this script's to delete; a wheel or dotfile of someone
+    else's is refused in one line before anything is downloaded, and left where it is."""
+    dest = tmp_path / "whl"
+    dest.mkdir()
+    (dest / "peft-0.21.2-py3-none-any.whl").write_bytes(b"earlier")
+    (dest / "manifest.json").write_text(json.dumps({"wheels": {"peft": {"file": "peft-0.21.2-py3-none-any.whl"}}}))
+    ours, strangers = gpu_wheels.earlier_set(dest)
+    assert [path.name for path in ours] == ["peft-0.21.2-py3-none-any.whl", "manifest.json"] and strangers == []
+    (dest / "mine-1.0-py3-none-any.whl").write_bytes(b"a user's own")
+    (dest / ".keep").write_text("")
+    assert gpu_wheels.earlier_set(dest)[1] == [".keep", "mine-1.0-py3-none-any.whl"]
+    assert gpu_wheels.main(["--dest", str(dest)]) == 2
+    assert sorted(path.name for path in dest.iterdir()) == [
+        ".keep", "manifest.json", "mine-1.0-py3-none-any.whl", "peft-0.21.2-py3-none-any.whl"]
+    assert gpu_wheels.earlier_set(tmp_path / "missing") == ([], [])
