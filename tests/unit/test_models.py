@@ -153,3 +153,63 @@ def test_the_search_plans_no_axis_a_family_refuses():
     assert not allowed("qwen3-8b", "fsdp_tp") and not allowed("olmo-2-7b", "fsdp_tp") and allowed("llama-3.1-8b",
                                                                                                    "fsdp_tp")
     assert allowed("gemma-3-12b", "fsdp_full_shard")
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_lora_targets_and_checkpointing_modes_per_family(model_type):
+    """LoRA's target names are the family's linear layers (the planner's adapter count is peft's), and both
+    recomputation modes give the gradients of the plain backward (selective_policy saves matmul outputs by their
+    order in the layer, which each family's forward keeps: q, k, v, o, gate, up, down)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.model import enable_gradient_checkpointing
+    from shardtune.plan.states import Peft
+
+    config = AutoConfig.for_model(model_type, **tiny_config_values(model_type, 40))
+    with torch.device("meta"):
+        adapted = get_peft_model(AutoModelForCausalLM.from_config(config),
+                                 LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    trainable = sum(parameter.numel() for parameter in adapted.parameters() if parameter.requires_grad)
+    assert Peft(4, "all-linear").trainable_params(shape_from_config(config)) == trainable
+    ids = torch.randint(3, 40, (2, 12))
+    gradients = {}
+    for mode in (None, "full", "selective"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).train()
+        if mode:
+            enable_gradient_checkpointing(model, 1, mode)
+        model(input_ids=ids, labels=ids).loss.backward()
+        gradients[mode] = [parameter.grad for parameter in model.parameters()]
+    for mode in ("full", "selective"):
+        for plain, recomputed in zip(gradients[None], gradients[mode], strict=True):
+            torch.testing.assert_close(recomputed, plain, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("model_type", [name for name in ("qwen3", "olmo2", "smollm3")])
+def test_liger_patches_each_accepted_familys_instance(model_type, monkeypatch):
+    """--use_liger_kernel on a family it accepts: Liger 0.8.5's patch for that model type replaces every norm's and
+    MLP's forward of this model (Qwen3's q/k norms too), the loss stays shardtune's, and later models build their own
+    classes. Liger's kernels need CUDA: their numerics are the GPU check's, not this test's."""
+    import sys
+
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.liger import apply_liger_kernels
+
+    config = AutoConfig.for_model(model_type, **tiny_config_values(model_type, 40))
+    model = AutoModelForCausalLM.from_config(config)
+    modeling = sys.modules[type(model).__module__]
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)  # Liger's stays otherwise
+    norm_class = type(model.model.norm)
+    apply_liger_kernels(model)
+    # Liger's OLMo 2 patch leaves the q/k norms (over all heads' width) as transformers builds them.
+    skipped = ("q_norm", "k_norm") if model_type == "olmo2" else ()
+    norms = [module for name, module in model.named_modules() if name.endswith("norm") and not name.endswith(skipped)]
+    assert len(norms) == 1 + config.num_hidden_layers * (2 + 2 * (model_type == "qwen3"))
+    assert all(norm.forward.__func__ is LigerRMSNorm.forward for norm in norms)
+    assert all(layer.mlp.forward.__func__ is LigerSwiGLUMLP.forward for layer in model.model.layers)
+    assert model.get_output_embeddings().forward.__func__ is torch.nn.Linear.forward
+    assert type(AutoModelForCausalLM.from_config(config).model.norm) is norm_class
