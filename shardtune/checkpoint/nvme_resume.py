@@ -25,7 +25,7 @@ import torch
 from accelerate import Accelerator
 
 from shardtune.checkpoint.mmap_load import detach_from_files, load_mapped, mapped_deepspeed_loads
-from shardtune.checkpoint.universal import loading_universal, restore_engines
+from shardtune.checkpoint.universal import loading_universal, repair_zero3_universal_load, restore_engines
 
 
 def nvme_optimizers(accelerator: Accelerator) -> list:
@@ -44,6 +44,7 @@ def load_state(accelerator: Accelerator, path: str, universal: bool = False) -> 
             accelerator.load_state(path)
     finally:
         restore_engines(engines)
+    repair_zero3_universal_load(engines, path)
     detach_from_files(accelerator, mapped)
     optimizers = nvme_optimizers(accelerator)
     if not optimizers:

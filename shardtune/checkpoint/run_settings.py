@@ -150,7 +150,7 @@ def tensor_parallel_change(checkpoint: str, saved: dict, current: dict, fresh: s
 def world_size_change(saved: dict, current: dict, step: int) -> str:
     """What a resume on another number of processes changes and keeps. DDP's states are whole on every rank;
     FSDP2's sharded state dict is torch.distributed.checkpoint's, which reshards each tensor to the new mesh on
-    load; DeepSpeed's ZeRO-1/2 partitions are converted to its universal checkpoint (shardtune.checkpoint.universal,
+    load; DeepSpeed's ZeRO partitions are converted to its universal checkpoint (shardtune.checkpoint.universal,
     the launches it supports: deepspeed_resize_problem). The data order is the
     seeded shuffle of the rows, cut into global batches of consecutive rows whatever the ranks
     (batches.global_batches), so the same global batch continues from the same row."""
@@ -203,23 +203,25 @@ class ResumePoint:
     universal: bool = False  # a DeepSpeed checkpoint of another world size: loaded as DeepSpeed's universal form
 
 
-# DeepSpeed launches that resume on another number of processes through the universal checkpoint: ZeRO-1 and
-# ZeRO-2 without offload, measured equal to the uninterrupted run (tests/launch/test_resume_resized.py). Measured
-# under ZeRO-3 (DeepSpeed 0.19): the first step after a universal load trains the same loss, the next ones do not.
-UNIVERSAL_STAGES = (1, 2)
+# DeepSpeed launches that resume on another number of processes through the universal checkpoint: ZeRO-1, 2 and 3
+# without offload, the sequence split or ZeRO++'s hpZ, measured equal to the uninterrupted run
+# (tests/launch/test_resume_resized.py).
+UNIVERSAL_STAGES = (1, 2, 3)
 
 
 def deepspeed_resize_problem(checkpoint: str, saved_world: int, launch: LaunchDescription) -> str | None:
     """Why this DeepSpeed launch cannot resume a checkpoint of `saved_world` processes, or None."""
-    stage = launch.deepspeed_settings.get("stage")
-    if stage in UNIVERSAL_STAGES and not launch.deepspeed_offloads and launch.sp_size == 1:
+    settings = launch.deepspeed_settings
+    unsupported = [what for what, applies in (
+        (f"under ZeRO-{settings.get('stage')}", settings.get("stage") not in UNIVERSAL_STAGES),
+        ("with offloaded states", launch.deepspeed_offloads), ("with the sequence split", launch.sp_size > 1),
+        ("with ZeRO++'s hpZ", settings.get("hpz_partition", 1) > 1)) if applies]
+    if not unsupported:
         return None
-    what = "with offloaded states" if stage in UNIVERSAL_STAGES and launch.deepspeed_offloads else \
-        "with the sequence split" if stage in UNIVERSAL_STAGES else f"under ZeRO-{stage}"
     return (f"{checkpoint} was saved by {saved_world} processes and this DeepSpeed launch has {launch.world_size}: "
-            f"a resume on another number of processes {what} is not supported yet (ZeRO-1 and ZeRO-2 without offload "
-            f"resume through DeepSpeed's universal checkpoint). Resume with --num_processes {saved_world}, or start "
-            f"a new run from its weights (scripts/export_hf.py {checkpoint}).")
+            f"a resume on another number of processes {' and '.join(unsupported)} is not supported yet (ZeRO-1, 2 "
+            f"and 3 without them resume through DeepSpeed's universal checkpoint). Resume with --num_processes "
+            f"{saved_world}, or start a new run from its weights (scripts/export_hf.py {checkpoint}).")
 
 
 def resume_point(recipe: Recipe, launch: LaunchDescription, batching: BatchSizes) -> ResumePoint:

@@ -90,3 +90,27 @@ def loading_universal(accelerator: Accelerator, universal: bool) -> list:
 def restore_engines(engines: list) -> None:
     for engine in engines:
         engine._config.load_universal_checkpoint = False
+
+
+def repair_zero3_universal_load(engines: list, path: str) -> None:
+    """What DeepSpeed 0.19's ZeRO-3 universal load (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`) gets
+    wrong, put right: it gives every optimizer sub-group the one `step` tensor it loaded, which each sub-group's
+    AdamW step then increments in place (Adam's bias correction of the step after the resume runs ahead, sub-group
+    by sub-group, and the losses drift from the next step on); and it gives every param group the first group's
+    hyperparameters (weight decay on the norms, which the decay/no-decay split keeps at 0). ZeRO-1/2's universal
+    load has neither fault."""
+    import torch
+
+    for engine in engines:
+        if engine.zero_optimization_stage() != 3:
+            continue
+        zero = engine.optimizer
+        for flat in zero.fp32_partitioned_groups_flat:
+            state = zero.optimizer.state.get(flat, {})
+            if "step" in state:
+                state["step"] = state["step"].clone()
+        # DeepSpeed's own file, written by ds_to_universal from this run's checkpoint; DeepSpeed loads it unpickled
+        saved = torch.load(os.path.join(path, TAG, "zero", "optimizer_state.pt"), map_location="cpu",
+                           weights_only=False)["optimizer_state_dict"]["param_groups"]
+        for group, settings in zip(zero.optimizer.param_groups, saved, strict=True):
+            group.update({key: value for key, value in settings.items() if key != "params"})

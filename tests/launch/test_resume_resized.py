@@ -1,9 +1,9 @@
 """A run resumes on another number of processes as the same run: a 2-process checkpoint resumed on 4 processes,
-and that run's checkpoint resumed on 2 again, train the uninterrupted 2-process run's steps (DDP, FSDP2, ZeRO-1/2):
+and that run's checkpoint resumed on 2 again, train the uninterrupted 2-process run's steps (DDP, FSDP2, ZeRO-1/2/3):
 per-step losses and gradient norms within 1e-5, and every step the same rows, row for row. The global batch of 32
 is kept (micro-batch 8 x 2 accumulation x 2 ranks, then 8 x 1 x 4), the data order continues from the same row,
 and the schedule and Adam's step count continue (a restarted schedule or bias correction shows in the losses).
-ZeRO-1 and ZeRO-2 the same, through DeepSpeed's universal checkpoint, converted once beside the checkpoint's files."""
+ZeRO-1, 2 and 3 the same, through DeepSpeed's universal checkpoint, converted once beside the checkpoint's files."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def steps_from(output_dir: Path) -> list[int]:
     return [row["step"] for row in read_metrics(output_dir) if "loss" in row]
 
 
-@pytest.mark.parametrize("config", ["ddp", "fsdp_full_shard", "fsdp_shard_grad_op", "ds_zero1", "ds_zero2"])
+@pytest.mark.parametrize("config", ["ddp", "fsdp_full_shard", "fsdp_shard_grad_op", "ds_zero1", "ds_zero2",
+                                    "ds_zero3"])
 def test_resume_on_other_world_sizes_continues_the_run(config, reference_run, uninterrupted_rows, tiny_assets,
                                                        tmp_path):
     reference = reference_run(config)

@@ -100,14 +100,14 @@ def deepspeed(stage: int, world_size: int = 4, **settings) -> LaunchDescription:
                              deepspeed_settings={"stage": stage, **settings})
 
 
-def test_deepspeed_resumes_on_another_world_size_at_zero_1_and_2_without_offload():
+def test_deepspeed_resumes_on_another_world_size_without_offload_sequence_split_or_hpz():
     saved = saved_settings(deepspeed(2, world_size=2), batch_sizes(RECIPE, 2))
     (note,) = check_resume_settings("ckpt", 4, saved, run_settings(RECIPE, deepspeed(2), batch_sizes(RECIPE, 4)))
     assert "ZeRO states through DeepSpeed's universal checkpoint, converted once" in note
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         assert deepspeed_resize_problem("ckpt", 2, deepspeed(stage)) is None
-    refused = {"under ZeRO-3": deepspeed(3),
-               "with offloaded states": deepspeed(2, offload_optimizer="cpu"),
+    refused = {"with ZeRO++'s hpZ": deepspeed(3, hpz_partition=2),
+               "with offloaded states": deepspeed(3, offload_optimizer="cpu"),
                "with the sequence split": LaunchDescription(world_size=4, uses_deepspeed=True, sp_size=2,
                                                             deepspeed_settings={"stage": 2})}
     for what, launch in refused.items():
@@ -118,6 +118,7 @@ def test_deepspeed_resumes_on_another_world_size_at_zero_1_and_2_without_offload
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_deepspeed_resume_point_on_another_world_size_loads_the_universal_form_or_is_refused(tmp_path, stage):
+    """Refused with the optimizer on the host (ZeRO-3 here), loaded as the universal form without."""
     path = tmp_path / "checkpoint-4"
     path.mkdir()
     run = saved_settings(deepspeed(stage, world_size=2), batch_sizes(RECIPE, 2))
@@ -126,8 +127,7 @@ def test_a_deepspeed_resume_point_on_another_world_size_loads_the_universal_form
     recipe = Recipe(max_steps=10, global_batch_size=32, per_device_train_batch_size=8, resume_from_checkpoint=str(path))
     assert not resume_point(recipe, deepspeed(stage, world_size=2), batch_sizes(recipe, 2)).universal
     if stage == 3:
-        with pytest.raises(ConfigError, match="under ZeRO-3 is not supported yet"):
-            resume_point(recipe, deepspeed(stage), batch_sizes(recipe, 4))
-    else:
-        resumed = resume_point(recipe, deepspeed(stage), batch_sizes(recipe, 4))
-        assert resumed.universal and resumed.step == 4 and "universal checkpoint" in resumed.notes[0]
+        with pytest.raises(ConfigError, match="with offloaded states is not supported yet"):
+            resume_point(recipe, deepspeed(stage, offload_optimizer="cpu"), batch_sizes(recipe, 4))
+    resumed = resume_point(recipe, deepspeed(stage), batch_sizes(recipe, 4))
+    assert resumed.universal and resumed.step == 4 and "universal checkpoint" in resumed.notes[0]
