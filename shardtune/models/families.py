@@ -26,29 +26,34 @@ class Family:
     tensor_parallel_refusal: str = ""  # why tensor parallelism cannot run ("" where it can)
 
 
-_UNPROVEN_TP = ("its tensor-parallel plan is not yet proven equal to one process on CPU here "
-                "(tests/launch/test_tensor_parallel.py runs Llama's): launch without parallelism_config_tp_size.")
+# Measured on CPU (2 ranks, tp 2, against one process): transformers 5.24's plans for Qwen3 and Gemma 3 all-reduce
+# the q/k norms' gradients on DTensors, which torch dispatches to no sharding strategy (NotImplementedError on
+# c10d.allreduce_), and Gemma 3's tied head is not found where the split looks for it (KeyError 'lm_head.weight').
+_QK_NORM_TP = ("transformers' tensor-parallel plan all-reduces the q/k norms' gradients as DTensors, which torch "
+               "cannot run (NotImplementedError on c10d.allreduce_, measured on CPU): launch without "
+               "parallelism_config_tp_size.")
 
 FAMILIES = {family.model_type: family for family in (
     Family("llama"),
     Family("mistral"),
     Family("qwen2", qkv_bias=True),
-    Family("qwen3", qk_norm="head", tensor_parallel_refusal=_UNPROVEN_TP),
+    Family("qwen3", qk_norm="head", tensor_parallel_refusal=_QK_NORM_TP),
     Family("gemma3_text", qk_norm="head", layer_norms=4, norm_scale_fp32=True, liger_options={"geglu": True},
            liger_refusal="Liger's fused loss would run in place of Gemma 3's LM head without its final-logit "
                          "soft-capping, and its GeGLU and offset-RMSNorm kernels are not measured here: drop "
                          "--use_liger_kernel.",
-           tensor_parallel_refusal=_UNPROVEN_TP),
+           tensor_parallel_refusal="Gemma 3's tied LM head is not found where transformers' tensor-parallel split "
+                                   "looks for it (KeyError 'lm_head.weight', measured on CPU), and its q/k norms' "
+                                   "gradient all-reduce fails as Qwen3's: launch without parallelism_config_tp_size."),
     # OLMo 2's tensor-parallel plan gathers q, k and v whole on every rank (colwise_gather_output, for its norms
     # over all heads), which the tensor-parallel plan here does not count.
     Family("olmo2", qk_norm="width", post_norms=True,
            tensor_parallel_refusal="OLMo 2's tensor-parallel plan gathers q, k and v whole on every rank for its "
                                    "q/k norms (colwise_gather_output), which the planner does not count: launch "
                                    "without parallelism_config_tp_size."),
-    Family("smollm3", tensor_parallel_refusal=_UNPROVEN_TP),
+    Family("smollm3"),
     Family("granite", liger_refusal="Liger's fused loss would run in place of Granite's LM head without dividing "
-                                    "the logits by logits_scaling: drop --use_liger_kernel.",
-           tensor_parallel_refusal=_UNPROVEN_TP),
+                                    "the logits by logits_scaling: drop --use_liger_kernel."),
 )}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 LIGER_MODEL_TYPES = tuple(name for name, family in FAMILIES.items() if not family.liger_refusal)

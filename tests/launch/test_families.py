@@ -7,9 +7,10 @@ process's losses and gradient norms in fp32."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from shardtune.tiny import write_tiny_assets
-from tests.conftest import grad_norms, made_once, run_recipe, train_losses
+from tests.conftest import CONFIGS, grad_norms, made_once, run_recipe, train_losses
 from tests.launch.test_strategies import FP32_RTOL
 
 FAMILIES = ("qwen3", "gemma3_text", "olmo2", "smollm3", "granite")
@@ -20,7 +21,10 @@ OVERRIDES = {"gemma3_text": {"final_logit_softcapping": 3.0}}
 # under all three, Granite (its logits scaled in the tiles) under both sharding ones. Every family under DDP, FSDP2
 # and ZeRO-3 passed too; these keep the suite's time (about 3 minutes on 2 cores).
 CASES = [("qwen3", "ds_zero3"), ("gemma3_text", "fsdp_full_shard"), ("gemma3_text", "ds_zero3"), ("gemma3_text", "ddp"),
-         ("olmo2", "fsdp_full_shard"), ("smollm3", "ds_zero3"), ("granite", "fsdp_full_shard"), ("granite", "ds_zero3")]
+         ("olmo2", "fsdp_full_shard"), ("smollm3", "ds_zero3"), ("granite", "fsdp_full_shard"), ("granite", "ds_zero3"),
+         ("smollm3", "tp"), ("granite", "tp")]
+# "tp": tensor parallelism alone over the 2 ranks (ddp.yaml with parallelism_config_tp_size 2, as
+# tests/launch/test_tensor_parallel.py runs Llama's), for the families whose plan transformers runs (models/).
 # Half the strategies' reference (tests/conftest.REFERENCE_ARGS): 4 steps of 32 sequences, gradient checkpointing
 # on, weight decay on, no warm-up.
 ARGS = ("--max_steps", "4", "--save_steps", "0", "--mixed_precision", "no", "--per_device_train_batch_size", "8",
@@ -39,7 +43,14 @@ def family_run(tmp_path_factory):
 
     def run(family: str, config: str | None) -> object:
         def make(root):
-            run_recipe(root / "out", assets(family), *ARGS, config=config, processes=2)
+            launch_args = ()
+            if config == "tp":
+                described = yaml.safe_load((CONFIGS / "ddp.yaml").read_text())
+                described["parallelism_config"] = {"parallelism_config_tp_size": 2}
+                (root / "ddp_tp.yaml").write_text(yaml.safe_dump(described))
+                launch_args = ("--config_file", str(root / "ddp_tp.yaml"))
+            run_recipe(root / "out", assets(family), *ARGS, config="ddp" if config == "tp" else config,
+                       processes=2, launch_args=launch_args)
         return made_once(tmp_path_factory, f"{family}-{config or 'single'}", make) / "out"
 
     return run
