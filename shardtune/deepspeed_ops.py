@@ -5,6 +5,7 @@ cores: a launch says so in one line before, and `scripts/build_deepspeed_ops.py`
 from __future__ import annotations
 
 import os
+import sys
 
 from shardtune.cpu_threads import optimizer_steps_on_cpu
 from shardtune.plan.strategy import Strategy
@@ -29,7 +30,6 @@ def unbuilt_ops(builders: tuple[str, ...]) -> list[str]:
         return []
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
-    from torch.utils.cpp_extension import _get_build_directory  # the folder jit_load builds in (it makes it)
 
     accelerator = get_accelerator()
     names = []
@@ -37,10 +37,24 @@ def unbuilt_ops(builders: tuple[str, ...]) -> list[str]:
         builder = accelerator.create_op_builder(name)
         if builder is None or installed_ops.get(builder.name, False):
             continue  # not this accelerator's, or shipped built
-        built = os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so")
+        built = os.path.join(extensions_root(), builder.name, f"{builder.name}.so")
         if not os.path.isfile(built):
             names.append(builder.name)
     return names
+
+
+def extensions_root() -> str:
+    """The folder torch's cpp_extension builds ops in, as its `_get_build_directory` names it (which also creates
+    it: looking must leave nothing behind)."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    device = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
+              f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return os.path.join(get_default_build_root(), f"{python}_{device}")
 
 
 def compile_notice(strategy: Strategy, config_file: str | None) -> str | None:
