@@ -348,6 +348,19 @@ def tiny_assets(tmp_path_factory) -> tuple[str, str]:
     return ensure_tiny_assets(str(root / "tiny"))
 
 
+DEMO_CONFIG = "ds_zero3"  # make demo's (the Makefile's DEMO_CONFIG)
+DEMO_OPS = ("deepspeed_shm_comm",)  # what make demo builds for it (scripts/build_deepspeed_ops.py --config)
+
+
+def extensions_with(folder: Path, ops: tuple[str, ...]) -> Path:
+    """A TORCH_EXTENSIONS_DIR holding only `ops`, linked to the suite's built ones: an op a launch compiles beyond
+    them appears beside them."""
+    folder.mkdir()
+    for op in ops:
+        (folder / op).symlink_to(TORCH_EXTENSIONS_DIR / op, target_is_directory=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def reference_run(tiny_assets, tmp_path_factory):
     """reference_run(config) -> output dir of that strategy's reference run (None: one process), run once."""
@@ -358,6 +371,8 @@ def reference_run(tiny_assets, tmp_path_factory):
         # Context parallelism's also answers held-out prompts (tests/launch/test_context_parallel.py): accelerate's
         # CP hooks drop the attention mask in every forward of the model, generation's included.
         samples = ("--generation_samples", str(CP_SAMPLES)) if config and context_parallel_config(config) else ()
+        if config == DEMO_CONFIG:  # the demo's config loads the demo's op alone (tests/launch/test_demo_ops.py)
+            env["TORCH_EXTENSIONS_DIR"] = str(extensions_with(root / "extensions", DEMO_OPS))
         run_recipe(root / "out", tiny_assets, *REFERENCE_ARGS, *nvme_args(config, root), *samples, config=config,
                    processes=2, env=env)
 

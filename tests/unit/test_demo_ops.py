@@ -1,7 +1,7 @@
 """`make demo` builds only what the demo runs: the DeepSpeed op its config loads (the shared-memory collectives on
 DeepSpeed's CPU accelerator), chosen from that config by scripts/build_deepspeed_ops.py --config; CPU Adam and async
-I/O (with libaio) stay with `make test`. Building the op itself takes 40 s or more on 2 cores: checked by hand, not here
-(README's set-up section)."""
+I/O (with libaio) stay with `make test`. That a launch of the demo's config compiles nothing beyond that op is
+tests/launch/test_demo_ops.py."""
 
 from __future__ import annotations
 
