@@ -36,7 +36,6 @@ from shardtune.launch import (
 from shardtune.launcher_args import (
     check_launcher_precision,
     check_started_by_launcher,
-    launcher_config_file,
     launcher_precision_note,
     this_launcher,
 )
@@ -123,8 +122,10 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, Laun
         recipe = dataclasses.replace(recipe, use_cpu=True)
     if recipe.dry_run:  # plans the launch on --hardware, not this machine's
         sys.exit(dry_run(recipe, problems, given))
-    # What `accelerate launch` was asked, read from its command line: a setting it did not pass on is refused.
-    launch = problems.check(LaunchDescription.from_env, this_launcher() if launched() else None)
+    # What `accelerate launch` was asked, read from its command line (one walk up the process tree): a setting it
+    # did not pass on is refused, and its config file's keys are checked.
+    launcher = this_launcher() if launched() else None
+    launch = problems.check(LaunchDescription.from_env, launcher)
     if launch is not None:
         problems.check(check_launcher_precision, recipe, launch.launcher_precision, launch.launcher_precision_source)
     if recipe.config_file:  # accelerate launch reads a config; the script only plans one under --dry_run
@@ -140,7 +141,7 @@ def checked_launch(recipe: Recipe, argv: list[str] | None) -> tuple[Recipe, Laun
     import torch
 
     check_machine(recipe, problems, torch.cuda.is_available(), launch)
-    config_file = launcher_config_file() if launched() else None
+    config_file = launcher.config_path if launcher else None
     if config_file:  # accelerate ignores a misspelt key of a section: the run would go without that setting
         problems.messages.extend(accelerate_config_problems(config_file))
     if recipe.model_name_or_path:
@@ -178,7 +179,8 @@ def dry_run(recipe: Recipe, problems: Problems, given: frozenset[str]) -> int:
         problems.messages.append("--dry_run needs --hardware (e.g. 8xh100-80gb): the hardware to plan for.")
     config_file, is_launched = None, launched()  # asked once: the planned launch's variables make any run look launched
     if is_launched:
-        config_file = launcher_config_file()
+        launcher = this_launcher()
+        config_file = launcher.config_path if launcher else None
         read = bool(config_file)
     else:
         config_file = recipe.config_file or recipe_config_file()

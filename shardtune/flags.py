@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 # hf_argparser alone: the transformers package without its models, so that a bad flag is refused at once.
@@ -79,7 +80,7 @@ def parse_flags(recipe: Recipe, argv: list[str] | None = None) -> tuple[Recipe, 
     parser = recipe_parser(recipe)
     args = sys.argv[1:] if argv is None else argv
     overridden, aliases, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
-    problems = unknown_argument_problems(unknown) + repeated_flag_problems(parser, args)
+    problems = unknown_argument_problems(unknown, recipe_flag_hint) + repeated_flag_problems(parser, args)
     for apply in (expand_home, apply_precision_alias, apply_warmup_steps, apply_constant_schedule,
                   apply_accumulation_steps, check_checkpointing_kwargs, check_given_flags_act):
         try:
@@ -119,17 +120,17 @@ def is_flag(token: str) -> bool:
     return token.startswith("--") or (token.startswith("-") and not token[1:2].isdigit())
 
 
-def unknown_argument_problems(unknown: Sequence[str]) -> list[str]:
-    """One message per flag the recipe does not know, naming the recipe's flag for what it most likely meant
-    (shardtune.flag_hints); a value that follows an unknown flag is its value, not a problem of its own."""
-    known = [f"--{item.name}" for item in dataclasses.fields(Recipe)] + list(ALIASES)
+def unknown_argument_problems(unknown: Sequence[str], hint: Callable[[str, str | None], str]) -> list[str]:
+    """One message per flag a parser does not know, `hint(flag, its value or None)` naming the flag it most likely
+    meant; a value that follows an unknown flag is its value, not a problem of its own. The recipe's parser and the
+    planner's share it, each with its own hint."""
     problems, after_flag = [], False
     for index, token in enumerate(unknown):
         if is_flag(token):
             flag, _, value = token.partition("=")
             following = unknown[index + 1] if index + 1 < len(unknown) else ""
             value = value or (following if following and not is_flag(following) else "")
-            problems.append(f"Unknown argument {flag}: {flag_hint(flag, known, value or None)}")
+            problems.append(f"Unknown argument {flag}: {hint(flag, value or None)}")
             after_flag = "=" not in token
         elif after_flag:
             after_flag = False
@@ -139,26 +140,40 @@ def unknown_argument_problems(unknown: Sequence[str]) -> list[str]:
     return problems
 
 
+def recipe_flag_hint(flag: str, value: str | None) -> str:
+    """The hint for a flag the recipe does not know (shardtune.flag_hints)."""
+    known = [f"--{item.name}" for item in dataclasses.fields(Recipe)] + list(ALIASES)
+    return flag_hint(flag, known, value)
+
+
 def repeated_flag_problems(parser: argparse.ArgumentParser, args: Sequence[str]) -> list[str]:
     """One message per setting the command line gives more than once with different values (argparse keeps the
     last and drops the others without a word: `--dataset a.jsonl --dataset b.jsonl` would train on b alone),
     whichever of its spellings each time (--gradient_checkpointing and --no_gradient_checkpointing set one
-    field). The same value given twice acts as given."""
+    field). Each occurrence (its flag and every token after it up to the next flag, or its `=value`) is parsed by
+    that flag's own action in `parser`, and the parsed values are compared, not the text: `--gradient_checkpointing`
+    and `--gradient_checkpointing true`, `--learning_rate 1e-5` and `--learning_rate 1e-05` give one value, and a
+    list flag's every item counts. The same value given twice acts as given."""
     actions = parser._option_string_actions  # argparse's own map of each spelling to its action
-    given: dict[str, list[str]] = {}
+    given: dict[str, list[tuple[str, object]]] = {}
     for index, token in enumerate(args):
-        name, equals, value = token.partition("=")
+        name = token.partition("=")[0]
         if not is_flag(token) or name not in actions:
             continue
-        following = args[index + 1] if index + 1 < len(args) else ""
-        value = value if equals else following if following and not is_flag(following) else ""
-        given.setdefault(actions[name].dest, []).append(f"{name} {value}".strip())
+        following = list(itertools.takewhile(lambda later: not is_flag(later), args[index + 1:]))
+        try:  # a fresh namespace: the value this occurrence alone sets
+            parsed, rest = parser.parse_known_args([token, *following], argparse.Namespace())
+        except ConfigError:  # a value argparse cannot read: the command line's own parse refuses it
+            continue
+        taken = following[:len(following) - len(rest)]  # the tokens its action took; the rest are not its values
+        spelling = " ".join([name, *([token.partition("=")[2]] if "=" in token else taken)])
+        given.setdefault(actions[name].dest, []).append((spelling, getattr(parsed, actions[name].dest)))
     problems = []
-    for dest, spellings in given.items():
-        if len(set(spellings)) > 1:
+    for dest, occurrences in given.items():
+        if any(value != occurrences[0][1] for _, value in occurrences):
             several = " (several sources go in one: --dataset A,B)" if dest == "dataset" else ""
-            problems.append(f"{', '.join(spellings)}: the same setting given {len(spellings)} times, and only the "
-                            f"last would apply: give it once{several}.")
+            problems.append(f"{', '.join(spelling for spelling, _ in occurrences)}: the same setting given "
+                            f"{len(occurrences)} times, and only the last would apply: give it once{several}.")
     return problems
 
 

@@ -17,8 +17,6 @@ from typing import Any
 
 from shardtune.config import OFFLOAD_DEVICES, ZERO_STAGES, ConfigError
 from shardtune.launcher_args import LauncherRequest, launcher_problems
-from shardtune.launcher_args import config_file_of as config_file_of  # where callers have found them
-from shardtune.launcher_args import launcher_config_file as launcher_config_file
 from shardtune.parallel.context import checked_context_parallel
 from shardtune.parallel.tensor import checked_tensor_parallel
 from shardtune.plan.strategy import (

@@ -48,42 +48,19 @@ def launcher_command() -> tuple[list[str], str] | None:
     return None
 
 
+# The commands that run accelerate's launcher: its own (the console script, `python -m accelerate.commands.launch`),
+# and accelerate's CLI (the console script, `python -m accelerate.commands.accelerate_cli`) followed by `launch`.
+LAUNCH_COMMANDS = ("accelerate-launch", "accelerate.commands.launch")
+CLI_COMMANDS = ("accelerate", "accelerate.commands.accelerate_cli")
+
+
 def launch_options(argv: list[str]) -> list[str] | None:
     """The arguments after `accelerate launch` in a command line (the script and its own arguments included);
     None for any other command line."""
     names = [os.path.basename(arg) for arg in argv]
-    starts = [index + 1 for index, name in enumerate(names[:-1]) if name == "accelerate" and names[index + 1]
-              == "launch"] + [index for index, name in enumerate(names) if name in ("accelerate-launch",
-                                                                                 "accelerate.commands.launch")]
-    return argv[starts[0] + 1:] if starts else None
-
-
-def config_file_of(argv: list[str], cwd: str) -> str | None:
-    """The config file of an `accelerate launch` command line run in `cwd` ('' when the launcher reads none);
-    None for any other command line."""
-    options = launch_options(argv)
-    if options is None:
-        return None
-    for index, arg in enumerate(options):
-        if arg.startswith(("--config_file=", "--config-file=")):
-            return os.path.join(cwd, arg.split("=", 1)[1])
-        if arg in ("--config_file", "--config-file") and index + 1 < len(options):
-            return os.path.join(cwd, options[index + 1])
-        if arg.endswith(".py") or arg in ("-m", "--module"):  # the script: the rest are its own arguments
-            break
-    from accelerate.commands.config.config_args import default_config_file
-
-    cpu = "--cpu" in options
-    return default_config_file if os.path.isfile(default_config_file) and not cpu else ""
-
-
-def launcher_config_file() -> str | None:
-    """The accelerate config file this process was launched with: `accelerate launch` exports no variable naming
-    it, so it is read from the launcher's command line, resolved against the launcher's working directory; a
-    launcher without --config_file reads accelerate's default config, if there is one. None when no ancestor is
-    `accelerate launch`."""
-    found = launcher_command()
-    return (config_file_of(*found) or None) if found else None
+    starts = [index + 2 for index, name in enumerate(names[:-1]) if name in CLI_COMMANDS and names[index + 1]
+              == "launch"] + [index + 1 for index, name in enumerate(names) if name in LAUNCH_COMMANDS]
+    return argv[min(starts):] if starts else None
 
 
 @dataclass(frozen=True)
@@ -91,6 +68,8 @@ class LauncherRequest:
     """What one `accelerate launch` command line asked, after accelerate filled it from the config file."""
 
     config_file: str = ""  # as its command line names it; accelerate's default config where it names none, else ''
+    config_path: str = ""  # the file accelerate reads: config_file resolved against the launcher's directory
+    distributed_type: str = ""  # the config file's (NO, MULTI_GPU, DEEPSPEED, FSDP, ...); '' without one
     num_processes: int = 1
     cpu: bool = False  # --cpu: the launcher starts the script once
     mixed_precision: str = "no"  # what it exports as ACCELERATE_MIXED_PRECISION
@@ -123,13 +102,18 @@ class LauncherRequest:
         sizes = {name: int(getattr(args, f"parallelism_config_{name}_size")) for name in PARALLELISM_SIZES
                  if f"parallelism_config_{name}_size" in given}
         source = "flag" if "mixed_precision" in given else "config" if from_config else ""
+        # Without a config file or --num_processes accelerate fills in this machine's GPU count, which no one
+        # asked for (and which --cpu's one process ignores); a config file always sets it (accelerate refuses one
+        # without it, distributed_type NO's 1 aside).
+        asked = int(args.num_processes or 1) if "num_processes" in given or defaults is not None else 1
+        kind = str(getattr(defaults, "distributed_type", "")).rsplit(".", 1)[-1].upper()
         return cls(config_file=named or (default_config_file if defaults is not None else ""),
-                   num_processes=int(args.num_processes or 1), cpu=bool(args.cpu),
+                   config_path=args.config_file or (default_config_file if defaults is not None else ""),
+                   distributed_type=kind, num_processes=asked, cpu=bool(args.cpu),
                    mixed_precision=str(args.mixed_precision).lower(), precision_source=source,
                    sizes=MappingProxyType({name: size for name, size in sizes.items() if size != 1}),
                    exports_parallelism=bool(args.use_parallelism_config),
-                   engine={"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP"}.get(
-                       str(getattr(defaults, "distributed_type", "")).rsplit(".", 1)[-1].upper(), ""))
+                   engine={"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP"}.get(kind, ""))
 
 
 def this_launcher() -> LauncherRequest | None:
@@ -163,7 +147,7 @@ def launcher_problems(launcher: LauncherRequest, world_size: int, strategy: str)
                         f"--config_file {launcher.config_file or 'accelerate_configs/ddp.yaml'} {count} {script} "
                         "--use_cpu true).")
     elif launcher.num_processes > 1 and world_size == 1:
-        why = (f"{config} runs one process (distributed_type NO)" if launcher.config_file else
+        why = (f"{config} runs one process (distributed_type {launcher.distributed_type})" if launcher.config_file else
                "without a config file accelerate starts several processes only on a machine with several GPUs")
         problems.append(f"accelerate launch {count} started one process: {why}. Give it a config: accelerate "
                         f"launch --config_file accelerate_configs/ddp.yaml {count} {script} (on CPU with the "
@@ -190,7 +174,9 @@ def launcher_precision_note(recipe: Recipe, asked: str | None, source: str | Non
     """The note for a config file's mixed_precision other than the recipe's, which is applied; None otherwise."""
     if source != "config" or asked == recipe.mixed_precision:
         return None
-    return (f"training in {recipe.mixed_precision} (the recipe's --mixed_precision), not the accelerate config's "
+    training = ("without mixed precision (no, " if recipe.mixed_precision == "no" else
+                f"in {recipe.mixed_precision} (")
+    return (f"training {training}the recipe's --mixed_precision), not the accelerate config's "
             f"mixed_precision {asked}: the recipe's precision wins, as a TrainingArguments script's bf16/fp16 do "
             f"(give --mixed_precision {asked} to train in it).")
 

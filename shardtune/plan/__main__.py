@@ -18,11 +18,12 @@ import os
 import re
 import sys
 import typing
+from collections.abc import Callable
 
 from shardtune.checks import batch_sizes
 from shardtune.config import FIELD_CHOICES, ConfigError, Recipe, below_lowest
 from shardtune.flag_hints import RENAMED
-from shardtune.flags import is_flag
+from shardtune.flags import unknown_argument_problems
 from shardtune.flops import (
     BUILTIN_MODELS,
     ModelError,
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     add_run_flags(parser)
     try:
         args, unknown = parser.parse_known_args(argv)
-        problems = unknown_argument_problems(unknown, parser) + check_args(args)
+        problems = unknown_argument_problems(unknown, planner_hint(parser)) + check_args(args)
         if not problems:
             return _run(args)
     except (PlanError, HardwareError) as error:
@@ -137,26 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def unknown_argument_problems(unknown: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    """One line per flag the planner does not take, naming the planner's flag it most likely meant: by the names
-    other trainers give it (shardtune.flag_hints.RENAMED), else by spelling; a value after it is its value."""
+def planner_hint(parser: argparse.ArgumentParser) -> Callable[[str, str | None], str]:
+    """The hint for a flag the planner does not take, naming the planner's flag it most likely meant: by the names
+    other trainers give it (shardtune.flag_hints.RENAMED), else by spelling."""
     known = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
-    problems, after_flag = [], False
-    for token in unknown:
-        if is_flag(token):
-            flag = token.partition("=")[0]
-            name = flag.lstrip("-").lower().replace("-", "_")
-            renamed = [target for target, names in RENAMED.items() if name in names and target in known]
-            nearest = renamed or difflib.get_close_matches(flag, known, n=1)
-            hint = f"did you mean {nearest[0]}?" if nearest else "see --help for the planner's flags."
-            problems.append(f"Unknown argument {flag}: {hint}")
-            after_flag = "=" not in token
-        elif after_flag:
-            after_flag = False
-        else:
-            problems.append(f"Unexpected value {token!r} on the command line: every value follows its flag "
-                            "(--name value); see --help.")
-    return problems
+
+    def hint(flag: str, value: str | None) -> str:
+        name = flag.lstrip("-").lower().replace("-", "_")
+        renamed = [target for target, names in RENAMED.items() if name in names and target in known]
+        nearest = renamed or difflib.get_close_matches(flag, known, n=1)
+        return f"did you mean {nearest[0]}?" if nearest else "see --help for the planner's flags."
+    return hint
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from shardtune.cli import checked_launch, main
 from shardtune.config import Recipe
-from shardtune.launcher_args import LauncherRequest
+from shardtune.launcher_args import LauncherRequest, launch_options, launcher_problems
 from tests.conftest import REPO
 
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -190,7 +190,8 @@ def test_deepspeed_without_a_launcher_is_refused(tiny_assets, tmp_path, capsys, 
 
 @pytest.mark.parametrize(("options", "recipe_args", "note"), [
     (("--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "1"), ("--mixed_precision", "no"),
-     "shardtune: note: training in no (the recipe's --mixed_precision), not the accelerate config's mixed_precision "
+     "shardtune: note: training without mixed precision (no, the recipe's --mixed_precision), not the accelerate "
+     "config's mixed_precision "
      "bf16: the recipe's precision wins, as a TrainingArguments script's bf16/fp16 do (give --mixed_precision bf16 to "
      "train in it)."),
     (("--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "1"), ("--mixed_precision", "bf16"), None),
@@ -243,3 +244,72 @@ def test_more_processes_than_gpus_on_a_machine_refused(local_processes: int, gpu
         "counts every node's: launch each node with accelerate launch --num_machines N --machine_rank R, or "
         "--num_processes 8 on one.")
     check_device(dataclasses.replace(recipe, use_cpu=True), False, local_processes, 0)  # CPU ranks share the cores
+
+
+@pytest.mark.parametrize("argv", [
+    ["/venv/bin/accelerate", "launch"],
+    ["/usr/bin/python3", "/venv/bin/accelerate", "launch"],
+    ["/venv/bin/accelerate-launch"],
+    ["python", "-m", "accelerate.commands.launch"],
+    ["/venv/bin/python", "-m", "accelerate.commands.accelerate_cli", "launch"],
+], ids=["accelerate launch", "python accelerate launch", "accelerate-launch", "python -m accelerate.commands.launch",
+        "python -m accelerate.commands.accelerate_cli launch"])
+def test_every_spelling_of_the_launcher_is_recognised(argv):
+    """A rank finds its launcher by its command line: each way to run accelerate's launcher gives the options after
+    it, the script's own arguments (a `launch` among them) included."""
+    options = ["--config_file", "accelerate_configs/ddp.yaml", "recipes/tiny.py", "accelerate", "launch", "--x"]
+    assert launch_options([*argv, *options]) == options
+
+
+@pytest.mark.parametrize("argv", [
+    ["python", "recipes/tiny.py", "--use_cpu", "true"],
+    ["/venv/bin/accelerate", "config"],
+    ["python", "-m", "accelerate.commands.accelerate_cli", "env"],
+    ["torchrun", "--nproc_per_node", "2", "launch"],
+])
+def test_other_command_lines_are_no_launcher(argv):
+    assert launch_options(argv) is None
+
+
+def test_cpu_without_a_config_asks_one_process_on_a_gpu_machine(monkeypatch):
+    """`accelerate launch --cpu recipes/tiny.py` on an 8-GPU node: accelerate's own defaulting fills in
+    --num_processes 8 (the GPU count) that no one asked for, and its simple launcher starts one process, as asked."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    request = LauncherRequest.of_options(["--cpu", "recipes/tiny.py", "--use_cpu", "true"], str(REPO))
+    assert request is not None and request.num_processes == 1
+    assert launcher_problems(request, 1, "on one CPU process") == []
+    asked = LauncherRequest.of_options(["--cpu", "--num_processes", "8", "recipes/tiny.py"], str(REPO))
+    assert asked is not None and asked.num_processes == 8  # given, it is what the refusal names
+    (line,) = launcher_problems(asked, 1, "on one CPU process")
+    assert "whatever --num_processes 8 asks" in line
+
+
+@pytest.mark.parametrize("kind", ["MULTI_CPU", "NO"])
+def test_a_config_of_one_process_is_named_by_its_type(kind, tmp_path):
+    config = tmp_path / "one.yaml"
+    config.write_text(f"compute_environment: LOCAL_MACHINE\ndistributed_type: '{kind}'\nmixed_precision: 'no'\n"
+                      "num_machines: 1\nnum_processes: 1\nuse_cpu: true\n")
+    request = LauncherRequest.of_options(["--config_file", "one.yaml", "--num_processes", "2", "r.py"],
+                                         str(tmp_path))
+    assert request is not None and request.config_path == str(config) and request.distributed_type == kind
+    assert launcher_problems(request, 1, "DDP") == [
+        f"accelerate launch --num_processes 2 started one process: one.yaml runs one process (distributed_type "
+        f"{kind}). Give it a config: accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 "
+        f"{os.path.relpath(sys.argv[0])} (on CPU with the recipe's --use_cpu true)."]
+
+
+def test_the_default_config_is_found_as_accelerate_finds_it(tmp_path, monkeypatch):
+    """Without --config_file the launcher reads accelerate's default config, unless its own --cpu is given; a --cpu
+    after the script is the script's argument and changes nothing."""
+    default = tmp_path / "default_config.yaml"
+    default.write_text((REPO / "accelerate_configs" / "ddp.yaml").read_text())
+    monkeypatch.setattr("accelerate.commands.config.config_args.default_config_file", str(default))
+    monkeypatch.setattr("accelerate.commands.launch.default_config_file", str(default))
+    after_the_script = LauncherRequest.of_options(["recipes/tiny.py", "--cpu"], str(REPO))
+    assert after_the_script is not None and not after_the_script.cpu
+    assert after_the_script.config_path == str(default) and after_the_script.distributed_type == "MULTI_GPU"
+    launchers_own = LauncherRequest.of_options(["--cpu", "recipes/tiny.py"], str(REPO))
+    assert launchers_own is not None and launchers_own.cpu and launchers_own.config_path == ""

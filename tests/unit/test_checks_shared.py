@@ -127,8 +127,9 @@ def test_a_launched_rank_finds_its_launchers_config(tmp_path):
     command line (here a real parent process whose command line is accelerate's), relative to its directory."""
     (tmp_path / "typo.yaml").write_text((CONFIGS / "fsdp_full_shard.yaml").read_text().replace(
         "fsdp_offload_params:", "fsdp_ofload_params:"))
-    rank = ("from shardtune.launch import accelerate_config_problems, launcher_config_file\n"
-            "path = launcher_config_file()\nprint(path)\nprint(accelerate_config_problems(path))\n")
+    rank = ("from shardtune.launch import accelerate_config_problems\n"
+            "from shardtune.launcher_args import this_launcher\n"
+            "path = this_launcher().config_path\nprint(path)\nprint(accelerate_config_problems(path))\n")
     launcher = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {rank!r}], check=True)\n"
     result = subprocess.run([sys.executable, "-c", launcher, "accelerate", "launch", "--config_file", "typo.yaml",
                              "--num_processes", "1", "train.py", "--config_file", "other.yaml"],

@@ -157,3 +157,46 @@ def test_library_flags_it_does_not_take_are_refused_as_theirs(flag):
     assert len(problems) == 1 and problems[0].startswith(f"Unknown argument {flag}: {start}"), problems
     assert end in problems[0] and "did you mean" not in problems[0], problems
 
+
+
+# A setting given twice is compared by the value its flag's action parses, not by its text.
+SAME_VALUE_TWICE = [  # (the first occurrence, the second)
+    (["--gradient_checkpointing"], ["--gradient_checkpointing", "true"]),
+    (["--gradient_checkpointing", "false"], ["--no_gradient_checkpointing"]),
+    (["--learning_rate", "1e-5"], ["--learning_rate", "1e-05"]),
+    (["--learning_rate=1e-5"], ["--learning_rate", "0.00001"]),
+    (["--loss_type", "sigmoid", "hinge"], ["--loss_type", "sigmoid", "hinge"]),
+]
+OTHER_VALUE_TWICE = {
+    "a list flag's later items": (["--loss_type", "sigmoid", "sft", "--loss_type", "sigmoid", "hinge"],
+                                  "--loss_type sigmoid sft, --loss_type sigmoid hinge"),
+    "a bare switch and its negation": (["--gradient_checkpointing", "--no_gradient_checkpointing"],
+                                       "--gradient_checkpointing, --no_gradient_checkpointing"),
+    "a switch alone and false": (["--gradient_checkpointing", "--learning_rate", "1e-5", "--gradient_checkpointing",
+                                  "false"], "--gradient_checkpointing, --gradient_checkpointing false"),
+    "a number and another": (["--learning_rate", "1e-5", "--learning_rate=2e-05"],
+                             "--learning_rate 1e-5, --learning_rate 2e-05"),
+}
+
+
+@pytest.mark.parametrize(("first", "second"), SAME_VALUE_TWICE,
+                         ids=[" ".join(first + second) for first, second in SAME_VALUE_TWICE])
+def test_a_setting_given_twice_at_one_value_is_taken(first, second):
+    recipe, problems = parse_flags(Recipe(gradient_checkpointing=False), first + second)
+    assert problems == []
+    assert recipe == parse_recipe(Recipe(gradient_checkpointing=False), first) == parse_recipe(
+        Recipe(gradient_checkpointing=False), second)
+
+
+@pytest.mark.parametrize("case", OTHER_VALUE_TWICE)
+def test_a_setting_given_twice_at_two_values_is_refused(case):
+    argv, spelled = OTHER_VALUE_TWICE[case]
+    _, problems = parse_flags(Recipe(), argv)
+    assert problems == [f"{spelled}: the same setting given 2 times, and only the last would apply: give it once."]
+
+
+def test_a_value_the_flag_does_not_take_is_not_part_of_its_setting():
+    """`--max_steps 5 6`: 6 is refused as a stray value, and is no part of --max_steps' two occurrences."""
+    _, problems = parse_flags(Recipe(), ["--max_steps", "5", "6", "--max_steps=5"])
+    assert problems == ["Unexpected value '6' on the command line: every value follows its flag (--name value); "
+                        "see --help."]
