@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from shardtune.checkpoint.markers import MARKER
+from shardtune.checkpoint.markers import MARKER, foreign_checkpoints, foreign_checkpoints_note
 from shardtune.checkpoint.run_files import clear_problem, described, strangers
 from shardtune.config import SAVE_DTYPES, ConfigError, Recipe
 from shardtune.data_sources import dataset_sources
@@ -60,11 +60,17 @@ def check_not_occupied(recipe: Recipe) -> None:
         if problem:
             raise ConfigError(problem)
         return
+    if recipe.resume_from_checkpoint:
+        return
     entries = sorted(name for name in os.listdir(output_dir) if not name.startswith(".")) \
         if os.path.isdir(output_dir) else []
-    if entries and not recipe.resume_from_checkpoint:
-        foreign = set(strangers(output_dir))
-        others = [name for name in entries if name in foreign]
+    foreign = foreign_checkpoints(output_dir)  # hidden ones too: once this run locks the directory they are its own
+    others = [name for name in strangers(output_dir) if name in entries and name not in foreign]
+    if foreign:
+        also = f"; it also holds {described(others)}, which no run wrote" if others else ""
+        raise ConfigError(f"{foreign_checkpoints_note(output_dir, foreign)}{also}. Give --output_dir a new or empty "
+                          "directory.")
+    if entries:
         if others:  # --overwrite_output_dir would refuse them: not the fix to name
             raise ConfigError(f"--output_dir {output_dir!r} already holds {described(others)}, which no run wrote: "
                               "give a new or empty directory.")

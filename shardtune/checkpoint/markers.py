@@ -15,7 +15,7 @@ import sys
 from shardtune.checkpoint.durable import fsync_path
 from shardtune.config import ConfigError
 from shardtune.local_rank import first_on_machine
-from shardtune.output_dir import LOCK_FILE, METRICS_FILE
+from shardtune.output_dir import LOCK_FILE
 
 MARKER = "checkpoint_complete.json"
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -126,17 +126,50 @@ def newest_usable(output_dir: str) -> str | None:
 
 
 def holds_a_run(output_dir: str) -> bool:
-    """A run was started in `output_dir`: it took the directory's lock, logged metrics or began a checkpoint."""
+    """A shardtune run was started in `output_dir`: it holds the lock every run takes before writing anything (and
+    never removes), or a checkpoint carrying shardtune's marker. A `checkpoint-<step>` folder alone is no sign: a
+    Hugging Face Trainer or TRL run names its checkpoints the same way."""
     if not os.path.isdir(output_dir):
         return False
-    return any(name in (LOCK_FILE, METRICS_FILE) or CHECKPOINT_NAME.match(name) or SCRATCH_NAME.match(name)
-               for name in os.listdir(output_dir))
+    return os.path.isfile(os.path.join(output_dir, LOCK_FILE)) or bool(complete_checkpoints(output_dir))
+
+
+def foreign_checkpoints(output_dir: str) -> list[str]:
+    """The checkpoint-named folders of `output_dir` that no shardtune run wrote: without a marker, in a directory
+    no run locked (another trainer's, or copied in), sorted. [] where the lock is there: then an unmarked one is
+    a save of the run's that did not finish."""
+    if not os.path.isdir(output_dir) or os.path.isfile(os.path.join(output_dir, LOCK_FILE)):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        if (CHECKPOINT_NAME.match(name) or SCRATCH_NAME.match(name)) and os.path.isdir(path) and \
+                not os.path.islink(path) and not os.path.isfile(os.path.join(path, MARKER)):
+            found.append(name)
+    return sorted(found)
+
+
+def described(names: list[str], count: int = 3) -> str:
+    return ", ".join(names[:count]) + (f" and {len(names) - count} more" if len(names) > count else "")
+
+
+def foreign_checkpoints_note(output_dir: str, names: list[str]) -> str:
+    """What `names` (foreign_checkpoints) are, for a one-line refusal that adds its fix."""
+    return (f"--output_dir {output_dir!r} holds {described(names)} with no {MARKER} and no {LOCK_FILE} beside "
+            f"{'it' if len(names) == 1 else 'them'}: another trainer's checkpoints, which shardtune neither resumes "
+            "nor deletes")
 
 
 def not_a_checkpoint(path: str) -> str:
     """Why `path`, a directory without a marker, cannot be resumed from, and what to give instead."""
-    name = os.path.basename(os.path.normpath(path))
+    normal = os.path.normpath(path)
+    name, parent = os.path.basename(normal), os.path.dirname(normal) or "."
     if CHECKPOINT_NAME.match(name) or SCRATCH_NAME.match(name):
+        if name in foreign_checkpoints(parent):
+            return (f"--resume_from_checkpoint {path!r} is not a shardtune checkpoint (no {MARKER}, and no "
+                    f"{LOCK_FILE} in {parent!r}): another trainer's checkpoint cannot be resumed. Start a new run in "
+                    f"a new --output_dir (from its weights, where it holds a config.json: --model_name_or_path "
+                    f"{path}).")
         return (f"--resume_from_checkpoint {path!r} is not a complete checkpoint (no {MARKER}): its save did not "
                 "finish. Give an earlier checkpoint, or `auto` for the newest complete one.")
     inside = complete_checkpoints(path)
@@ -144,6 +177,11 @@ def not_a_checkpoint(path: str) -> str:
         newest = f" (the newest complete one is {inside[-1]})" if inside else ""
         return (f"--resume_from_checkpoint {path!r} is a run's output directory, not a checkpoint: give one of its "
                 f"checkpoint-<step> directories{newest}, or `auto` with --output_dir {path}.")
+    foreign = foreign_checkpoints(path)
+    if foreign:
+        return (f"--resume_from_checkpoint {path!r} is not a checkpoint, and "
+                + foreign_checkpoints_note(path, foreign).removeprefix(f"--output_dir {path!r} ")
+                + ". Start a new run in a new --output_dir.")
     return (f"--resume_from_checkpoint {path!r} is not a checkpoint (no {MARKER}, not named checkpoint-<step>): "
             "give <output_dir>/checkpoint-<step>, or `auto` for the newest complete one in --output_dir.")
 
@@ -157,6 +195,11 @@ def resolve_resume(resume_from: str, output_dir: str, world_size: int) -> tuple[
     if resume_from == "auto":
         checkpoint = newest_usable(output_dir)
         if checkpoint is None:
+            foreign = foreign_checkpoints(output_dir)
+            if foreign:
+                raise ConfigError(f"--resume_from_checkpoint auto found nothing to resume: "
+                                  f"{foreign_checkpoints_note(output_dir, foreign)}. Drop --resume_from_checkpoint "
+                                  "and give --output_dir a new directory.")
             if not holds_a_run(output_dir):
                 where = "does not exist" if not os.path.exists(output_dir) else "holds no run"
                 raise ConfigError(f"--resume_from_checkpoint auto found nothing to resume: --output_dir {output_dir!r} "

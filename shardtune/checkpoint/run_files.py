@@ -9,7 +9,16 @@ import os
 import re
 import sys
 
-from shardtune.checkpoint.markers import MARKER, holds_a_run, read_marker
+from shardtune.checkpoint.markers import (
+    CHECKPOINT_NAME,
+    MARKER,
+    SCRATCH_NAME,
+    described,
+    foreign_checkpoints,
+    foreign_checkpoints_note,
+    holds_a_run,
+    read_marker,
+)
 from shardtune.output_dir import LOCK_FILE, METRICS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
 
 # What a run writes into its output directory: the one list --overwrite_output_dir deletes from.
@@ -23,14 +32,21 @@ RUN_FILES = frozenset({
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
     "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
 })
-RUN_DIRECTORIES = frozenset({
-    "wandb",  # W&B's own files (wandb.init's dir is the output directory)
-    "reference_log_probs",  # shardtune.methods.reference: DPO's cached reference log-probabilities
-    "additional_chat_templates",  # a tokenizer's named chat templates, as save_pretrained writes them
-})
+# The folders a run writes, and the names written at their top (kind: "file", "dir" or "link"); anything else in
+# one makes the folder a stranger's. What lies below those names is their writer's (W&B's run folders).
+RUN_DIRECTORIES: dict[str, tuple[tuple[re.Pattern, str], ...]] = {
+    # wandb 0.31 (sdk/wandb_settings.py, wandb_init.py) under wandb.init's dir, the output directory: each run's
+    # folder `{run|offline-run}-<%Y%m%d_%H%M%S>-<run id>[-suffix]`, and the links to the latest run and its logs,
+    # each made under a temporary `<name>.<pid>` and renamed (_safe_symlink).
+    "wandb": ((re.compile(r"(offline-)?run-\d{8}_\d{6}-.+"), "dir"),
+              (re.compile(r"(latest-run|debug\.log|debug-internal\.log)(\.\d+)?"), "link")),
+    # shardtune.methods.reference: DPO's cached reference log-probs, <split>.pt and <split>.json per split (train,
+    # eval), each written as <name>.tmp and renamed.
+    "reference_log_probs": ((re.compile(r"(train|eval)\.(pt|json)(\.tmp)?"), "file"),),
+    # a tokenizer's named chat templates, as save_pretrained writes them: <name>.jinja
+    "additional_chat_templates": ((re.compile(r"[^.].*\.jinja"), "file"),),
+}
 RUN_PATTERNS = (
-    re.compile(r"checkpoint-\d+"),  # shardtune.checkpoint: a save (checked against its marker: run_entry)
-    re.compile(r"\.checkpoint-\d+\.tmp"),  # a save being written, or left by a crash
     re.compile(r"model-\d{5}-of-\d{5}\.safetensors"),  # the export's shards
     re.compile(r"\.shardtune-shared-[0-9a-f]{32}"),  # shardtune.ranks: the probe of a shared filesystem
 )
@@ -39,19 +55,36 @@ PEFT_MODEL_CARD = "README.md"  # peft's save_pretrained writes a model card; a R
 
 def run_entry(output_dir: str, name: str) -> bool:
     """Whether `output_dir/name` is something a run writes there. A checkpoint that carries its marker must hold
-    only the files the marker lists (a file added to it is a stranger's)."""
+    only the files the marker lists (a file added to it is a stranger's); one without a marker is the run's only
+    beside the run's lock (else another trainer's: foreign_checkpoints). A run's folder must hold only the names
+    its writer puts there."""
     path = os.path.join(output_dir, name)
     if os.path.islink(path):
         return False  # a run writes no links: deleting one would not delete what it points to, but it is not ours
     if name in RUN_FILES:
         return os.path.isfile(path)
     if name in RUN_DIRECTORIES:
-        return os.path.isdir(path)
+        return os.path.isdir(path) and not folder_strangers(path, RUN_DIRECTORIES[name])
     if name == PEFT_MODEL_CARD:
         return os.path.isfile(path) and is_peft_model_card(path)
-    if RUN_PATTERNS[0].fullmatch(name):
-        return os.path.isdir(path) and not checkpoint_strangers(path)
-    return any(pattern.fullmatch(name) for pattern in RUN_PATTERNS[1:])
+    if CHECKPOINT_NAME.match(name) or SCRATCH_NAME.match(name):
+        if not os.path.isdir(path):
+            return False
+        if not os.path.isfile(os.path.join(path, MARKER)):
+            return os.path.isfile(os.path.join(output_dir, LOCK_FILE))
+        return not checkpoint_strangers(path)
+    return any(pattern.fullmatch(name) for pattern in RUN_PATTERNS) and os.path.isfile(path)
+
+
+def folder_strangers(folder: str, written: tuple[tuple[re.Pattern, str], ...]) -> list[str]:
+    """The names at the top of a run's folder that its writer does not write there (`written`), sorted."""
+    found = []
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        kind = "link" if os.path.islink(path) else "dir" if os.path.isdir(path) else "file"
+        if not any(pattern.fullmatch(name) and kind == expected for pattern, expected in written):
+            found.append(name)
+    return sorted(found)
 
 
 def is_peft_model_card(path: str) -> bool:
@@ -90,8 +123,20 @@ def strangers(output_dir: str) -> list[str]:
     return sorted(name for name in os.listdir(output_dir) if not run_entry(output_dir, name))
 
 
-def described(names: list[str], count: int = 3) -> str:
-    return ", ".join(names[:count]) + (f" and {len(names) - count} more" if len(names) > count else "")
+def stranger_paths(output_dir: str) -> list[str]:
+    """strangers(), each run folder or marked checkpoint among them named by what no run wrote inside it
+    (`wandb/notes.tex`), for a line that says what to move out."""
+    found = []
+    for name in strangers(output_dir):
+        path = os.path.join(output_dir, name)
+        inside = []
+        if os.path.isdir(path) and not os.path.islink(path):
+            if name in RUN_DIRECTORIES:
+                inside = folder_strangers(path, RUN_DIRECTORIES[name])
+            elif CHECKPOINT_NAME.match(name) or SCRATCH_NAME.match(name):
+                inside = checkpoint_strangers(path)
+        found += [f"{name}/{inner}" for inner in inside] or [name]
+    return found
 
 
 def never_cleared(output_dir: str) -> str | None:
@@ -122,15 +167,20 @@ def clear_problem(output_dir: str) -> str | None:
     if place:
         return (f"--overwrite_output_dir true clears --output_dir {output_dir!r}, which {place}: it is never "
                 "cleared. Give --output_dir a directory of the run's own (e.g. outputs/<name>).")
-    found = strangers(output_dir)
+    foreign = foreign_checkpoints(output_dir)
+    found = [path for path in stranger_paths(output_dir) if path not in foreign]
+    others = f"{len(found)} entr{'y' if len(found) == 1 else 'ies'} no run wrote ({described(found)})"
+    if foreign:
+        return (f"--overwrite_output_dir true deletes only what a shardtune run wrote, and "
+                f"{foreign_checkpoints_note(output_dir, foreign)}{f'; it also holds {others}' if found else ''}. "
+                "Give --output_dir a directory of the run's own.")
     if found:
         return (f"--overwrite_output_dir true deletes only what a run writes, and --output_dir {output_dir!r} also "
-                f"holds {len(found)} entr{'y' if len(found) == 1 else 'ies'} no run wrote ({described(found)}): move "
-                "them out, or give --output_dir a directory of the run's own.")
+                f"holds {others}: move them out, or give --output_dir a directory of the run's own.")
     entries = sorted(os.listdir(output_dir))
     if entries and not holds_a_run(output_dir):  # a model directory has an export's names, and no run's lock
         return (f"--overwrite_output_dir true replaces an earlier run, and --output_dir {output_dir!r} holds none (no "
-                f"{LOCK_FILE}, {METRICS_FILE} or checkpoint) but {described(entries)}: give --output_dir a directory "
+                f"{LOCK_FILE}, no checkpoint with {MARKER}) but {described(entries)}: give --output_dir a directory "
                 "of the run's own.")
     return None
 
@@ -170,8 +220,8 @@ def remove_checkpoint(checkpoint: str) -> str | None:
 
     if os.path.lexists(checkpoint):
         name = os.path.basename(os.path.normpath(checkpoint))
-        if not os.path.isdir(checkpoint) or os.path.islink(checkpoint) or not any(
-                pattern.fullmatch(name) for pattern in RUN_PATTERNS[:2]):
+        if not os.path.isdir(checkpoint) or os.path.islink(checkpoint) or not (
+                CHECKPOINT_NAME.match(name) or SCRATCH_NAME.match(name)):
             return f"{checkpoint} is not a checkpoint directory a save wrote: kept; move it out of --output_dir."
         found = checkpoint_strangers(checkpoint)
         if found:

@@ -143,6 +143,33 @@ def test_the_names_other_modules_write_are_on_the_list():
     assert REFERENCE_CACHE in RUN_DIRECTORIES
 
 
+def test_what_wandb_and_the_reference_cache_write_is_all_names_the_clearing_knows(tmp_path, monkeypatch):
+    """wandb's own layout under the output directory (an offline run, then the same run resumed, as tracking.py
+    starts it) and the DPO reference cache as write_cache leaves it: nothing in their folders is a stranger's."""
+    import wandb
+
+    from shardtune.methods.reference import write_cache
+    from shardtune.output_dir import LOCK_FILE
+    from shardtune.tracking import wandb_init_kwargs
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / LOCK_FILE).write_text("")
+    recipe = Recipe(name="tiny", output_dir=str(tmp_path))
+    try:
+        for step in (1, 2):
+            run = wandb.init(project="p", mode="offline", **wandb_init_kwargs(recipe, run_id="abcd1234"))
+            run.log({"loss": 1.0 / step})
+            run.finish()
+    finally:
+        wandb.teardown()  # W&B's service process, which would otherwise outlive the test
+    for split in ("train", "eval"):
+        write_cache(str(tmp_path), split, {"pairs": 2}, torch.zeros(2, 2))
+    (tmp_path / "reference_log_probs" / "eval.pt.tmp").write_bytes(b"a save cut short")
+    wandb_names = os.listdir(tmp_path / "wandb")
+    assert {"latest-run", "debug.log", "debug-internal.log"} <= set(wandb_names), wandb_names
+    assert strangers(str(tmp_path)) == [], (wandb_names, os.listdir(tmp_path / "reference_log_probs"))
+
+
 # ------------------------------------------------------------------------------------------------ the scripts
 
 

@@ -255,7 +255,8 @@ def test_overwrite_clears_every_file_a_run_writes_and_nothing_else(tmp_path):
                "model.safetensors.index.json": "{}", "tokenizer.json": "{}", "tokenizer_config.json": "{}",
                "chat_template.jinja": "{{ x }}", "adapter_model.safetensors": "w", "adapter_config.json": "{}",
                "README.md": "---\nlibrary_name: peft\nbase_model: x\n---\n# Model card\n",
-               "wandb/offline-run-1/run-1.wandb": "w", "reference_log_probs/train.pt": "t",
+               "wandb/offline-run-20261207_181309-abcd1234/run-abcd1234.wandb": "w",
+               "reference_log_probs/train.pt": "t",
                "checkpoint-4/optimizer.bin": "unfinished save", ".checkpoint-6.tmp/model.safetensors": "crashed",
                ".shardtune-shared-" + "0" * 32: "probe"}
     for name, content in written.items():
@@ -274,8 +275,9 @@ def test_overwrite_clears_every_file_a_run_writes_and_nothing_else(tmp_path):
     (output_dir / "data").symlink_to(tmp_path)
     (output_dir / ".env").write_text("TOKEN=x")
     (output_dir / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(ConfigError, match=r"also holds 4 entries no run wrote \(.env, README.md, checkpoint-2 and 1 "
-                                          r"more\): move them out, or give --output_dir a directory of the run's own"):
+    with pytest.raises(ConfigError, match=r"also holds 4 entries no run wrote \(.env, README.md, "
+                                          r"checkpoint-2/notes.txt and 1 more\): move them out, or give "
+                                          r"--output_dir a directory of the run's own"):
         check_output_dir(Recipe(output_dir=str(output_dir), overwrite_output_dir=True))
     assert strangers(str(output_dir)) == [".env", "README.md", "checkpoint-2", "data"]
     # Put there after the check: the clearing keeps them, says so, and takes the run's file alone.
@@ -292,7 +294,8 @@ def test_overwrite_refuses_a_model_directory_no_run_wrote(tmp_path):
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
         (model / name).write_text("{}")
     before = tree(model)
-    with pytest.raises(ConfigError, match=r"holds none \(no .shardtune-lock, metrics.jsonl or checkpoint\) but "
+    with pytest.raises(ConfigError, match=r"holds none \(no .shardtune-lock, no checkpoint with "
+                                          r"checkpoint_complete.json\) but "
                                           r"config.json, generation_config.json, model.safetensors and 1 more: give "):
         check_output_dir(Recipe(output_dir=str(model), overwrite_output_dir=True))
     assert tree(model) == before
@@ -306,3 +309,110 @@ def test_a_new_run_refuses_a_strangers_directory_without_pointing_to_overwrite(t
     with pytest.raises(ConfigError, match=r"already holds NOTES.txt, src, which no run wrote: give a new or empty "
                                           r"directory\.$"):
         check_output_dir(Recipe(output_dir=str(output_dir)))
+
+
+# A crashed Hugging Face Trainer or TRL run: checkpoint-<step> folders, none with shardtune's marker, no lock.
+TRAINER_FILES = {"checkpoint-500/trainer_state.json": '{"global_step": 500}', "checkpoint-500/model.safetensors": "w",
+                 "checkpoint-1000/optimizer.pt": "o"}
+
+
+def write_files(root, files: dict[str, str]) -> None:
+    for name, content in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(content)
+
+
+def test_another_trainers_checkpoints_are_refused_and_untouched(tiny_assets, tmp_path, capsys, monkeypatch):
+    """Unmarked checkpoint-<step> folders were taken for an unfinished save of the run's: emptied by
+    --overwrite_output_dir, and --overwrite_output_dir was the fix a new run named. Every path now says whose they
+    are, names a fix that works, and deletes nothing."""
+    from shardtune.checkpoint.markers import holds_a_run
+
+    output_dir = tmp_path / "out"
+    write_files(output_dir, TRAINER_FILES)
+    before = tree(output_dir)
+    what = (f"--output_dir '{output_dir}' holds checkpoint-1000, checkpoint-500 with no checkpoint_complete.json and "
+            "no .shardtune-lock beside them: another trainer's checkpoints, which shardtune neither resumes nor "
+            "deletes")
+    assert overwrite_refusal(tiny_assets, output_dir, capsys, monkeypatch) == (
+        f"shardtune: error: --overwrite_output_dir true deletes only what a shardtune run wrote, and {what}. Give "
+        "--output_dir a directory of the run's own.")
+    with pytest.raises(ConfigError) as error:
+        check_output_dir(Recipe(output_dir=str(output_dir)))
+    assert error.value.messages == [f"{what}. Give --output_dir a new or empty directory."]
+    (output_dir / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError) as error:
+        check_output_dir(Recipe(output_dir=str(output_dir)))
+    assert error.value.messages == [f"{what}; it also holds notes.txt, which no run wrote. Give --output_dir a new or "
+                                    "empty directory."]
+    (output_dir / "notes.txt").unlink()
+    with pytest.raises(ConfigError) as error:
+        resolve_resume("auto", str(output_dir), 1)
+    assert error.value.messages == [f"--resume_from_checkpoint auto found nothing to resume: {what}. Drop "
+                                    "--resume_from_checkpoint and give --output_dir a new directory."]
+    with pytest.raises(ConfigError, match=r"checkpoint-500' is not a shardtune checkpoint \(no checkpoint_complete"
+                                          r".json, and no .shardtune-lock in .*'\): another trainer's checkpoint "
+                                          r"cannot be resumed\. Start a new run in a new --output_dir"):
+        resolve_resume(str(output_dir / "checkpoint-500"), str(output_dir), 1)
+    with pytest.raises(ConfigError, match=r"out' is not a checkpoint, and holds checkpoint-1000, checkpoint-500 with "
+                                          r"no checkpoint_complete.json .*: another trainer's checkpoints"):
+        resolve_resume(str(output_dir), str(output_dir), 1)
+    assert not holds_a_run(str(output_dir))
+    assert strangers(str(output_dir)) == ["checkpoint-1000", "checkpoint-500"]
+    assert clear_output_dir(str(output_dir)) == ["checkpoint-1000", "checkpoint-500"]
+    assert tree(output_dir) == before
+
+
+def test_unmarked_checkpoints_beside_the_runs_lock_are_its_own(tmp_path):
+    """The same folders where a shardtune run took the lock (it does before writing anything, and never removes
+    it): saves of that run that did not finish, cleared."""
+    output_dir = tmp_path / "out"
+    write_files(output_dir, {**TRAINER_FILES, LOCK_FILE: "", ".checkpoint-1500.tmp/model.safetensors": "w"})
+    check_output_dir(Recipe(output_dir=str(output_dir), overwrite_output_dir=True))
+    assert clear_output_dir(str(output_dir)) == []
+    assert os.listdir(output_dir) == [LOCK_FILE]
+
+
+WANDB_RUN = "wandb/offline-run-20261207_181309-abcd1234"
+RUN_FOLDERS = {  # what a run (W&B, the DPO reference cache, save_pretrained) writes in each of its folders
+    f"{WANDB_RUN}/run-abcd1234.wandb": "w", f"{WANDB_RUN}/files/config.yaml": "c", f"{WANDB_RUN}/logs/debug.log": "l",
+    "wandb/run-20261207_181500-abcd1234-1/files/output.log": "o",
+    "reference_log_probs/train.pt": "t", "reference_log_probs/train.json": "{}", "reference_log_probs/eval.json": "{}",
+    "reference_log_probs/eval.pt.tmp": "t", "additional_chat_templates/tool_use.jinja": "{{ x }}",
+}
+
+
+def write_run_folders(output_dir) -> None:
+    write_files(output_dir, {**RUN_FOLDERS, LOCK_FILE: ""})
+    for link, target in (("latest-run", WANDB_RUN.split("/")[1]), ("debug.log", f"{WANDB_RUN.split('/')[1]}/logs/"
+                                                                                   "debug.log")):
+        (output_dir / "wandb" / link).symlink_to(target)
+
+
+@pytest.mark.parametrize("stranger", ["wandb/my_thesis.tex", "reference_log_probs/notes.txt",
+                                      "additional_chat_templates/notes.txt", "wandb/.env", "wandb/settings"])
+def test_a_strangers_file_in_a_run_folder_keeps_the_folder(stranger, tmp_path):
+    """The run's folders went whole, whatever was in them: a file no run writes there is refused, named, and kept
+    with its folder."""
+    output_dir = tmp_path / "out"
+    write_run_folders(output_dir)
+    (output_dir / stranger).write_text("mine")
+    before = tree(output_dir)
+    with pytest.raises(ConfigError) as error:
+        check_output_dir(Recipe(output_dir=str(output_dir), overwrite_output_dir=True))
+    assert error.value.messages == [f"--overwrite_output_dir true deletes only what a run writes, and --output_dir "
+                                    f"'{output_dir}' also holds 1 entry no run wrote ({stranger}): move them out, or "
+                                    "give --output_dir a directory of the run's own."]
+    folder = stranger.split("/")[0]
+    assert clear_output_dir(str(output_dir)) == [folder]
+    assert {name: content for name, content in tree(output_dir).items() if name.startswith(folder)} == \
+        {name: content for name, content in before.items() if name.startswith(folder)}
+
+
+def test_the_runs_own_contents_of_each_run_folder_are_cleared(tmp_path):
+    output_dir = tmp_path / "out"
+    write_run_folders(output_dir)
+    assert strangers(str(output_dir)) == []
+    check_output_dir(Recipe(output_dir=str(output_dir), overwrite_output_dir=True))
+    assert clear_output_dir(str(output_dir)) == []
+    assert os.listdir(output_dir) == [LOCK_FILE]
