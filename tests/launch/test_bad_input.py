@@ -75,6 +75,10 @@ LAUNCHER_CASES = {
         "accelerate launch --mixed_precision fp16 and the recipe's --mixed_precision no disagree, and the recipe's "
         "would be applied: give the recipe --mixed_precision fp16 (after the script) and drop the launcher's flag."),
 }
+# Another spelling of the launcher (its ranks must recognise it as theirs, or every check above is skipped).
+ACCELERATE_CLI = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
+LAUNCHED_AS = {"the launcher's precision, under python -m accelerate.commands.accelerate_cli launch": ACCELERATE_CLI}
+LAUNCHER_CASES.update({case: LAUNCHER_CASES["the launcher's precision against the recipe's"] for case in LAUNCHED_AS})
 
 
 @pytest.mark.parametrize("case", LAUNCHER_CASES)
@@ -84,7 +88,8 @@ def test_a_launcher_setting_that_would_not_act_is_refused_at_start_up(case, tiny
     options, line = LAUNCHER_CASES[case]
     model_dir, data_file = tiny_assets
     output_dir = tmp_path / "out"
-    command = [str(Path(sys.executable).parent / "accelerate"), "launch", *options, "--main_process_port",
+    launcher = LAUNCHED_AS.get(case, [str(Path(sys.executable).parent / "accelerate"), "launch"])
+    command = [*launcher, *options, "--main_process_port",
                str(free_port()), SCRIPT, "--model_name_or_path", model_dir, "--dataset", data_file, "--output_dir",
                str(output_dir), "--report_to", "none", "--use_cpu", "true"]
     # HF_HOME of its own: no default accelerate config of this machine's is read where the case names none.
