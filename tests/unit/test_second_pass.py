@@ -213,6 +213,7 @@ def test_overwrite_output_dir_refuses_a_directory_that_holds_no_run(tiny_assets,
     (project / "NOTES.txt").write_text("notes")
     for with_a_run in (False, True):
         if with_a_run:
+            (project / ".shardtune-lock").write_text("")  # every run takes it before writing anything
             (project / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
         message = output_dir_refusal(model_name_or_path=tiny_assets[0], dataset=tiny_assets[1],
                                      output_dir=str(project), overwrite_output_dir=True)
