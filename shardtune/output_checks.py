@@ -60,16 +60,20 @@ def check_not_occupied(recipe: Recipe) -> None:
         if problem:
             raise ConfigError(problem)
         return
-    if recipe.resume_from_checkpoint:
+    # Hidden ones too, and under a resume: once this run locks the directory they pass for its unfinished saves,
+    # which a save of the same step replaces.
+    foreign = foreign_checkpoints(output_dir)
+    if recipe.resume_from_checkpoint and not foreign:
         return
     entries = sorted(name for name in os.listdir(output_dir) if not name.startswith(".")) \
         if os.path.isdir(output_dir) else []
-    foreign = foreign_checkpoints(output_dir)  # hidden ones too: once this run locks the directory they are its own
     others = [name for name in strangers(output_dir) if name in entries and name not in foreign]
     if foreign:
-        also = f"; it also holds {described(others)}, which no run wrote" if others else ""
-        raise ConfigError(f"{foreign_checkpoints_note(output_dir, foreign)}{also}. Give --output_dir a new or empty "
-                          "directory.")
+        also = f"; it also holds {described(others)}, which no run wrote" \
+            if others and not recipe.resume_from_checkpoint else ""
+        fix = "Drop --resume_from_checkpoint and give --output_dir a new directory" \
+            if recipe.resume_from_checkpoint == "auto" else "Give --output_dir a new or empty directory"
+        raise ConfigError(f"{foreign_checkpoints_note(output_dir, foreign)}{also}. {fix}.")
     if entries:
         if others:  # --overwrite_output_dir would refuse them: not the fix to name
             raise ConfigError(f"--output_dir {output_dir!r} already holds {described(others)}, which no run wrote: "

@@ -346,6 +346,14 @@ def test_another_trainers_checkpoints_are_refused_and_untouched(tiny_assets, tmp
     assert error.value.messages == [f"{what}; it also holds notes.txt, which no run wrote. Give --output_dir a new or "
                                     "empty directory."]
     (output_dir / "notes.txt").unlink()
+    elsewhere = tmp_path / "run" / "checkpoint-4"  # a resume into it: its saves would replace them as unfinished
+    elsewhere.mkdir(parents=True)
+    write_marker(str(elsewhere), {"step": 4, "world_size": 1, "files": {}})
+    for resume, fix in (("auto", "Drop --resume_from_checkpoint and give --output_dir a new directory."),
+                        (str(elsewhere), "Give --output_dir a new or empty directory.")):
+        with pytest.raises(ConfigError) as error:
+            check_output_dir(Recipe(output_dir=str(output_dir), resume_from_checkpoint=resume))
+        assert error.value.messages == [f"{what}. {fix}"]
     with pytest.raises(ConfigError) as error:
         resolve_resume("auto", str(output_dir), 1)
     assert error.value.messages == [f"--resume_from_checkpoint auto found nothing to resume: {what}. Drop "
