@@ -1,8 +1,8 @@
 """Each model family's tiny random config (shardtune.models.tiny: Qwen3's q/k norms and own head_dim, Gemma 3's
 sliding layer, four norms, tied scaled embeddings and soft-capped logits, OLMo 2's post-norms, SmolLM3's NoPE
 layer, Granite's multipliers and logit scaling) trains through the same from_pretrained path as real runs, with
-gradient checkpointing and the tiled loss, and 2 real processes under FSDP2, ZeRO-3 or DDP (CASES) follow one
-process's losses and gradient norms in fp32."""
+gradient checkpointing and the tiled loss, and 2 real processes under FSDP2, ZeRO-3, DDP, Ulysses or tensor
+parallelism (CASES) follow one process's losses and gradient norms in fp32."""
 
 from __future__ import annotations
 
@@ -17,13 +17,17 @@ FAMILIES = ("qwen3", "gemma3_text", "olmo2", "smollm3", "granite")
 # Gemma 3 soft-caps its logits where the config says so (its published 12B does not): the tiny one does, so the
 # tiled loss's cap is trained; Granite scales its logits.
 OVERRIDES = {"gemma3_text": {"final_logit_softcapping": 3.0}}
-# Each family under a sharding strategy, the two sharding strategies taken in turn; Gemma 3 (the most that differs)
-# under all three, Granite (its logits scaled in the tiles) under both sharding ones. Every family under DDP, FSDP2
-# and ZeRO-3 passed too; these keep the suite's time (about 3 minutes on 2 cores).
-CASES = [("qwen3", "ds_zero3"), ("gemma3_text", "fsdp_full_shard"), ("gemma3_text", "ds_zero3"), ("gemma3_text", "ddp"),
-         ("olmo2", "fsdp_full_shard"), ("smollm3", "ds_zero3"), ("granite", "fsdp_full_shard"), ("granite", "ds_zero3"),
-         ("smollm3", "tp"), ("granite", "tp")]
-# "tp": tensor parallelism alone over the 2 ranks (ddp.yaml with parallelism_config_tp_size 2, as
+# Each family under a sharding strategy, the two taken in turn: Gemma 3 (the most that differs) under FSDP2 and DDP,
+# Granite (its logits scaled in the tiles) under FSDP2, tensor parallelism and Ulysses (on ZeRO-3). Every family
+# under DDP, FSDP2 and ZeRO-3 passed too, and Qwen3 and SmolLM3 under Ulysses: these keep the suite's time (about
+# two minutes on 2 cores).
+CASES = [("qwen3", "ds_zero3"), ("gemma3_text", "fsdp_full_shard"), ("gemma3_text", "ddp"),
+         ("olmo2", "fsdp_full_shard"), ("smollm3", "ds_zero3"), ("granite", "fsdp_full_shard"), ("smollm3", "tp"),
+         ("granite", "tp"),
+         ("olmo2", "ds_zero3_ulysses"), ("granite", "ds_zero3_ulysses")]
+# Ulysses over the 2 ranks: OLMo 2's q/k norms over all heads' width run before the heads are split, Granite's
+# attention multiplier inside the split attention (Gemma 3's windows are refused under SDPA). "tp": tensor
+# parallelism alone over the 2 ranks (ddp.yaml with parallelism_config_tp_size 2, as
 # tests/launch/test_tensor_parallel.py runs Llama's), for the families whose plan transformers runs (models/).
 # Half the strategies' reference (tests/conftest.REFERENCE_ARGS): 4 steps of 32 sequences, gradient checkpointing
 # on, weight decay on, no warm-up.

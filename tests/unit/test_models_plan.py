@@ -33,8 +33,10 @@ EXTRAS = {
     "smollm3": dict(no_rope_layer_interval=2),
     "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1),
 }
-# Per family: its model's own loss in fp32 without recomputation, and the tiled loss in bf16 with it.
-CASES = [(family, "fp32", False, False) for family in EXTRAS] + [(family, "bf16", True, True) for family in EXTRAS]
+# Per family: its model's own loss in fp32 without recomputation, where every saved tensor of its layers counts;
+# Gemma 3's fp32 norms also in bf16, recomputed, with the tiled loss (the other families measured 1.03-1.04 there,
+# as Llama does).
+CASES = [(family, "fp32", False, False) for family in EXTRAS] + [("gemma3_text", "bf16", True, True)]
 
 
 @pytest.mark.parametrize("family,precision,checkpointing,tiled", CASES)
