@@ -23,6 +23,7 @@ class Family:
     qkv_bias: bool = False  # Qwen2: biases on q, k and v whatever the config says (others: attention_bias)
     liger_refusal: str = ""  # why --use_liger_kernel cannot run on the family ("" where it can)
     liger_options: dict = field(default_factory=lambda: {"swiglu": True})  # the MLP kernel's keyword in Liger
+    liger_qk_norms: bool = True  # whether Liger's patch of a model instance replaces its q/k norms (OLMo 2's: no)
     tensor_parallel_refusal: str = ""  # why tensor parallelism cannot run ("" where it can)
 
 
@@ -47,7 +48,7 @@ FAMILIES = {family.model_type: family for family in (
                                    "gradient all-reduce fails as Qwen3's: launch without parallelism_config_tp_size."),
     # OLMo 2's tensor-parallel plan gathers q, k and v whole on every rank (colwise_gather_output, for its norms
     # over all heads), which the tensor-parallel plan here does not count.
-    Family("olmo2", qk_norm="width", post_norms=True,
+    Family("olmo2", qk_norm="width", post_norms=True, liger_qk_norms=False,
            tensor_parallel_refusal="OLMo 2's tensor-parallel plan gathers q, k and v whole on every rank for its "
                                    "q/k norms (colwise_gather_output), which the planner does not count: launch "
                                    "without parallelism_config_tp_size."),

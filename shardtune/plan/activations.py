@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from shardtune.config import EVAL_CHUNK_POSITIONS
 from shardtune.flops import ModelShape
+from shardtune.models.families import FAMILIES
 from shardtune.plan.host import pinned_block_bytes
 from shardtune.plan.strategy import Strategy
 
@@ -77,21 +78,23 @@ def family_norm_bytes(shape: ModelShape, n: int, mode: str, frozen: bool = False
     - q and k norms (Qwen3 and Gemma 3 per head, OLMo 2 over all heads' width), over q_proj's and k_proj's outputs
       in the compute dtype: their fp32 upcast, the fp32 rstd per head (or per token), the normalised x in the
       compute dtype. The rotated output is what SDPA saves, counted already.
-    Gemma's norms multiply by (1 + weight) in fp32: their normalised x is kept in fp32 whatever the dtype."""
+    Gemma's norms multiply by (1 + weight) in fp32: their normalised x is kept in fp32 whatever the dtype. Under
+    Liger, its RMSNorm's (layer_activation_bytes) where its patch replaces the norm."""
     compute, residual = dtype_bytes(mode)
     kept = 4 if shape.norm_scale_fp32 else None
 
-    def norm(elements: int, rows: int, dtype: int) -> int:
-        if liger:
+    def norm(elements: int, rows: int, dtype: int, patched: bool) -> int:
+        if patched:
             return dtype * elements + 4 * rows
         return 4 * elements + 4 * rows + (0 if frozen else (kept or dtype) * elements)
 
-    extra = (shape.layer_norms - 2) * norm(n * shape.hidden, n, residual)
+    extra = (shape.layer_norms - 2) * norm(n * shape.hidden, n, residual, liger)
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    patched = liger and FAMILIES[shape.family].liger_qk_norms  # the q/k norms Liger leaves are plain ones
     if shape.qk_norms:
         per_head = shape.qk_norms[0] == shape.head_dim and shape.heads > 1
-        extra += norm(n * q_dim, n * (shape.heads if per_head else 1), compute)
-        extra += norm(n * kv_dim, n * (shape.kv_heads if per_head else 1), compute)
+        extra += norm(n * q_dim, n * (shape.heads if per_head else 1), compute, patched)
+        extra += norm(n * kv_dim, n * (shape.kv_heads if per_head else 1), compute, patched)
     return extra
 
 

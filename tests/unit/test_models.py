@@ -213,3 +213,15 @@ def test_liger_patches_each_accepted_familys_instance(model_type, monkeypatch):
     assert all(layer.mlp.forward.__func__ is LigerSwiGLUMLP.forward for layer in model.model.layers)
     assert model.get_output_embeddings().forward.__func__ is torch.nn.Linear.forward
     assert type(AutoModelForCausalLM.from_config(config).model.norm) is norm_class
+
+
+def test_family_norms_planned_beyond_llamas():
+    """Llama's layer is planned as before (no norm beyond its two); under Liger a q/k norm Liger's patch leaves
+    (OLMo 2's) is planned as the plain norm it stays, one it replaces (Qwen3's) as Liger's."""
+    from shardtune.plan.activations import family_norm_bytes
+
+    for name in ("llama-3.1-8b", "mistral-7b", "qwen2.5-7b", "smollm3-3b", "granite-3.3-8b"):
+        assert family_norm_bytes(resolve_model(name), 4096, "half") == 0
+    olmo, qwen = resolve_model("olmo-2-7b"), resolve_model("qwen3-8b")
+    assert family_norm_bytes(olmo, 4096, "half", liger=True) == family_norm_bytes(olmo, 4096, "half") > 0
+    assert 0 < family_norm_bytes(qwen, 4096, "half", liger=True) < family_norm_bytes(qwen, 4096, "half")
