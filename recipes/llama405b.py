@@ -4,7 +4,7 @@ Launch (2 nodes x 8xH100-80GB with local NVMe: add --num_machines 2 --num_proces
 --main_process_ip HOST; without offload, python -m shardtune.plan --model recipes/llama405b.py says
 "Without offload it fits on 64 nodes: fsdp_tp, micro-batch 2 x accumulation 1", with tensor parallelism; at
 micro-batch 1 recipes/llama405b_tp.py fits on 32):
-    OMP_NUM_THREADS=$(python -m shardtune.cpu_threads --ranks_per_node 8 \
+    OMP_NUM_THREADS=$(python -m shardtune.parallel.cpu_threads --ranks_per_node 8 \
         accelerate_configs/ds_zero3_nvme_offload.yaml) \
     accelerate launch --config_file accelerate_configs/ds_zero3_nvme_offload.yaml \
         recipes/llama405b.py --dataset data/train.jsonl --offload_nvme_path /local_nvme

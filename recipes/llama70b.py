@@ -1,7 +1,7 @@
 r"""meta-llama/Llama-3.1-70B full fine-tune, BF16 with fp32 master weights and gradient checkpointing.
 
 Launch (one node, 8xH100-80GB; the optimizer states in host RAM, as planned below):
-    OMP_NUM_THREADS=$(python -m shardtune.cpu_threads --ranks_per_node 8 \
+    OMP_NUM_THREADS=$(python -m shardtune.parallel.cpu_threads --ranks_per_node 8 \
         accelerate_configs/ds_zero3_offload_optimizer.yaml) \
     accelerate launch --config_file accelerate_configs/ds_zero3_offload_optimizer.yaml \
         recipes/llama70b.py --dataset data/train.jsonl

@@ -3,7 +3,7 @@ the node's 8 GPUs, the optimizer states in host RAM.
 
 The longest rows one 8xH100-80GB node trains 70B on (docs/plan-table.md): without the split 16,384 tokens.
 Launch (one node, 8xH100-80GB):
-    OMP_NUM_THREADS=$(python -m shardtune.cpu_threads --ranks_per_node 8 \
+    OMP_NUM_THREADS=$(python -m shardtune.parallel.cpu_threads --ranks_per_node 8 \
         accelerate_configs/ds_zero3_offload_optimizer_ulysses.yaml) \
     accelerate launch --config_file accelerate_configs/ds_zero3_offload_optimizer_ulysses.yaml \
         recipes/llama70b_long.py --dataset data/train.jsonl

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from shardtune import Recipe, main
-from shardtune.tiny import ensure_tiny_assets, ensure_tiny_preferences
+from shardtune.models.tiny_assets import ensure_tiny_assets, ensure_tiny_preferences
 
 ASSETS = str(Path(__file__).resolve().parents[1] / "assets" / "tiny")
 MODEL_DIR, DATA_FILE = ensure_tiny_assets(ASSETS)

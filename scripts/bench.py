@@ -10,7 +10,7 @@ same model, data and batches, and prints the trainer's throughput as a ratio of 
     python scripts/bench.py --levers --config_file accelerate_configs/fsdp_full_shard.yaml --recipe recipes/tiny.py \
         --num_processes 2 --steps 12 -- --use_cpu true --dataset data/train.jsonl
 
-With --levers it prints one table instead: the plain path (every lever off, shardtune.levers.PLAIN_FLAGS), each
+With --levers it prints one table instead: the plain path (every lever off, levers.catalogue.PLAIN_FLAGS), each
 lever alone over it, and the recommended combination (the levers that cost no precision and run here), with
 tokens/s per device, the peak memory and each row's ratio to the plain path. The peak is rank 0's allocated peak
 on CUDA; elsewhere the peak of live tensor bytes of the training steps on any rank, from the profiler's allocator
@@ -84,11 +84,11 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
     """Run under `accelerate launch`: the plainest accelerate loop over the trainer's own batches."""
     import torch
 
-    from shardtune.checks import validate
-    from shardtune.distributed import make_accelerator, shut_down
+    from shardtune.checks.startup import validate
     from shardtune.flags import parse_recipe
     from shardtune.launch import LaunchDescription
-    from shardtune.ranks import check_ranks_agree, launch_fingerprint, watch_ranks
+    from shardtune.parallel.distributed import make_accelerator, shut_down
+    from shardtune.parallel.ranks import check_ranks_agree, launch_fingerprint, watch_ranks
 
     spec = importlib.util.spec_from_file_location("bench_recipe", recipe_path)
     module = importlib.util.module_from_spec(spec)
@@ -109,11 +109,11 @@ def bare_loop(recipe_path: str, steps: int, warmup: int, recipe_args: list[str])
 def bare_steps(accelerator, recipe, batching, steps: int, warmup: int, world_size: int) -> None:
     import torch
 
-    from shardtune.batches import COUNTS, global_batches, make_collator
     from shardtune.config import token_multiple
-    from shardtune.data import load_splits
+    from shardtune.data.batches import COUNTS, global_batches, make_collator
+    from shardtune.data.loading import load_splits
     from shardtune.model import load_model, load_tokenizer
-    from shardtune.ranks import set_collective_timeout
+    from shardtune.parallel.ranks import set_collective_timeout
     from shardtune.step import clipping_limit
 
     tokenizer = load_tokenizer(recipe)
@@ -224,17 +224,17 @@ def lever_rows(kind: str, shard: int, processes: int, mixed_precision: str, pack
                capability: tuple[int, int] | None = None) -> list[tuple[str, tuple[str, ...], str]]:
     """(name, the recipe flags over the user's, why it cannot run here: '' when it can) for the plain path, each
     lever alone, and the recommended combination. `capability`: the GPU's compute capability, where known."""
-    from shardtune.levers import LEVERS, PLAIN_FLAGS
+    from shardtune.levers.catalogue import LEVERS, PLAIN_FLAGS, over
 
     rows = [("plain", PLAIN_FLAGS, "")]
-    combined, names = list(PLAIN_FLAGS), []
+    combined, names = PLAIN_FLAGS, []
     for lever in LEVERS:
         why = lever.runs(kind, shard, processes, mixed_precision, packing, cuda, capability)
-        rows.append((lever.name, (*PLAIN_FLAGS, *lever.flags), why))
+        rows.append((lever.name, over(PLAIN_FLAGS, lever.flags), why))
         if lever.always and not why:
-            combined += lever.flags
+            combined = over(combined, lever.flags)
             names.append(lever.name)
-    return [*rows, ("recommended: " + " + ".join(names), tuple(combined), "")]
+    return [*rows, ("recommended: " + " + ".join(names), combined, "")]
 
 
 def run_row(args: argparse.Namespace, flags: tuple[str, ...], cuda: bool) -> dict:

@@ -68,8 +68,8 @@ def worker(args: argparse.Namespace) -> None:
     from shardtune.checkpoint.markers import complete_checkpoints, read_marker
     from shardtune.checkpoint.saver import Checkpointer
     from shardtune.config import BatchSizes, Recipe
-    from shardtune.distributed import make_accelerator
     from shardtune.launch import LaunchDescription
+    from shardtune.parallel.distributed import make_accelerator
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     recipe = Recipe(name="bench", use_cpu=not torch.cuda.is_available(), mixed_precision="no", save_steps=0,

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardtune.deepspeed_ops import op_builders
+from shardtune.parallel.deepspeed_ops import op_builders
 from shardtune.plan.strategy import CONFIGS_DIR, PlanError, read_accelerate_config
 
 

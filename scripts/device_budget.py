@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shardtune from this checkout
-from shardtune.gpu_check_processes import KILL_GRACE_S  # noqa: E402
+from shardtune.gpu_check.processes import KILL_GRACE_S  # noqa: E402
 
 # Seconds, estimated: one case of each kind (launch to exit), a probe of its exported model, writing the model and
 # data, installing the carried wheels, the closing (table, archive, removal of the temporary model).

@@ -1,6 +1,6 @@
 """gpu_check's launch target: a recipe (the first argument, then its flags) run as `accelerate launch` would run it,
 with what the trainer's Liger and fp8 conversions replaced counted in the very model they were applied to
-(shardtune.gpu_check_figures.replaced_modules), rank 0's counts written as JSON to the file that the environment's
+(shardtune.gpu_check.figures.replaced_modules), rank 0's counts written as JSON to the file that the environment's
 SHARDTUNE_REPLACED_FILE names. The trainer is not changed: its two conversion functions are wrapped, in its module,
 before the recipe runs.
 
@@ -25,7 +25,7 @@ REPLACED_FILE = "SHARDTUNE_REPLACED_FILE"
 def counted(convert: Callable, path: str | None) -> Callable:
     """`convert` (a function taking the model first), the model's replaced-module counts written to `path` after
     each call (rank 0 only)."""
-    from shardtune.gpu_check_figures import replaced_modules
+    from shardtune.gpu_check.figures import replaced_modules
 
     def run(model, *args, **kwargs):
         result = convert(model, *args, **kwargs)

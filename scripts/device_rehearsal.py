@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check  # noqa: E402
 import gpu_wheels  # noqa: E402
 
-from shardtune.gpu_check_processes import Stopped, run_killing_group, stopping_on_signals  # noqa: E402
+from shardtune.gpu_check.processes import Stopped, run_killing_group, stopping_on_signals  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # The device's own packages installed at the version its list gives (the others the set needs at pip's choice).
@@ -42,7 +42,7 @@ AT_DEVICE_VERSION = ("torch", "transformers", "accelerate", "safetensors", "toke
 CHECK_USES = ("psutil", "pyyaml", "jinja2", "ninja")
 SEQ, MICRO, STEPS = 64, 4, 3
 CASE_TIMEOUT_S = 900  # a launch on 2 cores: seconds to 2 minutes (the levers compile)
-# The trainer's refusal of each GPU-only feature on CPU (shardtune.liger.check_liger_device, shardtune.float8).
+# The trainer's refusal of each GPU-only feature on CPU (levers.liger.check_liger_device, levers.float8).
 CPU_REFUSALS = {" liger": "--use_liger_kernel runs Liger's Triton kernels, which need a CUDA GPU",
                 " fp8": "--mixed_precision fp8 runs float8 matmuls on CUDA GPUs"}
 
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     python = build(root)
-    from shardtune.tiny import ensure_tiny_assets
+    from shardtune.models.tiny_assets import ensure_tiny_assets
 
     model, data = ensure_tiny_assets(str(REPO / "assets" / "tiny"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "site"), str(REPO)]), "OMP_NUM_THREADS": "1",
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # What the check's processes import that the device lacks, and the versions they run with.
-CHECK_IMPORTS = ("import shardtune.trainer, shardtune.gpu_check_figures, deepspeed, datasets, torchao.float8, "
+CHECK_IMPORTS = ("import shardtune.trainer, shardtune.gpu_check.figures, deepspeed, datasets, torchao.float8, "
                  "torchao.optim, liger_kernel.transformers, accelerate.commands.launch, torch, transformers, peft; "
                  "from deepspeed.runtime.engine import DeepSpeedEngine; "
                  "print(f'torch {torch.__version__}, transformers {transformers.__version__} from "

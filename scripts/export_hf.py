@@ -33,7 +33,7 @@ from pathlib import Path
 from shardtune.checkpoint.durable import durable, fsync_path
 from shardtune.checkpoint.markers import MARKER, complete_checkpoints, damage
 
-DTYPES = ("bf16", "fp16", "fp32")  # shardtune.export.EXPORT_DTYPES, named here without importing torch
+DTYPES = ("bf16", "fp16", "fp32")  # shardtune.export.model.EXPORT_DTYPES, named here without importing torch
 
 
 class Refused(Exception):
@@ -87,9 +87,9 @@ def write(checkpoint: Path, scratch: Path, dtype_name: str, adapter: bool) -> st
     """Export into `scratch`, then check that it loads as what it claims. Returns what was written."""
     from transformers import AutoConfig  # the libraries load here, after the input checks
 
-    from shardtune.export import EXPORT_DTYPES, make_readable
-    from shardtune.export_checkpoint import ExportError, export, stated_dtype
-    from shardtune.export_checks import adapter_problem, model_problem
+    from shardtune.export.checkpoint import ExportError, export, stated_dtype
+    from shardtune.export.checks import adapter_problem, model_problem
+    from shardtune.export.model import EXPORT_DTYPES, make_readable
 
     dtype = (None if adapter else stated_dtype(checkpoint)) if dtype_name == "auto" else EXPORT_DTYPES[dtype_name]
     try:

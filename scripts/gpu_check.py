@@ -7,7 +7,7 @@ Liger's kernels and plain; FSDP packed with the levers and plain; ZeRO-3 padded 
 and ZeRO-3 in the other layouts; bf16, gradient checkpointing on, padded (SDPA) or packed (flex attention). Each
 Liger, fp8 and levers case is compared with its plain twin on every logged gradient norm and loss and (Liger, fp8)
 the final hidden states of a fixed batch (each exported model with its case's kernels)
-(shardtune.gpu_check_figures.COMPARED); the modules Liger and fp8 replaced in the trained model are counted
+(shardtune.gpu_check.figures.COMPARED); the modules Liger and fp8 replaced in the trained model are counted
 (scripts/device_counted_launch.py) and must be the planned number. The table gives the warm-up apart, then per timed
 step tokens/s per GPU, MFU, step time and the training peak of max_memory_allocated beside max_memory_reserved and
 the device memory in use, the export's and the eval's peaks, each against the planner's, and the planner's reserves
@@ -54,7 +54,7 @@ from device_budget import (  # noqa: E402
 )
 from gpu_wheels import installed_problems  # noqa: E402
 
-from shardtune.gpu_check_figures import (  # noqa: E402
+from shardtune.gpu_check.figures import (  # noqa: E402
     COMPARED,
     TOLERANCE,
     Reporter,
@@ -70,7 +70,7 @@ from shardtune.gpu_check_figures import (  # noqa: E402
     print_table,
     summarize,
 )
-from shardtune.gpu_check_processes import (  # noqa: E402, F401 (the tests reach them here)
+from shardtune.gpu_check.processes import (  # noqa: E402, F401 (the tests reach them here)
     Finished,
     Stopped,
     failure,
@@ -81,12 +81,12 @@ from shardtune.gpu_check_processes import (  # noqa: E402, F401 (the tests reach
 REPO = Path(__file__).resolve().parents[1]
 # The levers' recommended combination with the memory levers the 70B recipe without offload needs, as recipe
 # fields: each becomes its --flag for the launch and its argument for the plan (LEVER_PLAN). Full checkpointing:
-# selective is refused with compile (shardtune.checks.check_torch_compile).
+# selective is refused with compile (shardtune.checks.values.check_torch_compile).
 LEVERS = {"torch_compile": True, "optim": "adamw_torch_8bit", "bf16_stochastic_round": True}
-# Liger's kernels apart: they are refused with compile (shardtune.liger.check_liger_kernel).
+# Liger's kernels apart: they are refused with compile (shardtune.levers.liger.check_liger_kernel).
 LIGER = {"use_liger_kernel": True}
-# float8 linears with float8 all-gather (shardtune.float8), compiled: eager, torchao's casts run unfused and slower
-# than bf16 (shardtune.float8.unfused_fp8_warning). Run where the GPU's capability reaches FP8_MIN_CAPABILITY.
+# float8 linears with float8 all-gather (levers.float8), compiled: eager, torchao's casts run unfused and slower
+# than bf16 (shardtune.levers.float8.unfused_fp8_warning). Run where the GPU's capability reaches FP8_MIN_CAPABILITY.
 FP8 = {"mixed_precision": "fp8", "torch_compile": True}
 LEVER_PLAN = {"torch_compile": "torch_compile", "optim": "optim", "bf16_stochastic_round": "bf16_stochastic_round",
               "use_liger_kernel": "use_liger_kernel"}
@@ -150,8 +150,8 @@ def write_assets(root: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shardtune.data import tokenize_plain
-    from shardtune.tiny import build_tokenizer
+    from shardtune.data.loading import tokenize_plain
+    from shardtune.models.tiny_assets import build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
@@ -186,8 +186,8 @@ def planned_peaks(config: str, packing: bool, seq: int, gpu_memory: int, levers:
     export, the final eval (one row per batch, as launched)."""
     from transformers import LlamaConfig
 
-    from shardtune.flops import shape_from_config
-    from shardtune.hardware import Hardware
+    from shardtune.models.flops import shape_from_config
+    from shardtune.plan.hardware import Hardware
     from shardtune.plan.planner import plan
     from shardtune.plan.strategy import read_accelerate_config
 
@@ -212,7 +212,7 @@ def case_slug(case: Case) -> str:
 
 
 def runs_here(levers: dict, capability: tuple[int, int]) -> bool:
-    """Whether this GPU can run a case: fp8 needs float8 tensor cores (shardtune.float8.check_fp8)."""
+    """Whether this GPU can run a case: fp8 needs float8 tensor cores (shardtune.levers.float8.check_fp8)."""
     from shardtune.config import FP8_MIN_CAPABILITY
 
     return levers.get("mixed_precision") != "fp8" or tuple(capability) >= FP8_MIN_CAPABILITY

@@ -142,10 +142,10 @@ def merge(adapter_dir: str, base: str, scratch: str, dtype_name: str) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from shardtune.checks.model import check_weights, read_model_config
     from shardtune.config import ConfigError
-    from shardtune.export import MAX_SHARD_SIZE, make_readable
-    from shardtune.export_checks import model_problem, quiet_loading
-    from shardtune.model_checks import check_weights, read_model_config
+    from shardtune.export.checks import model_problem, quiet_loading
+    from shardtune.export.model import MAX_SHARD_SIZE, make_readable
 
     dtype = getattr(torch, DTYPES[dtype_name])
     if os.path.isdir(base):  # its files as a run checks them: weights whole, and the shapes config.json gives

@@ -12,8 +12,8 @@ import re
 import textwrap
 from pathlib import Path
 
-from shardtune.flops import resolve_config, resolve_model
-from shardtune.hardware import parse_hardware
+from shardtune.models.flops import resolve_config, resolve_model
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.planned_run import HELD_OPTIMIZER, planned_recipe, recipe_search
 from shardtune.plan.planner import MemoryPlan
 from shardtune.plan.report import checkpointing_words, optimizer_words

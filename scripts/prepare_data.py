@@ -14,7 +14,7 @@ train on them with --method dpo.
 
     python scripts/prepare_data.py recipes/llama8b.py --benchmark_rows 1000000 [--benchmark_file rows.jsonl]
 
-measures the rows/s of shardtune's tokenization (shardtune.data, with the recipe's --dataset_num_proc) on N rows
+measures the rows/s of shardtune's tokenization (shardtune.data.loading, with the recipe's --dataset_num_proc) on N rows
 (synthetic prompt/completion rows, or the first N of the file) against the tokenizer's own batched call on the same
 texts, and prints both.
 """
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from shardtune.config import ConfigError, Recipe
-from shardtune.data_sources import (
+from shardtune.data.sources import (
     check_chat_template,
     check_dataset_num_proc,
     check_dataset_sources,
@@ -101,8 +101,8 @@ def check_data_flags(argv: list[str]) -> None:
 def check_model_source(recipe: Recipe) -> None:
     """--model_name_or_path, whose tokenizer tokenizes, judged as a training run judges it before loading: its
     config.json can be had (a Hub id's, or a local directory's) and a local directory holds a tokenizer."""
+    from shardtune.checks.model import check_tokenizer_files, read_model_config
     from shardtune.hub import is_hub_id, looks_like_path, probe_hub
-    from shardtune.model_checks import check_tokenizer_files, read_model_config
 
     path = recipe.model_name_or_path
     if not (os.path.exists(path) or is_hub_id(path) or looks_like_path(path)):  # the Hub would be asked, retrying
@@ -124,7 +124,7 @@ def prepare(recipe: Recipe, output_dir: str) -> None:
     """Tokenize as the trainer would (same checks, tokenizer and template) and save train and eval."""
     from datasets import DatasetDict
 
-    from shardtune.data import PREPARED_INFO, PREPARED_SPLITS, load_splits
+    from shardtune.data.loading import PREPARED_INFO, PREPARED_SPLITS, load_splits
     from shardtune.model import load_tokenizer
 
     for check in (check_dataset_sources, check_dataset_weights, check_dataset_num_proc, check_chat_template,
@@ -186,9 +186,9 @@ def benchmark_source(rows: int, path: str, scratch: str) -> str:
 def baseline_texts(raw, tokenizer, recipe: Recipe) -> list[tuple[list[str], bool]]:
     """The texts the tokenizer itself is timed on, each list with its add_special_tokens: the same prompt and
     target strings as ours, or the rendered conversations for chat rows (rendered before the clock starts)."""
-    from shardtune.data import alpaca_messages, prompt_and_target, row_messages
-    from shardtune.data_sources import detect_format
-    from shardtune.templating import has_chat_template
+    from shardtune.data.loading import alpaca_messages, prompt_and_target, row_messages
+    from shardtune.data.sources import detect_format
+    from shardtune.data.templates import has_chat_template
 
     data_format = detect_format(raw.column_names, recipe.dataset_format)
     rows = raw.to_list()
@@ -200,13 +200,13 @@ def baseline_texts(raw, tokenizer, recipe: Recipe) -> list[tuple[list[str], bool
 
 
 def benchmark(recipe: Recipe, rows: int, path: str) -> dict[str, float]:
-    """rows/s of shardtune.data.tokenize and of the tokenizer's own batched call, on the same rows."""
+    """rows/s of shardtune.data.loading.tokenize and of the tokenizer's own batched call, on the same rows."""
     import datasets
     import pyarrow.compute as pc
 
-    from shardtune.data import load_source, tokenize, tokenize_processes
+    from shardtune.data.loading import load_source, tokenize, tokenize_processes
+    from shardtune.data.templates import apply_chat_template_flag
     from shardtune.model import load_tokenizer
-    from shardtune.templating import apply_chat_template_flag
 
     tokenizer = load_tokenizer(recipe)
     apply_chat_template_flag(tokenizer, recipe)

@@ -14,8 +14,12 @@ import time
 import warnings
 from collections.abc import Iterator
 
+from shardtune.checkpoint.output_dir import OutputDirLock, is_rank_zero
 from shardtune.checkpoint.run_settings import resume_point
-from shardtune.checks import (
+from shardtune.checks.flag_hints import launch_line
+from shardtune.checks.model import check_model
+from shardtune.checks.outputs import check_not_occupied
+from shardtune.checks.startup import (
     check_hardware_launch,
     check_machine,
     check_on_device,
@@ -23,8 +27,6 @@ from shardtune.checks import (
     planned_capability,
 )
 from shardtune.config import BatchSizes, ConfigError, Problems, Recipe
-from shardtune.deepspeed_ops import compile_notice
-from shardtune.flag_hints import launch_line
 from shardtune.flags import given_fields, parse_flags
 from shardtune.hub import is_hub_id, probe_hub
 from shardtune.launch import (
@@ -33,16 +35,14 @@ from shardtune.launch import (
     launch_environment,
     planned_launch_environment,
 )
-from shardtune.launcher_args import (
+from shardtune.parallel.deepspeed_ops import compile_notice
+from shardtune.parallel.launcher_args import (
     check_launcher_precision,
     check_started_by_launcher,
     launcher_precision_note,
     this_launcher,
 )
-from shardtune.local_rank import first_on_machine
-from shardtune.model_checks import check_model
-from shardtune.output_checks import check_not_occupied
-from shardtune.output_dir import OutputDirLock, is_rank_zero
+from shardtune.parallel.local_rank import first_on_machine
 
 # A refused rank that does not print (shardtune.cli.reports_errors) waits this long before it exits, so that the rank
 # of its machine that prints the refusal is not stopped by the launcher first.
@@ -58,7 +58,7 @@ def main(recipe: Recipe, argv: list[str] | None = None, methods: dict[str, Recip
             recipe = method_recipe(recipe, methods or {}, sys.argv[1:] if argv is None else argv)
             recipe, launch, batching = checked_launch(recipe, argv)
             resume = resume_point(recipe, launch, batching)
-            if is_rank_zero():  # the output directory is this run's until the process ends (shardtune.output_dir)
+            if is_rank_zero():  # the output directory is this run's until the process ends (checkpoint.output_dir)
                 taken_over = OutputDirLock(recipe.resolved_output_dir).acquire(recipe.overwrite_output_dir)
                 if taken_over:
                     print(f"shardtune: warning: {taken_over}", file=sys.stderr, flush=True)
@@ -221,7 +221,7 @@ def planned_environment(hardware, config_file: str | None) -> dict[str, str]:
 
 
 def planned_hardware(spec: str):
-    from shardtune.hardware import HardwareError, parse_hardware
+    from shardtune.plan.hardware import HardwareError, parse_hardware
 
     try:
         return parse_hardware(spec)
@@ -280,8 +280,8 @@ def print_memory_plan(recipe: Recipe, launch: LaunchDescription, required: bool,
     """Plan this launch's memory per GPU (under `config_file` instead of the launched config, for a dry run)
     before any weight loads; raise ConfigError if it does not fit. Without --hardware and without GPUs there is
     nothing to plan against (returns 0)."""
-    from shardtune.flops import ModelError, builtin_name, resolve_model
-    from shardtune.hardware import HardwareError
+    from shardtune.models.flops import ModelError, builtin_name, resolve_model
+    from shardtune.plan.hardware import HardwareError
     from shardtune.plan.launched import launch_hardware, launch_strategy, plan_launch
     from shardtune.plan.report import format_plan
     from shardtune.plan.strategy import PlanError

@@ -1,5 +1,5 @@
 """The recipe: every value a run needs and the choices and ranges they take, the batch arithmetic, and the error
-that refuses a run. Flags are read in shardtune.flags, values checked in shardtune.checks."""
+that refuses a run. Flags are read in shardtune.flags, values checked in shardtune.checks.startup."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import TypeVar
 from shardtune.models.families import LIGER_MODEL_TYPES  # noqa: F401 (its home is the families' table)
 
 MIXED_PRECISIONS = ("bf16", "fp16", "no", "fp8")
-# --mixed_precision fp8 (shardtune.float8): the decoder layers' linears in float8, everything else as under bf16.
+# --mixed_precision fp8 (shardtune.levers.float8): the decoder layers' linears in float8, everything else as under bf16.
 FP8_COMPUTE_PRECISION = "bf16"
 FP8_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 tensor cores: Ada (8.9), Hopper (9.0) and later
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both dimensions of a float8 operand divisible by 16
@@ -30,7 +30,7 @@ DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".c
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
 ZERO_STAGES = ("1", "2", "3")
-# --optim's names, transformers' TrainingArguments' (shardtune.optimizers builds them).
+# --optim's names, transformers' TrainingArguments' (shardtune.levers.optimizers builds them).
 TORCH_OPTIMIZERS = ("adamw_torch",)
 TORCHAO_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
 BITSANDBYTES_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
@@ -41,7 +41,7 @@ OPTIMIZER_PACKAGES = {**dict.fromkeys(TORCHAO_OPTIMIZERS, "torchao"),
 TORCHAO_VERSION = "0.18.0"  # requirements.txt's pin
 # transformers' Trainer passes block_size 256 to AdamW8bit and AdamW4bit alike (its optim_args default).
 TORCHAO_BLOCK_SIZE = 256
-# --use_liger_kernel: the pinned Liger (requirements.txt), and the model types whose layers shardtune.liger patches
+# --use_liger_kernel: the pinned Liger (requirements.txt), and the model types whose layers levers.liger patches
 # (Liger's apply_liger_kernel_to_llama, _mistral and _qwen2: the families the recipes train).
 LIGER_VERSION = "0.8.5"
 # transformers' attention implementations for training, and the package each needs beyond torch.
@@ -77,7 +77,7 @@ OFFLOADING_UNDER_DEEPSPEED_OFFLOAD = (
     "activation would then be pinned and unpinned anew each micro-batch: drop one of the two.")
 # Positions of the eval's logits upcast to fp32 at once (shardtune.evaluation), as the planner counts them.
 EVAL_CHUNK_POSITIONS = 1024
-# Positions per tile of the training loss with --chunked_cross_entropy (shardtune.tiled_loss), as the planner
+# Positions per tile of the training loss with --chunked_cross_entropy (shardtune.levers.tiled_loss), as the planner
 # counts them: a tile's fp32 logits are 4 x 1024 x vocab bytes (0.5 GB for Llama 3's 128,256 tokens).
 LOSS_TILE_POSITIONS = 1024
 # The smallest value of each counting flag: the recipe's checks and the planner's command line read this one table.

@@ -1,7 +1,7 @@
 """Held-out loss and next-token accuracy, without the full-vocabulary logits.
 
 The loss and the argmax run as the LM head's forward, swapped in for the eval forward (as the tiled training loss
-does, shardtune.tiled_loss): the head computes its logits for one chunk of positions at a time, in the compute
+does, shardtune.levers.tiled_loss): the head computes its logits for one chunk of positions at a time, in the compute
 dtype, each upcast to fp32 on its own. For Llama 3 (128,256 tokens) the logits of 8 x 4096 positions would be
 8.4 GB in bf16, and accelerate's autocast wrapper returns a model's outputs in fp32 (convert_outputs_to_fp32:
 17 GB more, which FSDP2's output cast then rounds back to bf16 in a third copy); a chunk of 1,024 positions is
@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from shardtune.batches import COUNTS
 from shardtune.config import EVAL_CHUNK_POSITIONS
-from shardtune.data import IGNORE_INDEX
+from shardtune.data.batches import COUNTS
+from shardtune.data.loading import IGNORE_INDEX
+from shardtune.levers.tiled_loss import forward_replaced, shifted_labels
 from shardtune.parallel.context import context_group, context_parallel, context_parallel_size
 from shardtune.parallel.groups import rows_once
 from shardtune.parallel.sequence import sequence_group, sequence_shards, split_size
-from shardtune.tiled_loss import forward_replaced, shifted_labels
 
 
 def chunk_statistics(logits_of: Callable[[int, int, int], torch.Tensor], targets: torch.Tensor, positions: int,

@@ -15,8 +15,8 @@ from typing import NoReturn
 # hf_argparser alone: the transformers package without its models, so that a bad flag is refused at once.
 from transformers.hf_argparser import HfArgumentParser, string_to_bool
 
+from shardtune.checks.flag_hints import flag_hint
 from shardtune.config import ConfigError, Recipe
-from shardtune.flag_hints import flag_hint
 
 
 class RecipeHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -141,7 +141,7 @@ def unknown_argument_problems(unknown: Sequence[str], hint: Callable[[str, str |
 
 
 def recipe_flag_hint(flag: str, value: str | None) -> str:
-    """The hint for a flag the recipe does not know (shardtune.flag_hints)."""
+    """The hint for a flag the recipe does not know (shardtune.checks.flag_hints)."""
     known = [f"--{item.name}" for item in dataclasses.fields(Recipe)] + list(ALIASES)
     return flag_hint(flag, known, value)
 

@@ -16,8 +16,8 @@ from types import MappingProxyType
 from typing import Any
 
 from shardtune.config import OFFLOAD_DEVICES, ZERO_STAGES, ConfigError
-from shardtune.launcher_args import LauncherRequest, launcher_problems
 from shardtune.parallel.context import checked_context_parallel
+from shardtune.parallel.launcher_args import LauncherRequest, launcher_problems
 from shardtune.parallel.tensor import checked_tensor_parallel
 from shardtune.plan.strategy import (
     PlanError,
@@ -70,7 +70,7 @@ class LaunchDescription:
     @classmethod
     def from_env(cls, launcher: LauncherRequest | None = None) -> LaunchDescription:
         """This process's launch, from os.environ, and from `launcher`, the `accelerate launch` command line that
-        started it (shardtune.launcher_args.this_launcher): a setting it was given and did not pass on is refused.
+        started it (parallel.launcher_args.this_launcher): a setting it was given and did not pass on is refused.
         Raises ConfigError for a launch environment in which the ranks could not meet or the trainer could not
         run."""
         world_size = env_int("WORLD_SIZE", 1)

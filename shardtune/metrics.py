@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from accelerate import Accelerator
 
-from shardtune.batches import COUNT_KEYS, StepBatch
 from shardtune.config import BatchSizes
-from shardtune.flops import ModelShape, flops_per_token, mfu
+from shardtune.data.batches import COUNT_KEYS, StepBatch
 from shardtune.memory import peak_memory_gb, reset_phase_peak
+from shardtune.models.flops import ModelShape, flops_per_token, mfu
 from shardtune.parallel.groups import counted_here, loss_counted_here
 from shardtune.step import StepOutput
 

@@ -20,9 +20,9 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 from shardtune.config import BatchSizes
+from shardtune.levers.tiled_loss import LABEL_KEYS, chunked_token_loss
 from shardtune.parallel.context import context_parallel
 from shardtune.parallel.sequence import SequenceSplit, sequence_shards
-from shardtune.tiled_loss import LABEL_KEYS, chunked_token_loss
 
 if TYPE_CHECKING:
     from shardtune.methods.dpo import DPOStep
@@ -45,7 +45,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     the batch is split over micro-batches and ranks: `targets` is that count over every rank, on the device
     (shardtune.metrics.TrainMetrics.global_targets). `after_backward(i)` runs after the backward of micro-batch
     i (the memory probe, fault injection). `chunked_cross_entropy`: the loss over tiles of positions
-    (shardtune.tiled_loss) instead of over the micro-batch's full logits; with `fused_loss` (--use_liger_kernel),
+    (shardtune.levers.tiled_loss) instead of over the micro-batch's full logits; with `fused_loss` (--use_liger_kernel),
     Liger's fused linear cross-entropy in the tiles' place. `sequence_split`: this rank runs its slice of every
     micro-batch of its group instead (shardtune.parallel.sequence): sp x as many micro-batches, each 1/sp long,
     whose losses over `targets` still add up, over the ranks, to the global batch's mean. `context_size` over 1: each

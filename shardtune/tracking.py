@@ -11,10 +11,10 @@ import uuid
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from shardtune.checkpoint.output_dir import METRICS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
 from shardtune.config import Recipe
-from shardtune.data_sources import dataset_sources
+from shardtune.data.sources import dataset_sources
 from shardtune.launch import LaunchDescription
-from shardtune.output_dir import METRICS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
 
 # what `accelerate launch` exports from its config file and flags
 LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
@@ -109,8 +109,8 @@ def accelerate_config(accelerator: Accelerator) -> dict:
 
 def memory_plan(recipe: Recipe, launch: LaunchDescription) -> tuple[dict | None, str | None]:
     """The planner's per-GPU plan of this launch (as the start-up line prints it), or None and why."""
-    from shardtune.flops import ModelError, resolve_model
-    from shardtune.hardware import HardwareError
+    from shardtune.models.flops import ModelError, resolve_model
+    from shardtune.plan.hardware import HardwareError
     from shardtune.plan.launched import launch_hardware, plan_launch
 
     try:

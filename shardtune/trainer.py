@@ -3,7 +3,7 @@
 The pieces it calls: `train_step` (shardtune.step) runs one optimizer step and returns device tensors and the
 rate the step used; `TrainMetrics` (shardtune.metrics) syncs once per step and keeps the logging window; the
 `Checkpointer` (shardtune.checkpoint.saver) decides when to save; `evaluate` (shardtune.evaluation) runs without
-fp32 logits; `save_hf_model` (shardtune.export) writes the trained model.
+fp32 logits; `save_hf_model` (shardtune.export.model) writes the trained model.
 """
 
 from __future__ import annotations
@@ -21,31 +21,29 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from shardtune.batches import RowTrace, counted_steps, global_batches, make_collator
 from shardtune.checkpoint.nvme_resume import load_state
+from shardtune.checkpoint.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.checkpoint.run_files import clear_output_dir
 from shardtune.checkpoint.run_settings import ResumePoint, check_resumed_length, run_settings
 from shardtune.checkpoint.saver import Checkpointer
 from shardtune.checkpoint.universal import universal_checkpoint
-from shardtune.compilation import compile_decoder_layers, compile_figures, eager_calls
 from shardtune.config import BatchSizes, ConfigError, Recipe, token_multiple
-from shardtune.data import load_splits
-from shardtune.distributed import (
-    exit_process,
-    make_accelerator,
-    optimizer_parameter_names,
-    reduction_dtypes,
-    repoint_optimizer_parameters,
-    shut_down,
-)
+from shardtune.data.batches import RowTrace, counted_steps, global_batches, make_collator
+from shardtune.data.loading import load_splits
+from shardtune.data.packing import pack_rows
 from shardtune.evaluation import evaluate
-from shardtune.export import add_model_files, export_dtype, save_hf_model
-from shardtune.float8 import convert_linears, precompute_scales_after_step, rewrap_loaded_shards, unfused_fp8_warning
-from shardtune.flops import ModelShape, shape_from_config
+from shardtune.export.model import add_model_files, export_dtype, save_hf_model
 from shardtune.generation import HeldOutPrompts, generate_samples, held_out_prompts
-from shardtune.hardware import peak_flops
 from shardtune.launch import LaunchDescription
-from shardtune.liger import apply_liger_kernels
+from shardtune.levers.compile import compile_decoder_layers, compile_figures, eager_calls
+from shardtune.levers.float8 import (
+    convert_linears,
+    precompute_scales_after_step,
+    rewrap_loaded_shards,
+    unfused_fp8_warning,
+)
+from shardtune.levers.liger import apply_liger_kernels
+from shardtune.levers.optimizers import make_optimizer
 from shardtune.memory import (
     COMPONENTS,
     ModelStateProbe,
@@ -63,9 +61,24 @@ from shardtune.methods.reference import disable_dropout
 from shardtune.methods.training import DPOTraining
 from shardtune.metrics import MAX_SKIPPED_IN_A_ROW, StepSummary, TrainMetrics
 from shardtune.model import enable_activation_offloading, load_model, load_tokenizer
-from shardtune.optimizers import make_optimizer
-from shardtune.packing import pack_rows
+from shardtune.models.flops import ModelShape, shape_from_config
 from shardtune.parallel.context import row_multiple
+from shardtune.parallel.distributed import (
+    exit_process,
+    make_accelerator,
+    optimizer_parameter_names,
+    reduction_dtypes,
+    repoint_optimizer_parameters,
+    shut_down,
+)
+from shardtune.parallel.ranks import (
+    SHARED_DIR_PATIENCE_S,
+    check_output_dir_shared,
+    check_ranks_agree,
+    launch_fingerprint,
+    set_collective_timeout,
+    watch_ranks,
+)
 from shardtune.parallel.sequence import check_right_padding, plain_loader, sequence_split, split_in_eval
 from shardtune.parallel.tensor import (
     apply_tensor_parallel,
@@ -74,17 +87,9 @@ from shardtune.parallel.tensor import (
     shard_and_fill,
     tensor_parallel_size,
 )
+from shardtune.plan.hardware import peak_flops
 from shardtune.plan.planned_run import recipe_peft
-from shardtune.preemption import NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, Fault, StopRequest
 from shardtune.profiling import begin_phase, end_phase, phase, profile_memory, start_phases
-from shardtune.ranks import (
-    SHARED_DIR_PATIENCE_S,
-    check_output_dir_shared,
-    check_ranks_agree,
-    launch_fingerprint,
-    set_collective_timeout,
-    watch_ranks,
-)
 from shardtune.step import train_step
 from shardtune.tracking import log_metrics, log_samples, start_tracking, truncate_metrics
 
@@ -215,7 +220,7 @@ def build(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, resume
 
 class BackwardHooks:
     """What runs after each micro-batch's backward: the first step's memory probe, and the fault a test injects
-    (SHARDTUNE_FAULT, shardtune.preemption) at a chosen step and micro-batch. The loop sets `step`."""
+    (SHARDTUNE_FAULT, shardtune.checkpoint.preemption) at a chosen step and micro-batch. The loop sets `step`."""
 
     def __init__(self, probe: ModelStateProbe, fault: Fault | None) -> None:
         self.probe, self.fault = probe, fault
@@ -324,7 +329,7 @@ def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch
 
 
 def device_peak_flops(accelerator: Accelerator) -> float | None:
-    """The GPU's peak bf16 FLOP/s, for MFU (None on CPU, or for a GPU shardtune.hardware does not know)."""
+    """The GPU's peak bf16 FLOP/s, for MFU (None on CPU, or for a GPU shardtune.plan.hardware does not know)."""
     on_gpu = accelerator.device.type == "cuda"
     return peak_flops(torch.cuda.get_device_name(accelerator.device)) if on_gpu else None
 

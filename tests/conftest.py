@@ -32,7 +32,7 @@ os.environ["HF_DATASETS_CACHE"] = str(SESSION_DIR / "datasets")
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
-from shardtune.tiny import ensure_tiny_assets  # noqa: E402
+from shardtune.models.tiny_assets import ensure_tiny_assets  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"

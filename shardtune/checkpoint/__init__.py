@@ -20,5 +20,6 @@ standard library only, so that the command line resolves a resume before torch l
 `tensor_files` (torch and safetensors files, streamed), `pending` (a save in flight), `mmap_load` (DeepSpeed's
 checkpoint loads memory-mapped), `nvme_resume` (the resume's load_state, and what DeepSpeed's load leaves out
 when the optimizer is on NVMe), `universal` (a ZeRO checkpoint converted to DeepSpeed's universal form for a resume
-on another number of processes).
+on another number of processes), `output_dir` (the lock that makes an output directory one live run's),
+`run_files` (what a run writes there, and deleting only that), `preemption` (a stop signal: save, then exit 75).
 """

@@ -13,9 +13,9 @@ import re
 import sys
 
 from shardtune.checkpoint.durable import fsync_path
+from shardtune.checkpoint.output_dir import LOCK_FILE
 from shardtune.config import ConfigError
-from shardtune.local_rank import first_on_machine
-from shardtune.output_dir import LOCK_FILE
+from shardtune.parallel.local_rank import first_on_machine
 
 MARKER = "checkpoint_complete.json"
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")

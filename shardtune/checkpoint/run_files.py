@@ -19,14 +19,14 @@ from shardtune.checkpoint.markers import (
     holds_a_run,
     read_marker,
 )
-from shardtune.output_dir import LOCK_FILE, METRICS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
+from shardtune.checkpoint.output_dir import LOCK_FILE, METRICS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
 
 # What a run writes into its output directory: the one list --overwrite_output_dir deletes from.
 RUN_FILES = frozenset({
     LOCK_FILE, METRICS_FILE, SAMPLES_FILE, RUN_CONFIG_FILE,
     "wandb_run_id",  # shardtune.tracking: the W&B run a resumed run continues
     "metrics.png",  # scripts/plot_metrics.py's default
-    # The final export (shardtune.export.save_hf_model): save_pretrained's and the tokenizer's files, or peft's.
+    # The final export (shardtune.export.model.save_hf_model): save_pretrained's and the tokenizer's files, or peft's.
     "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
     "adapter_model.safetensors", "adapter_config.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
@@ -48,7 +48,7 @@ RUN_DIRECTORIES: dict[str, tuple[tuple[re.Pattern, str], ...]] = {
 }
 RUN_PATTERNS = (
     re.compile(r"model-\d{5}-of-\d{5}\.safetensors"),  # the export's shards
-    re.compile(r"\.shardtune-shared-[0-9a-f]{32}"),  # shardtune.ranks: the probe of a shared filesystem
+    re.compile(r"\.shardtune-shared-[0-9a-f]{32}"),  # shardtune.parallel.ranks: the probe of a shared filesystem
 )
 PEFT_MODEL_CARD = "README.md"  # peft's save_pretrained writes a model card; a README of one's own is not the run's
 

@@ -31,7 +31,7 @@ from shardtune.checkpoint.staging import (
     strategy_kind,
 )
 from shardtune.config import Recipe
-from shardtune.ranks import set_collective_timeout
+from shardtune.parallel.ranks import set_collective_timeout
 
 
 class Checkpointer:

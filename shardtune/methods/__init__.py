@@ -2,6 +2,6 @@
 
 `dpo` (direct preference optimisation, TRL's DPOTrainer): preference pairs (`preference`), the reference model's
 log-probs (`reference`), the pairwise loss family (`dpo_loss`) and the micro-batch step and eval (`dpo`). SFT's loss
-is the trainer's own (shardtune.step, shardtune.tiled_loss). A reference-free method (SimPO, ORPO) is one more loss
-over the same sequence log-probs, without a reference.
+is the trainer's own (shardtune.step, shardtune.levers.tiled_loss). A reference-free method (SimPO, ORPO) is one
+more loss over the same sequence log-probs, without a reference.
 """

@@ -1,6 +1,6 @@
 """--method dpo's checks that need no weights and no data read: its values as TRL's DPOConfig takes them, its flags
 only with it, the SFT flags it would ignore, the launches it is not wired for, and the reference model against the
-policy's. shardtune.checks runs them with the others; like them, this module imports no torch (a bad command line
+policy's. checks.startup runs them with the others; like them, this module imports no torch (a bad command line
 is refused before the heavy imports)."""
 
 from __future__ import annotations
@@ -90,15 +90,15 @@ def check_dpo_launch(recipe: Recipe, sp_size: int) -> None:
 
 
 def check_reference_model(recipe: Recipe) -> None:
-    """--ref_model_name_or_path as --model_name_or_path is judged (shardtune.model_checks): a model that can be
+    """--ref_model_name_or_path as --model_name_or_path is judged (shardtune.checks.model): a model that can be
     had, of a supported family, a local directory with whole weights; and the policy's vocabulary, since the
     reference scores the policy's token ids. The policy's own problems are check_model's to report."""
     path = recipe.ref_model_name_or_path
     if recipe.method != "dpo" or not path:
         return
-    from shardtune.flops import ModelError, read_config
+    from shardtune.checks.model import check_weights
     from shardtune.hub import is_hub_id, probe_hub
-    from shardtune.model_checks import check_weights
+    from shardtune.models.flops import ModelError, read_config
 
     try:
         if is_hub_id(path) and not os.path.isdir(path):

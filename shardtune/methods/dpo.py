@@ -2,7 +2,7 @@
 loss (shardtune.methods.dpo_loss) and TRL's reward metrics; and DPO's eval on held-out pairs.
 
 The log-probs run as the LM head's forward, swapped in for one call of the model's forward as the tiled SFT loss
-does (shardtune.tiled_loss says why each strategy needs it there): the head computes one tile of positions' logits
+does (levers.tiled_loss says why each strategy needs it there): the head computes one tile of positions' logits
 at a time, upcast to fp32, and keeps only each target token's log-prob; each tile is recomputed in backward. The
 reference's forward runs first, under no_grad, so that the policy's graph is never held across it."""
 
@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils.checkpoint import checkpoint
 
-from shardtune.batches import COUNTS
 from shardtune.config import LOSS_TILE_POSITIONS
-from shardtune.data import IGNORE_INDEX
+from shardtune.data.batches import COUNTS
+from shardtune.data.loading import IGNORE_INDEX
+from shardtune.levers.tiled_loss import forward_replaced, shifted_labels
 from shardtune.methods.dpo_loss import PAIR_METRICS, DPOSettings, PairLogProbs, pair_losses, pair_metrics
-from shardtune.tiled_loss import forward_replaced, shifted_labels
 
 MODEL_KEYS = ("input_ids", "attention_mask")  # what the forward takes of a preference batch
 
@@ -54,7 +54,7 @@ def sequence_log_probs(model: torch.nn.Module, unwrapped: torch.nn.Module, batch
 
     with forward_replaced(head, log_probs_forward):
         returned = model(**{key: batch[key] for key in MODEL_KEYS}).logits
-    # As in shardtune.tiled_loss: FSDP2's output cast rounds the returned tensor to bf16 after hooking its backward
+    # As in levers.tiled_loss: FSDP2's output cast rounds the returned tensor to bf16 after hooking its backward
     # on the fp32 one; elsewhere the returned tensor is the one to differentiate.
     return returned if returned.dtype == computed[0].dtype else computed[0]
 

@@ -19,8 +19,8 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config import ConfigError, Recipe
-from shardtune.data_sources import FORMATS, joined_parts, row_error
-from shardtune.templating import chat_ids, has_chat_template
+from shardtune.data.sources import FORMATS, joined_parts, row_error
+from shardtune.data.templates import chat_ids, has_chat_template
 
 logger = logging.getLogger(__name__)
 PAIR_COLUMNS = FORMATS["tokenized_pairs"]  # a tokenized pair (scripts/prepare_data.py writes them)

@@ -178,7 +178,7 @@ def compute_table(accelerator: Accelerator, model: torch.nn.Module, dataset: Dat
     """Every pair's (chosen, rejected) reference log-probs, (pairs, 2) fp32 on the host, the same on every rank:
     each rank runs an equal share of the batches (the last padded with the split's first pairs: every forward of a
     sharded model is a collective), and an all-gather joins them."""
-    from shardtune.batches import COUNTS
+    from shardtune.data.batches import COUNTS
     from shardtune.methods.dpo import sequence_log_probs
 
     ranks, rank = accelerator.num_processes, accelerator.process_index

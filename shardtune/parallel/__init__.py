@@ -1,2 +1,3 @@
-"""Parallel axes beyond data parallelism: the sequence split (DeepSpeed Ulysses, shardtune.parallel.sequence) and
-tensor parallelism (transformers' plan over accelerate's tp axis, shardtune.parallel.tensor)."""
+"""How the ranks are made and meet: the Accelerator and DeepSpeed's config (distributed), the launcher's command
+line, the ranks' fingerprint and watchdog, DeepSpeed's compiled ops, and the parallel axes beyond data parallelism:
+the sequence split (DeepSpeed Ulysses), context parallelism (ring attention) and tensor parallelism."""

@@ -62,7 +62,7 @@ def row_multiple(cp_size: int) -> int:
 def with_shifted_labels(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The micro-batch as the split needs it: `shift_labels` in place of `labels` (each position's next-token
     label, made before the cut), no attention mask (the rows are right-padded; the ring attention takes none)."""
-    from shardtune.tiled_loss import shifted_labels
+    from shardtune.levers.tiled_loss import shifted_labels
 
     kept = {key: value for key, value in batch.items() if key not in ("labels", "attention_mask")}
     return {**kept, "shift_labels": shifted_labels(batch["labels"]).contiguous()}

@@ -20,11 +20,12 @@ import sys
 import typing
 from collections.abc import Callable
 
-from shardtune.checks import batch_sizes
+from shardtune.checks.flag_hints import RENAMED
+from shardtune.checks.startup import batch_sizes
 from shardtune.config import FIELD_CHOICES, ConfigError, Recipe, below_lowest
-from shardtune.flag_hints import RENAMED
 from shardtune.flags import unknown_argument_problems
-from shardtune.flops import (
+from shardtune.hub import is_hub_id, probe_hub
+from shardtune.models.flops import (
     BUILTIN_MODELS,
     ModelError,
     ModelShape,
@@ -33,8 +34,7 @@ from shardtune.flops import (
     resolve_config,
     shape_from_config,
 )
-from shardtune.hardware import HardwareError, parse_hardware
-from shardtune.hub import is_hub_id, probe_hub
+from shardtune.plan.hardware import HardwareError, parse_hardware
 from shardtune.plan.planned_run import (
     MODEL_DEFAULTS,
     check_planned,
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def planner_hint(parser: argparse.ArgumentParser) -> Callable[[str, str | None], str]:
     """The hint for a flag the planner does not take, naming the planner's flag it most likely meant: by the names
-    other trainers give it (shardtune.flag_hints.RENAMED), else by spelling."""
+    other trainers give it (shardtune.checks.flag_hints.RENAMED), else by spelling."""
     known = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
 
     def hint(flag: str, value: str | None) -> str:
@@ -291,7 +291,7 @@ def _run(args: argparse.Namespace) -> int:
                     for strategy in planned}
         split = [strategy for strategy in planned if refusals[strategy.name]]
         planned = [strategy for strategy in planned if strategy not in split]
-        # fp8 trains under FSDP2 without offload and DDP only (shardtune.float8): the others are left out, and said.
+        # fp8 trains under FSDP2 without offload and DDP only (levers.float8): the others are left out, and said.
         untaken = [strategy for strategy in planned if strategy.float8 and not strategy.takes_float8]
         plans = [plan_recipe(shape, hardware, strategy, recipe) for strategy in planned if strategy not in untaken]
         if args.chart:

@@ -5,8 +5,8 @@ forward's live tensors."""
 from __future__ import annotations
 
 from shardtune.config import EVAL_CHUNK_POSITIONS
-from shardtune.flops import ModelShape
 from shardtune.models.families import FAMILIES
+from shardtune.models.flops import ModelShape
 from shardtune.plan.host import pinned_block_bytes
 from shardtune.plan.strategy import Strategy
 
@@ -170,7 +170,7 @@ def loss_transient_bytes(shape: ModelShape, n: int, mode: str, loss_tile: int | 
     the larger ("peak"). Plain (transformers' ForCausalLMLoss, loss_utils.py: `logits = logits.float()`, then
     cross_entropy, whose log_softmax output is saved): the forward holds the logits (c·n·vocab) and their fp32
     upcast (4·n·vocab, none when fp32 already); the backward holds two fp32 n x vocab gradients (nll_loss's and
-    log_softmax's, 8·n·vocab). With a `loss_tile` of t positions (shardtune.tiled_loss), one tile at a time: its
+    log_softmax's, 8·n·vocab). With a `loss_tile` of t positions (shardtune.levers.tiled_loss), one tile at a time: its
     backward recomputes the tile's log-probabilities (4·t·vocab, fp32) and holds the two fp32 gradients beside
     them, 12·t·vocab in every mode (measured in tests/unit/test_tiled_loss.py), and under autocast the tile's
     16-bit cast of lm_head's input (c·t·h)."""
@@ -248,7 +248,7 @@ def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, c
 def offloaded_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str) -> int:
     """Bytes per rank that --activation_offloading moves from the GPU to host memory: what the decoder layers save
     through autograd's saved-tensor hooks (TRL's OffloadActivations packs those). Every layer is recomputed
-    (shardtune.checks.check_activation_offloading), so that is each layer's input: the rest a layer saves goes
+    (shardtune.checks.values.check_activation_offloading), so that is each layer's input: the rest a layer saves goes
     through its checkpoint's own hooks, and a selective policy's kept outputs stay on the GPU (torch's checkpoint
     caches them itself). The head's (lm_head's input, which TRL keeps, and the loss, computed outside the
     offloaded forward) stays on the GPU."""

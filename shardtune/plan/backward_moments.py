@@ -9,7 +9,7 @@ full gradients never meet the full activations (measured in tests/unit/test_plan
 
 from __future__ import annotations
 
-from shardtune.flops import ModelShape
+from shardtune.models.flops import ModelShape
 from shardtune.plan.activations import (
     dtype_bytes,
     layer_activation_bytes,

@@ -4,7 +4,7 @@ buffers that outlive them, at the sizes each strategy allocates."""
 from __future__ import annotations
 
 from shardtune.config import FP8_DIM_MULTIPLE
-from shardtune.flops import ModelShape
+from shardtune.models.flops import ModelShape
 from shardtune.plan.activations import layer_activation_bytes
 from shardtune.plan.states import Peft, deepspeed_sizes, largest_parameter, persistent_elements
 from shardtune.plan.strategy import Strategy
@@ -55,7 +55,7 @@ def resharded_after_forward(shape: ModelShape) -> int:
 
 
 def float8_weight_elements(shape: ModelShape) -> int:
-    """Elements of one decoder layer's weights that --mixed_precision fp8 trains in float8 (shardtune.float8.converts):
+    """Elements of one decoder layer's weights that --mixed_precision fp8 trains in float8 (levers.float8.converts):
     the projections whose two dimensions are multiples of FP8_DIM_MULTIPLE (biases and norms stay 16-bit)."""
     q_out, kv_out, h, inter = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.hidden, \
         shape.intermediate
@@ -72,7 +72,7 @@ def gathered_layer_bytes(strategy: Strategy, shape: ModelShape) -> float:
 
 
 def reduce_bytes(pure_bf16: bool) -> int:
-    """Bytes per element of an unsharded gradient being reduced under FSDP (shardtune.distributed.fsdp_plugin)."""
+    """Bytes per element of an unsharded gradient being reduced under FSDP (parallel.distributed.fsdp_plugin)."""
     return 2 if pure_bf16 else 4
 
 

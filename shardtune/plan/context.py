@@ -6,7 +6,7 @@ GPU (dp_shard x cp)."""
 
 from __future__ import annotations
 
-from shardtune.flops import ModelShape
+from shardtune.models.flops import ModelShape
 from shardtune.plan.activations import dtype_bytes
 
 FP32_BYTES = 4

@@ -3,7 +3,7 @@ them in (loading, training, a resume, the final export)."""
 
 from __future__ import annotations
 
-from shardtune.flops import ModelShape
+from shardtune.models.flops import ModelShape
 from shardtune.plan.host import (
     checkpoint_page_cache_bytes,
     loading_host_bytes,

@@ -4,9 +4,9 @@ fastest plan that fits when it does not."""
 from __future__ import annotations
 
 from shardtune.config import Recipe
-from shardtune.flops import ModelShape
-from shardtune.hardware import Hardware, nominal_gpu_memory, parse_hardware
 from shardtune.launch import LaunchDescription
+from shardtune.models.flops import ModelShape
+from shardtune.plan.hardware import Hardware, nominal_gpu_memory, parse_hardware
 from shardtune.plan.planned_run import HELD_OPTIMIZER, plan_recipe, recipe_search
 from shardtune.plan.planner import MemoryPlan
 from shardtune.plan.search import recommend

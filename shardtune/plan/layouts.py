@@ -5,7 +5,7 @@ and adds the secondary copy of the 16-bit weights counted here."""
 
 from __future__ import annotations
 
-from shardtune.flops import ModelShape
+from shardtune.models.flops import ModelShape
 from shardtune.plan.states import Peft, parameter_sizes
 from shardtune.plan.strategy import Strategy
 

@@ -20,7 +20,7 @@ from collections import Counter
 from functools import lru_cache
 
 from shardtune.config import BITSANDBYTES_OPTIMIZERS, TORCHAO_BLOCK_SIZE, TORCHAO_OPTIMIZERS
-from shardtune.flops import ModelShape
+from shardtune.models.flops import ModelShape
 
 TORCHAO_MIN_QUANTIZED = 4096  # "follow bitsandbytes, only quantize tensors >= 4096 values"
 BNB_MIN_8BIT = 4096

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardtune.config import TORCHAO_OPTIMIZERS
-from shardtune.flops import ModelShape
+from shardtune.models.flops import ModelShape
 from shardtune.plan.activations import activation_mode, eval_activation_bytes
 from shardtune.plan.buffers import buffers, gathered_layer_bytes, persistent_buffer_bytes
 from shardtune.plan.context import ring_attention_bytes
@@ -22,7 +22,7 @@ from shardtune.plan.states import (
 from shardtune.plan.strategy import DS_SUB_GROUP, Strategy
 
 PHASES = ("forward_backward", "optimizer", "eval", "save")
-# shardtune.export.MAX_SHARD_SIZE ("5GB") in bytes, as huggingface_hub's parse_size_to_int reads it.
+# shardtune.export.model.MAX_SHARD_SIZE ("5GB") in bytes, as huggingface_hub's parse_size_to_int reads it.
 EXPORT_SHARD_BYTES = 5_000_000_000
 
 
@@ -96,7 +96,7 @@ def eval_gather_bytes(strategy: Strategy, shape: ModelShape) -> float:
 
 
 def export_shard_bytes(shape: ModelShape, export_bytes: int = 2) -> float:
-    """The largest output shard of the final export (shardtune.export.write_streamed_shards): huggingface_hub's
+    """The largest output shard of the final export (shardtune.export.model.write_streamed_shards): huggingface_hub's
     split_torch_state_dict_into_shards fills each shard up to EXPORT_SHARD_BYTES and gives a larger tensor a
     shard of its own; a model smaller than that is one shard."""
     largest = largest_parameter(shape)

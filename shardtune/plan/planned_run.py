@@ -8,18 +8,18 @@ import dataclasses
 import functools
 from collections.abc import Collection
 
-from shardtune.checks import (
-    batch_sizes,
+from shardtune.checks.model import check_context_length
+from shardtune.checks.startup import batch_sizes
+from shardtune.checks.values import (
     check_activation_offloading,
     check_checkpointing_mode,
     check_packed_attention,
     check_pad_to_multiple_of,
 )
 from shardtune.config import PLANNED_ATTENTION, ConfigError, Problems, Recipe, padded_length, reference_mode
-from shardtune.flops import ModelError, ModelShape, recipe_fields, resolve_config, shape_from_config
-from shardtune.hardware import Hardware
-from shardtune.liger import check_liger_kernel
-from shardtune.model_checks import check_context_length
+from shardtune.levers.liger import check_liger_kernel
+from shardtune.models.flops import ModelError, ModelShape, recipe_fields, resolve_config, shape_from_config
+from shardtune.plan.hardware import Hardware
 from shardtune.plan.planner import MemoryPlan, plan
 from shardtune.plan.search import Search
 from shardtune.plan.states import Peft

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from shardtune.config import LOSS_TILE_POSITIONS, OFFLOADING_NEEDS_RECOMPUTATION, OFFLOADING_UNDER_DEEPSPEED_OFFLOAD
-from shardtune.flops import ModelShape
-from shardtune.hardware import Hardware
+from shardtune.models.flops import ModelShape
 from shardtune.plan.activations import (
     activation_bytes,
     activation_mode,
@@ -18,6 +17,7 @@ from shardtune.plan.activations import (
 from shardtune.plan.backward_moments import forward_backward_parts, gradients_fresh_each_micro_batch
 from shardtune.plan.buffers import buffers, freed_under_layer_gradients
 from shardtune.plan.context import context_length, ring_attention_bytes
+from shardtune.plan.hardware import Hardware
 from shardtune.plan.host import loading_host_bytes
 from shardtune.plan.host_fit import host_ram_peak, host_ram_terms
 from shardtune.plan.layouts import hpz_secondary_bytes

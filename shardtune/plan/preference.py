@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardtune.flops import ModelShape
+from shardtune.models.flops import ModelShape
 from shardtune.plan.activations import activation_mode, batch_tensor_bytes, eval_activation_bytes
 from shardtune.plan.buffers import persistent_buffer_bytes, resharded_after_forward
 from shardtune.plan.layouts import hpz_secondary_bytes

@@ -12,9 +12,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardtune.flops import ModelShape
-from shardtune.hardware import Hardware
 from shardtune.models.families import FAMILIES
+from shardtune.models.flops import ModelShape
+from shardtune.plan.hardware import Hardware
 from shardtune.plan.planner import MemoryPlan, gb, plan
 from shardtune.plan.report import checkpointing_words, optimizer_words, plan_checkpointing_words
 from shardtune.plan.states import Peft
@@ -207,7 +207,7 @@ def planned_group(shape: ModelShape, hardware: Hardware, search: Search, group: 
 
 def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: str, stochastic: bool,
                shape: ModelShape | None = None) -> bool:
-    """Whether the trainer runs this optimizer under `strategy` (shardtune.checks.check_optimizer refuses the
+    """Whether the trainer runs this optimizer under `strategy` (checks.values.check_optimizer refuses the
     rest): DeepSpeed with torch's AdamW alone; the rounding over bf16 full fine-tuning, under FSDP2 sharded
     over every GPU or one process (replicas would round apart: DDP's, hybrid sharding's); activation offloading
     not beside DeepSpeed's offload (checks.check_activation_offloading); and a sequence split where the trainer
@@ -239,7 +239,7 @@ def runs_under(strategy: Strategy, hardware: Hardware, search: Search, optim: st
 
 
 def family_allows(strategy: Strategy, search: Search, shape: ModelShape | None) -> bool:
-    """Whether the model's family takes the strategy's axis (shardtune.model_checks.check_family_levers and
+    """Whether the model's family takes the strategy's axis (shardtune.checks.model.check_family_levers and
     shardtune.parallel.context refuse the rest): tensor parallelism where the family's plan is planned and proven;
     no ring attention over sliding-window layers; Ulysses over windows shorter than the row only under flash
     attention, which reads the window from the layer rather than from the mask Ulysses drops."""

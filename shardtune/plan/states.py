@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shardtune.flops import ModelShape
+from shardtune.models.flops import ModelShape
 from shardtune.plan.optimizer_states import optimizer_state_bytes, parameter_matrices
 from shardtune.plan.strategy import DS_MAX_LIVE_PARAMETERS, DS_SUB_GROUP, PlanError, Strategy
 
@@ -90,7 +90,7 @@ def peft_states(strategy: Strategy, shape: ModelShape, world: int, peft: Peft, o
 def parameter_sizes(shape: ModelShape) -> list[tuple[int, bool]]:
     """(elements, weight-decayed) of every parameter of a dense decoder, in `model.parameters()` order: the
     order in which DeepSpeed fills each parameter group's sub-groups. Decayed as the trainer splits them
-    (shardtune.optimizers.param_groups: matrices decay, norms and biases do not)."""
+    (shardtune.levers.optimizers.param_groups: matrices decay, norms and biases do not)."""
     h, inter = shape.hidden, shape.intermediate
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     sizes = [(shape.vocab * h, True)]
@@ -181,7 +181,7 @@ def model_states(strategy: Strategy, params: int, world: int, shape: ModelShape 
       and v (12P/N). Gradients, as measured at the first step (tests/launch/test_memory_measured.py): ZeRO-1 holds the
       full 16-bit gradients until the reduction at the accumulation boundary (2P), at the step one group's fp32
       partition beside the whole gradients of the parameters its partition overlaps. With 16-bit weights the
-      trainer accumulates ZeRO-2/3 gradients in fp32 (shardtune.distributed.configure_deepspeed): ZeRO-2 reduces
+      trainer accumulates ZeRO-2/3 gradients in fp32 (parallel.distributed.configure_deepspeed): ZeRO-2 reduces
       them into the fp32 partition the optimizer reads (4P/N); ZeRO-3 into an fp32 partition, and builds one
       optimizer sub-group's fp32 gradient at a time on top (_zero3_states). So ZeRO-1: 2 + 2 + 12/N, ZeRO-2:
       2 + 16/N, ZeRO-3: 18/N bytes per parameter and 4 bytes per element of the largest sub-group.

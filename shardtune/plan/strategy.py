@@ -26,7 +26,7 @@ DS_MAX_LIVE_PARAMETERS = int(1e9)  # elements of gathered ZeRO-3 parameters aliv
 DS_NVME_PARAM_BUFFERS = (5, int(1e8))  # offload_param buffer_count, buffer_size: pinned host staging for NVMe
 DS_NVME_OPTIMIZER_BUFFERS = 4  # offload_optimizer buffer_count: pinned buffers of one sub-group each
 DS_NVME_MAX_IN_CPU = int(1e9)  # offload_param max_in_cpu: elements of a rank's partitions kept in host RAM
-# fp8 (shardtune.float8) computes everything but its float8 linears in bf16: a 16-bit module like bf16's.
+# fp8 (shardtune.levers.float8) computes everything but its float8 linears in bf16: a 16-bit module like bf16's.
 HALF_PRECISIONS = ("bf16", "fp16", "fp8")
 
 
@@ -120,12 +120,12 @@ class Strategy:
 
     @property
     def float8(self) -> bool:
-        """--mixed_precision fp8: the decoder layers' linears train in float8 (shardtune.float8)."""
+        """--mixed_precision fp8: the decoder layers' linears train in float8 (shardtune.levers.float8)."""
         return self.mixed_precision == "fp8"
 
     @property
     def takes_float8(self) -> bool:
-        """Whether fp8 trains under this config (shardtune.float8.check_fp8): FSDP2 without offload, or DDP; not
+        """Whether fp8 trains under this config (shardtune.levers.float8.check_fp8): FSDP2 without offload, or DDP; not
         under context parallelism (shardtune.parallel.context refuses it)."""
         return self.context_parallel == 1 and (self.kind == "ddp" or (self.kind == "fsdp" and not self.offloads))
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardtune.flops import ModelShape
+from shardtune.models.flops import ModelShape
 from shardtune.plan.activations import activation_mode, dtype_bytes, eval_activation_bytes
 from shardtune.plan.host import checkpoint_page_cache_bytes, loading_host_bytes
 from shardtune.plan.phases import save_gather_bytes

@@ -1,6 +1,6 @@
 """Launched by tests/launch/test_peft.py under `accelerate launch` with the tiny recipe's flags and --use_peft: the
 model built and prepared as the trainer builds it, then the bytes each rank receives from all-gathers while
-shardtune.export writes the adapter, and while accelerate's get_state_dict gathers the same model. The main
+shardtune.export.model writes the adapter, and while accelerate's get_state_dict gathers the same model. The main
 process prints one JSON line: both byte counts, the written adapter's and the whole model's size, and whether the
 written adapter equals peft's adapter state of that whole state dict."""
 
@@ -15,8 +15,8 @@ with startup_heap_frozen():  # the imports as a recipe's launch makes them (shar
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from shardtune.config import Recipe
-    from shardtune.distributed import make_accelerator, shut_down
-    from shardtune.export import save_hf_model
+    from shardtune.export.model import save_hf_model
+    from shardtune.parallel.distributed import make_accelerator, shut_down
     from shardtune.trainer import build
 
 

@@ -1,5 +1,5 @@
 """Launched by tests/launch/test_export_stream.py under `accelerate launch` with a recipe's flags: the model built
-and prepared as the trainer builds it, then written twice with the same small max_shard_size: by shardtune.export
+and prepared as the trainer builds it, then written twice with the same small max_shard_size: by shardtune.export.model
 (streamed, one shard at a time) and as the export was written before it streamed (accelerate's get_state_dict
 gathers the whole model to the main process, save_pretrained writes it). The main process prints one JSON line:
 each export's files, whether their bytes are equal, and its peak resident set size above the size before."""
@@ -13,9 +13,9 @@ from shardtune.cli import checked_launch, startup_heap_frozen
 
 with startup_heap_frozen():  # the imports as a recipe's launch makes them (shardtune.cli.main)
     from shardtune.config import Recipe
-    from shardtune.distributed import make_accelerator, shut_down
-    from shardtune.export import cast_floating, save_hf_model
+    from shardtune.export.model import cast_floating, save_hf_model
     from shardtune.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from shardtune.parallel.distributed import make_accelerator, shut_down
     from shardtune.trainer import build
 
 SHARD_BYTES = 4_000_000

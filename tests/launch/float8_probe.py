@@ -1,6 +1,6 @@
 """Launched by tests/launch/test_float8.py under `accelerate launch` with the tiny recipe's flags: the trainer's own
 loop, with --mixed_precision fp8 when SHARDTUNE_PROBE_FLOAT8=1. The recipe is checked as given (bf16: fp8 is refused
-off sm89+, shardtune.float8.check_fp8), then trained as fp8 with torchao's emulated float8 matmuls (the casts to
+off sm89+, shardtune.levers.float8.check_fp8), then trained as fp8 with torchao's emulated float8 matmuls (the casts to
 float8 and their scales as on a GPU, the products in high precision): everything else is the GPU path, the
 conversion before sharding, the float8 all-gather after rank-0 loading, the scales precomputed after each step.
 The main process prints one JSON line: per rank, the float8 linears, how many of their shards carry torchao's
@@ -21,11 +21,11 @@ with startup_heap_frozen():  # the imports as a recipe's launch makes them (shar
     import torch
 
     from shardtune import trainer
+    from shardtune.checkpoint.preemption import StopRequest
     from shardtune.checkpoint.run_settings import resume_point
     from shardtune.config import FP8_DIM_MULTIPLE, Recipe
-    from shardtune.distributed import make_accelerator, shut_down
-    from shardtune.float8 import convert_linears
-    from shardtune.preemption import StopRequest
+    from shardtune.levers.float8 import convert_linears
+    from shardtune.parallel.distributed import make_accelerator, shut_down
 
 FLOAT8 = os.environ.get("SHARDTUNE_PROBE_FLOAT8") == "1"
 

@@ -19,8 +19,8 @@ from accelerate.utils.other import TORCH_SAFE_GLOBALS
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from shardtune.preemption import FAULT_ENV, NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE
-from shardtune.ranks import PEER_LOST_EXIT_CODE
+from shardtune.checkpoint.preemption import FAULT_ENV, NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE
+from shardtune.parallel.ranks import PEER_LOST_EXIT_CODE
 from tests.conftest import (
     ENV,
     REFERENCE_ARGS,
@@ -61,7 +61,7 @@ def export(checkpoint, output) -> None:
     load_script("export_hf").main([str(checkpoint), str(output)])
 
 
-# Faults land where the test says, through the trainer's fault hook (shardtune.preemption.Fault): rank 1 signals
+# Faults land where the test says, through the trainer's fault hook (checkpoint.preemption.Fault): rank 1 signals
 # itself right after the backward of a chosen micro-batch of a chosen step, the same place on every run. The
 # reference runs accumulate 2 micro-batches per step: micro-batch 0 is inside an accumulation cycle, 1 ends it.
 # DDP runs as one launcher of two processes: rank 1 dies mid-cycle, then the test kills every rank and the

@@ -27,9 +27,9 @@ from transformers import AutoModelForCausalLM
 import tests.conftest as harness
 from shardtune.checkpoint.markers import MARKER, damage
 from shardtune.checkpoint.pending import WRITE_DELAY_ENV
+from shardtune.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from shardtune.cli import main
 from shardtune.config import Recipe
-from shardtune.preemption import PREEMPTED_EXIT_CODE
 from tests.conftest import REFERENCE_ARGS, REPO, run_recipe, start_recipe, train_losses
 from tests.launch.test_checkpoint import export
 

@@ -50,7 +50,7 @@ def test_compiled_layers_train_as_eager(config, request, tiny_assets, tmp_path):
     # Step 1 compiles each region, and again with the length dynamic (each rank meets two lengths in its two
     # micro-batches); later steps of other lengths compile nothing. (Under ZeRO-3 the graphs break at each
     # linear's parameter hooks, and DeepSpeed's pre-backward hook recompiles per module up to dynamo's recompile
-    # limit, then runs eagerly: refused, shardtune.checks.check_compile_under.)
+    # limit, then runs eagerly: refused, shardtune.checks.values.check_compile_under.)
     assert len(frames) >= 4 and frames[1:] == [frames[1]] * (len(frames) - 1) and frames[0] > 0
     assert all(second > 0 for second in seconds)
     if config == "fsdp_full_shard":  # planned as eager (docs/planner.md), whose plan the plain run's peaks check

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from shardtune.flops import resolve_model
-from shardtune.hardware import parse_hardware
+from shardtune.checkpoint.preemption import FAULT_ENV
 from shardtune.methods.dpo_loss import PAIR_METRICS
+from shardtune.models.flops import resolve_model
+from shardtune.models.tiny_assets import preference_examples
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.phases import PHASES
 from shardtune.plan.planner import plan
 from shardtune.plan.preference import profiled_phase_totals
 from shardtune.plan.states import Peft
-from shardtune.preemption import FAULT_ENV
-from shardtune.tiny import preference_examples
 from tests.conftest import read_metrics, run_recipe, strategy_as_launched
 from tests.launch.test_memory_phases import RTOL, measured_peaks
 from tests.launch.test_strategies import FP32_RTOL

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from shardtune.tiny import write_tiny_assets
+from shardtune.models.tiny_assets import write_tiny_assets
 from tests.conftest import CONFIGS, grad_norms, made_once, run_recipe, train_losses
 from tests.launch.test_strategies import FP32_RTOL
 

@@ -18,7 +18,7 @@ from tests.conftest import REPO, machine_log, run_recipe, start_machines, train_
 PROBE = REPO / "tests" / "launch" / "float8_probe.py"
 ARGS = ("--mixed_precision", "bf16", "--max_steps", "6", "--per_device_train_batch_size", "8", "--global_batch_size",
         "16", "--learning_rate", "3e-3", "--warmup_ratio", "0", "--save_steps", "0")
-# The tiny model's linears: 2 layers x (q, k, v, o, gate, up, down); lm_head stays bf16 (shardtune.float8).
+# The tiny model's linears: 2 layers x (q, k, v, o, gate, up, down); lm_head stays bf16 (shardtune.levers.float8).
 FLOAT8_LINEARS = 14
 # e4m3's 3 mantissa bits round each operand by up to 6%; over 6 steps the mean loss drifts by far less (measured
 # under 1% on this model), and a float8 path that broke training (wrong scales, unsharded weights) misses by more.

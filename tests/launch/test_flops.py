@@ -1,4 +1,4 @@
-"""`python -m shardtune.flops --json` as users run it: the FLOPs and MFU figures of the unit tests, printed."""
+"""`python -m shardtune.models.flops --json` as users run it: the FLOPs and MFU figures of the unit tests, printed."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from shardtune.flops import flops_per_token, resolve_model
+from shardtune.models.flops import flops_per_token, resolve_model
 from tests.conftest import REPO
 
 
 def test_cli_json():
     result = subprocess.run(
-        [sys.executable, "-m", "shardtune.flops", "--model", "llama-3.1-70b", "--tokens_per_second", "400",
+        [sys.executable, "-m", "shardtune.models.flops", "--model", "llama-3.1-70b", "--tokens_per_second", "400",
          "--gpus", "8", "--gpu", "h100", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)

@@ -134,9 +134,9 @@ def test_a_signal_ends_the_running_case_whole_and_removes_the_temporary_files(si
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
-# What the check's processes import that the GPU machine lacks: the trainer (datasets through shardtune.data),
+# What the check's processes import that the GPU machine lacks: the trainer (datasets through shardtune.data.loading),
 # DeepSpeed (ZeRO-3 cases), torchao (the levers, fp8) and Liger's kernels; accelerate's launcher as gpu_check runs it.
-CHECK_IMPORTS = ("import shardtune.trainer, shardtune.gpu_check_figures, deepspeed, datasets, torchao.float8, "
+CHECK_IMPORTS = ("import shardtune.trainer, shardtune.gpu_check.figures, deepspeed, datasets, torchao.float8, "
                  "torchao.optim, liger_kernel.transformers, accelerate.commands.launch; "
                  "from deepspeed.runtime.engine import DeepSpeedEngine; print('imported')")
 

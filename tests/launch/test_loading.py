@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune.flops import resolve_model
+from shardtune.models.flops import resolve_model
+from shardtune.models.tiny_assets import write_tiny_assets
 from shardtune.plan.host import checkpoint_page_cache_bytes, loading_host_bytes
-from shardtune.tiny import write_tiny_assets
 from tests.conftest import read_metrics, run_recipe, strategy_as_launched
 
 MEDIUM = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardtune.flops import resolve_model
 from shardtune.memory import COMPONENTS
+from shardtune.models.flops import resolve_model
 from shardtune.plan.buffers import buffers
 from shardtune.plan.states import deepspeed_sizes, largest_sub_group, model_states, persistent_elements
 from shardtune.plan.strategy import Strategy

@@ -19,13 +19,13 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from shardtune.flops import resolve_model
-from shardtune.hardware import parse_hardware
+from shardtune.models.flops import resolve_model
+from shardtune.models.tiny_assets import tiny_llama_config, write_tiny_assets
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.phases import PHASES
 from shardtune.plan.planner import plan
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import Strategy
-from shardtune.tiny import tiny_llama_config, write_tiny_assets
 from tests.conftest import (
     BF16_CONFIGS,
     LORA_STRATEGIES,

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardtune.flops import resolve_model
-from shardtune.hardware import Hardware
+from shardtune.models.flops import resolve_model
+from shardtune.plan.hardware import Hardware
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import Strategy
 from tests.conftest import (

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardtune.preemption import FAULT_ENV
-from shardtune.tiny import write_tiny_assets
+from shardtune.checkpoint.preemption import FAULT_ENV
+from shardtune.models.tiny_assets import write_tiny_assets
 from tests.conftest import (
     CONFIGS,
     grad_norms,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardtune.flops import resolve_model
+from shardtune.models.flops import resolve_model
 from shardtune.plan.states import model_states
 from tests.conftest import REFERENCE_ARGS, grad_norms, read_metrics, run_recipe, strategy_as_launched, train_losses
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from scripts import export_hf
-from shardtune.tiny import write_tiny_assets
+from shardtune.models.tiny_assets import write_tiny_assets
 from tests.conftest import read_metrics, run_recipe
 
 SAMPLES = 3  # not the default (4): the flag is what sets the count

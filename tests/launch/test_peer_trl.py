@@ -39,9 +39,9 @@ from pathlib import Path
 import pytest
 
 from shardtune.config import Recipe
-from shardtune.data import IGNORE_INDEX, load_splits
+from shardtune.data.loading import IGNORE_INDEX, load_splits
 from shardtune.model import load_tokenizer
-from shardtune.tiny import TASK_LETTERS, reversal_examples
+from shardtune.models.tiny_assets import TASK_LETTERS, reversal_examples
 from tests.conftest import launch_env, popen, read_metrics, start_recipe
 from tests.unit.test_formats import write_jsonl
 
@@ -61,7 +61,7 @@ TRL_ARGS = {**SHARED, "gradient_accumulation_steps": ACCUMULATION, "data_seed": 
             "max_length": MAX_LENGTH, "use_cpu": True, "bf16": False, "fp16": False,
             "activation_checkpointing": False, "optim": "adamw_torch",  # torch.optim.AdamW, unfused, as shardtune's
             "logging_steps": 1, "report_to": "none", "save_strategy": "no", "disable_tqdm": True}
-# The tiny chat template (shardtune.tiny.CHAT_TEMPLATE) with TRL's assistant markers around each reply and its EOS.
+# The tiny chat template (models.tiny_assets.CHAT_TEMPLATE) with TRL's assistant markers around each reply and its EOS.
 MARKED_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}"
     "{{ 'assistant:' }}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"

@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 
 from shardtune.config import DPO_LOSS_TYPES, Recipe
-from shardtune.data import load_splits
+from shardtune.data.loading import load_splits
 from shardtune.methods.dpo_loss import PAIR_METRICS
 from shardtune.model import load_tokenizer
-from shardtune.tiny import preference_examples
+from shardtune.models.tiny_assets import preference_examples
 from tests.conftest import launch_env, popen, read_metrics, start_recipe
 from tests.unit.test_formats import write_jsonl
 

@@ -16,7 +16,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from shardtune.flops import resolve_model
+from shardtune.models.flops import resolve_model
 from shardtune.plan.states import Peft, peft_states
 from tests.conftest import (
     ENV,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.flops import resolve_model
-from shardtune.hardware import Hardware
+from shardtune.models.flops import resolve_model
+from shardtune.plan.hardware import Hardware
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
 from tests.conftest import REPO

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardtune.flops import resolve_model
+from shardtune.models.flops import resolve_model
 from shardtune.plan.states import model_states
 from tests.conftest import THREE_RANKS, read_metrics, strategy_as_launched
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.batches import TRACE_ROWS_ENV
+from shardtune.data.batches import TRACE_ROWS_ENV
 from tests.conftest import REFERENCE_ARGS, grad_norms, made_once, read_metrics, run_recipe, train_losses
 
 # The reference runs (tests/conftest.py): 2 processes, 8 steps of 32 rows, a checkpoint every 2 steps.
@@ -23,7 +23,7 @@ TOLERANCE = 1e-5  # the same global batches, reduced over other ranks and micro-
 
 
 def rows_by_step(trace: Path) -> dict[int, list[str]]:
-    """The rows every rank trained at each step (their digests, shardtune.batches.row_digests), over all ranks."""
+    """The rows every rank trained at each step (their digests, shardtune.data.batches.row_digests), over all ranks."""
     steps = defaultdict(list)
     for path in trace.glob("rows-rank*.jsonl"):
         for line in path.read_text().splitlines():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardtune.batches import COUNTS, make_collator
+from shardtune.data.batches import COUNTS, make_collator
 from tests.unit.test_step import features
 
 

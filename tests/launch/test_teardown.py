@@ -1,6 +1,6 @@
 """Every process a run starts ends on its own. A DDP-on-gloo process can deadlock at exit if the last reference
 to its process group goes with the DDP Reducer: the group's destructor joins gloo's worker threads while the
-main thread holds the GIL that a worker needs (shardtune.distributed.shut_down explains the order that avoids
+main thread holds the GIL that a worker needs (shardtune.parallel.distributed.shut_down explains the order that avoids
 it). Two real ranks train a few DDP steps and shut down through the trainer's teardown, round after round:
 every round's ranks must exit 0 on their own within the time limit."""
 
@@ -19,7 +19,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 
-from shardtune.distributed import shut_down
+from shardtune.parallel.distributed import shut_down
 
 # As the trainer's DDP: gradients as views into the all-reduce buckets, the accumulation cycle of the trainer.
 accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2,

@@ -19,8 +19,8 @@ import yaml
 from safetensors.torch import load_file
 
 from shardtune.checkpoint.markers import read_marker
+from shardtune.checkpoint.preemption import FAULT_ENV
 from shardtune.plan.strategy import read_accelerate_config
-from shardtune.preemption import FAULT_ENV
 from tests.conftest import (
     CONFIGS,
     grad_norms,

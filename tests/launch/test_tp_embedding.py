@@ -14,7 +14,7 @@ import sys
 
 from transformers import AutoConfig
 
-from shardtune.flops import shape_from_config
+from shardtune.models.flops import shape_from_config
 from shardtune.plan.tensor import sliced_shape
 from tests.conftest import ENV, REPO, free_port
 

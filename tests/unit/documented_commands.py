@@ -1,5 +1,5 @@
 """The planner commands that the README, docs/ and the recipe headers give — `python -m shardtune.plan ...`,
-`python -m shardtune.flops ...` and a recipe's `--dry_run` — read from the text, run in-process from the
+`python -m shardtune.models.flops ...` and a recipe's `--dry_run` — read from the text, run in-process from the
 repository root as a user would run them, and the figures the text quotes compared with what they print."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardtune.flops import main as flops_main
+from shardtune.models.flops import main as flops_main
 from shardtune.plan.__main__ import main as plan_main
 from tests.conftest import REPO
 
@@ -127,7 +127,7 @@ def run(argv: list[str], scratch: Path) -> tuple[int, str]:
         try:
             if argv[:2] == ["-m", "shardtune.plan"]:
                 code = plan_main(argv[2:])
-            elif argv[:2] == ["-m", "shardtune.flops"]:
+            elif argv[:2] == ["-m", "shardtune.models.flops"]:
                 code = flops_main(argv[2:])
             else:
                 code = run_script(argv)

@@ -11,10 +11,10 @@ from types import MappingProxyType
 
 import pytest
 
-from shardtune.checks import check_machine
+from shardtune.checks.nvme import AsyncIOReadiness, check_async_io
+from shardtune.checks.startup import check_machine
 from shardtune.config import ConfigError, Problems, Recipe
 from shardtune.launch import LaunchDescription
-from shardtune.nvme_checks import AsyncIOReadiness, check_async_io
 
 LIBAIO_FIX = "install libaio-dev (apt-get install libaio-dev"
 

@@ -1,21 +1,20 @@
 """Every setting given to `accelerate launch` acts or is refused in one line, and so is a recipe flag that belongs to
 the launcher or is given twice. In this process: the launch variables are those accelerate's own launcher code builds
 for the command line (commands/launch.py, utils/launch.py), and the launcher's command line is the one a rank reads
-from its parent (shardtune.launcher_args.LauncherRequest). tests/launch/test_bad_input.py launches the cases that
+from its parent (parallel.launcher_args.LauncherRequest). tests/launch/test_bad_input.py launches the cases that
 need the real launcher."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from shardtune.cli import checked_launch, main
 from shardtune.config import Recipe
-from shardtune.launcher_args import LauncherRequest, launch_options, launcher_problems
+from shardtune.parallel.launcher_args import LauncherRequest, launch_options, launcher_problems, script_shown
 from tests.conftest import REPO
 
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -164,7 +163,7 @@ def test_a_launcher_setting_that_would_not_act_is_refused(case, tiny_assets, tmp
     options, recipe_args, line = LAUNCH_CASES[case]
     monkeypatch.chdir(REPO)  # the launcher's relative --config_file, as users launch from the repository
     scrubbed_launch(monkeypatch, launched_env(options), options)
-    script = os.path.relpath(os.path.abspath(sys.argv[0]))
+    script = script_shown()
     assert error_lines(recipe_args, tiny_assets, tmp_path, capsys) == [
         f"shardtune: error: {line.replace('{script}', script)}"]
 
@@ -173,7 +172,7 @@ def test_a_launcher_setting_that_would_not_act_is_refused(case, tiny_assets, tmp
 def test_a_recipe_flag_that_would_not_act_is_refused(case, tiny_assets, tmp_path, capsys, monkeypatch):
     args, line = FLAG_CASES[case]
     scrubbed_launch(monkeypatch, {}, None)
-    values = {"data": tiny_assets[1], "tmp": str(tmp_path), "script": os.path.relpath(sys.argv[0])}
+    values = {"data": tiny_assets[1], "tmp": str(tmp_path), "script": script_shown()}
     (tmp_path / "other.jsonl").write_text(Path(tiny_assets[1]).read_text())  # a second source that exists
     assert error_lines(tuple(arg.format(**values) for arg in args), tiny_assets, tmp_path, capsys) == [
         f"shardtune: error: {line.format(**values)}"]
@@ -230,7 +229,7 @@ def test_the_applied_parallelism_is_recorded(monkeypatch):
 def test_more_processes_than_gpus_on_a_machine_refused(local_processes: int, gpus: int, refused: bool) -> None:
     """A 2-node config (num_processes: 16) launched on one 8-GPU machine without --num_machines starts 16 processes
     there: refused in one line before the ranks ask for devices 8 to 15 (a CUDA 'invalid device ordinal')."""
-    from shardtune.checks import check_device
+    from shardtune.checks.values import check_device
     from shardtune.config import ConfigError
 
     recipe = Recipe(model_name_or_path="m")
@@ -298,7 +297,7 @@ def test_a_config_of_one_process_is_named_by_its_type(kind, tmp_path):
     assert launcher_problems(request, 1, "DDP") == [
         f"accelerate launch --num_processes 2 started one process: one.yaml runs one process (distributed_type "
         f"{kind}). Give it a config: accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 "
-        f"{os.path.relpath(sys.argv[0])} (on CPU with the recipe's --use_cpu true)."]
+        f"{script_shown()} (on CPU with the recipe's --use_cpu true)."]
 
 
 def test_the_default_config_is_found_as_accelerate_finds_it(tmp_path, monkeypatch):

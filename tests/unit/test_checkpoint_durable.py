@@ -64,9 +64,9 @@ def test_auto_skips_what_cannot_resume(tmp_path, capsys):
 def test_async_save_is_refused_beside_a_deepspeed_writer_of_its_own(tmp_path):
     """DeepSpeed's JSON may choose its own checkpoint engine (checkpoint.writer, datastates_ckpt): the background
     save writes with torch's, so the pair is refused before anything loads, not dropped after loading."""
+    from shardtune.checks.outputs import check_async_save
     from shardtune.config import ConfigError, Recipe
     from shardtune.launch import LaunchDescription
-    from shardtune.output_checks import check_async_save
 
     for settings in ({"checkpoint": {"writer": {"type": "fast"}}}, {"datastates_ckpt": {}}, {}):
         path = tmp_path / "ds.json"

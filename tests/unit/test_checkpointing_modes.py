@@ -10,10 +10,10 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from transformers import LlamaForCausalLM
 
 import shardtune.model
-from shardtune.checks import check_activation_offloading, check_checkpointing_mode, check_choices
+from shardtune.checks.values import check_activation_offloading, check_checkpointing_mode, check_choices
 from shardtune.config import ConfigError, Recipe
-from shardtune.flops import resolve_model, shape_from_config
-from shardtune.hardware import parse_hardware
+from shardtune.models.flops import resolve_model, shape_from_config
+from shardtune.models.tiny_assets import tiny_llama_config
 from shardtune.plan.__main__ import main
 from shardtune.plan.activations import (
     activation_bytes,
@@ -21,10 +21,10 @@ from shardtune.plan.activations import (
     offloaded_activation_bytes,
     selective_layer_bytes,
 )
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.host import pinned_block_bytes
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import CONFIGS_DIR, PlanError, read_accelerate_config
-from shardtune.tiny import tiny_llama_config
 
 
 def kept_by_policy(monkeypatch) -> dict[int, int]:

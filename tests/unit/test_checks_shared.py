@@ -128,7 +128,7 @@ def test_a_launched_rank_finds_its_launchers_config(tmp_path):
     (tmp_path / "typo.yaml").write_text((CONFIGS / "fsdp_full_shard.yaml").read_text().replace(
         "fsdp_offload_params:", "fsdp_ofload_params:"))
     rank = ("from shardtune.launch import accelerate_config_problems\n"
-            "from shardtune.launcher_args import this_launcher\n"
+            "from shardtune.parallel.launcher_args import this_launcher\n"
             "path = this_launcher().config_path\nprint(path)\nprint(accelerate_config_problems(path))\n")
     launcher = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {rank!r}], check=True)\n"
     result = subprocess.run([sys.executable, "-c", launcher, "accelerate", "launch", "--config_file", "typo.yaml",
@@ -192,8 +192,8 @@ def test_a_hub_out_of_reach_fails_at_once(monkeypatch, capsys, tmp_path):
 
 def test_a_long_search_says_how_far_it_got(monkeypatch, capsys):
     """The search over node counts for a plan that fits prints its progress on stderr."""
-    from shardtune.flops import resolve_model
-    from shardtune.hardware import parse_hardware
+    from shardtune.models.flops import resolve_model
+    from shardtune.plan.hardware import parse_hardware
 
     monkeypatch.setattr(search, "PROGRESS_EVERY_S", 0.0)
     found = search.fewest_nodes(resolve_model("llama-3.1-70b"), parse_hardware("1x80gb"), search.Search(),

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import get_scheduler
 
+from shardtune.checks.flag_hints import CONFIG_FILE_NAMES, MEANINGS, RENAMED
 from shardtune.config import Recipe
-from shardtune.flag_hints import CONFIG_FILE_NAMES, MEANINGS, RENAMED
 from shardtune.flags import ALIASES, parse_flags, parse_recipe
 from tests.conftest import REPO
 

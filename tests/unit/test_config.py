@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from shardtune.checks import batch_sizes, validate
+from shardtune.checks.startup import batch_sizes, validate
 from shardtune.config import LR_SCHEDULERS, BatchSizes, ConfigError, Recipe
 from shardtune.flags import parse_recipe
 from shardtune.launch import LaunchDescription

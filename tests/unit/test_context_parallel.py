@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig
 
-from shardtune.checks import batch_sizes
+from shardtune.checks.startup import batch_sizes
 from shardtune.config import ConfigError, Recipe
-from shardtune.data import IGNORE_INDEX
-from shardtune.flops import resolve_model
+from shardtune.data.loading import IGNORE_INDEX
 from shardtune.launch import LaunchDescription
+from shardtune.models.flops import resolve_model
 from shardtune.parallel.context import (
     check_context_model,
     check_context_parallel,

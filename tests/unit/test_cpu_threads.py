@@ -100,8 +100,8 @@ def test_an_unreadable_config_stops_the_job_before_srun(stand_ins, tmp_path):
     assert result.returncode == 2
     assert "step command" not in result.stdout
     assert result.stderr.splitlines() == [
-        f"shardtune.cpu_threads: error: Cannot read accelerate config '{tmp_path}/nothere.yaml': [Errno 2] No such "
-        f"file or directory: '{tmp_path}/nothere.yaml'; give an accelerate config, e.g. "
+        f"shardtune.parallel.cpu_threads: error: Cannot read accelerate config '{tmp_path}/nothere.yaml': [Errno 2] "
+        f"No such file or directory: '{tmp_path}/nothere.yaml'; give an accelerate config, e.g. "
         "accelerate_configs/ds_zero3.yaml."]
 
 
@@ -118,7 +118,7 @@ def test_a_recipe_launch_line_sets_threads_where_its_config_steps_on_the_cpu(rec
     if Path(config).stem not in CPU_OPTIMIZER_STEP:
         assert prefix is None and "OMP_NUM_THREADS" not in header
         return
-    assert prefix, f"{recipe.name}: its launch line must give OMP_NUM_THREADS (shardtune.cpu_threads)"
+    assert prefix, f"{recipe.name}: its launch line must give OMP_NUM_THREADS (shardtune.parallel.cpu_threads)"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
     result = subprocess.run(["bash", "-c", f"{prefix.group(1)}; echo $OMP_NUM_THREADS"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=60)

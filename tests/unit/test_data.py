@@ -12,10 +12,10 @@ from datasets import Dataset, DatasetDict
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardtune.batches import COUNTS, make_collator
 from shardtune.config import ConfigError, Recipe
-from shardtune.data import IGNORE_INDEX, load_splits
-from shardtune.tiny import reversal_examples
+from shardtune.data.batches import COUNTS, make_collator
+from shardtune.data.loading import IGNORE_INDEX, load_splits
+from shardtune.models.tiny_assets import reversal_examples
 from tests.conftest import REPO
 
 ROWS = reversal_examples(64, seed=1)

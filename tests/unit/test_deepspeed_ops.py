@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from shardtune.deepspeed_ops import compile_notice, op_builders
+from shardtune.parallel.deepspeed_ops import compile_notice, op_builders
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
 
 CONFIG = "accelerate_configs/ds_zero3_offload_optimizer.yaml"
@@ -48,7 +48,7 @@ def test_unbuilt_ops_named_before_they_compile(tmp_path, monkeypatch) -> None:
 def test_default_extensions_root_is_torchs(monkeypatch) -> None:
     from torch.utils.cpp_extension import _get_build_directory
 
-    from shardtune.deepspeed_ops import extensions_root
+    from shardtune.parallel.deepspeed_ops import extensions_root
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     assert os.path.dirname(_get_build_directory("deepspeed_shm_comm", verbose=False)) == extensions_root()

@@ -1,7 +1,7 @@
 """Every deletion in the package deletes only what its run wrote, each tested beside a stranger's file: checkpoint
 rotation past --save_total_limit and a save redone over an unfinished one (shardtune.checkpoint.saver), the final
-export's stale shards (shardtune.export), the scratch directories of scripts/export_hf.py and merge_lora.py, the
-tiny task's assets (shardtune.tiny) and bench_checkpoint's disk probe. --overwrite_output_dir's clearing is in
+export's stale shards (shardtune.export.model), the scratch directories of scripts/export_hf.py and merge_lora.py, the
+tiny task's assets (models.tiny_assets) and bench_checkpoint's disk probe. --overwrite_output_dir's clearing is in
 tests/unit/test_output_dir.py; here, that its list of names covers what a run's export really writes."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from shardtune.checkpoint.markers import MARKER, complete_checkpoints, describe_
 from shardtune.checkpoint.run_files import RUN_DIRECTORIES, RUN_FILES, remove_checkpoint, strangers
 from shardtune.checkpoint.saver import Checkpointer
 from shardtune.config import Recipe
-from shardtune.export import remove_stale_shards, save_hf_model
-from shardtune.tiny import build_tokenizer, ensure_tiny_assets
+from shardtune.export.model import remove_stale_shards, save_hf_model
+from shardtune.models.tiny_assets import build_tokenizer, ensure_tiny_assets
 from tests.conftest import load_script
 
 
@@ -149,8 +149,8 @@ def test_what_wandb_and_the_reference_cache_write_is_all_names_the_clearing_know
     starts it) and the DPO reference cache as write_cache leaves it: nothing in their folders is a stranger's."""
     import wandb
 
+    from shardtune.checkpoint.output_dir import LOCK_FILE
     from shardtune.methods.reference import write_cache
-    from shardtune.output_dir import LOCK_FILE
     from shardtune.tracking import wandb_init_kwargs
 
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -33,7 +33,7 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*$", re.MULTILINE)
 # Backticked paths into the repository that name a file or folder (not a command line or a placeholder).
 TOP_FOLDERS = ("recipes/", "accelerate_configs/", "scripts/", "shardtune/", "tests/", "docs/")
-DOTTED = re.compile(r"\bshardtune(?:\.\w+)+")  # a module, or a name in one: shardtune.plan, shardtune.ranks.x
+DOTTED = re.compile(r"\bshardtune(?:\.\w+)+")  # a module, or a name in one: shardtune.plan, shardtune.parallel.ranks.x
 
 
 def prose(page: Path) -> str:

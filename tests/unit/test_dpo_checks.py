@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shardtune.config import ConfigError, Recipe
-from shardtune.liger import check_liger_kernel
+from shardtune.levers.liger import check_liger_kernel
 from shardtune.methods.checks import DPO_FIELDS, check_dpo_flags, check_dpo_launch, check_dpo_values
 from tests.unit.test_bad_input import Case, refused
 from tests.unit.test_checks_shared import dry_run_errors, no_launch  # noqa: F401 (autouse fixture)
@@ -106,7 +106,7 @@ def test_the_reference_must_share_the_policys_vocabulary(tiny_assets, tmp_path, 
     token ids as other tokens: refused in one line. The policy's own copy is taken."""
     from transformers import LlamaForCausalLM
 
-    from shardtune.tiny import tiny_llama_config
+    from shardtune.models.tiny_assets import tiny_llama_config
 
     larger = tmp_path / "larger"
     config = json.loads((Path(tiny_assets[0]) / "config.json").read_text())

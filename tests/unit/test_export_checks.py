@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from shardtune.checkpoint.markers import describe_files, write_marker
 from shardtune.config import Recipe
-from shardtune.export import add_model_files, save_hf_model
+from shardtune.export.model import add_model_files, save_hf_model
 from shardtune.model import load_tokenizer
 from tests.conftest import load_script
 

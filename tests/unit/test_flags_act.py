@@ -22,18 +22,18 @@ from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from shardtune.batches import COUNTS
 from shardtune.checkpoint.run_settings import ResumePoint
-from shardtune.checks import batch_sizes
+from shardtune.checks.startup import batch_sizes
 from shardtune.config import BatchSizes, ConfigError, Recipe
-from shardtune.data import load_splits
-from shardtune.data_sources import check_dataset_sources
-from shardtune.distributed import configure_deepspeed, make_accelerator
+from shardtune.data.batches import COUNTS
+from shardtune.data.loading import load_splits
+from shardtune.data.sources import check_dataset_sources
 from shardtune.flags import parse_recipe
 from shardtune.launch import LaunchDescription
 from shardtune.model import load_model
+from shardtune.models.tiny_assets import reversal_examples
+from shardtune.parallel.distributed import configure_deepspeed, make_accelerator
 from shardtune.step import train_step
-from shardtune.tiny import reversal_examples
 from shardtune.tracking import wandb_init_kwargs
 from shardtune.trainer import build, start
 from tests.conftest import load_script

@@ -1,4 +1,4 @@
-"""--mixed_precision fp8 on CPU: which linears torchao's conversion swaps (shardtune.float8), the refusals where
+"""--mixed_precision fp8 on CPU: which linears torchao's conversion swaps (shardtune.levers.float8), the refusals where
 float8 cannot train, the --help text, and the planner's arithmetic for the float8 weights. The float8 training
 itself on 2 ranks: tests/launch/test_float8.py; the float8 matmuls: scripts/gpu_check.py on a GPU. Compiled float8
 layers trace whole and train as eager ones."""
@@ -11,18 +11,18 @@ import os
 import pytest
 import torch
 
-from shardtune.checks import validate
+from shardtune.checks.startup import validate
 from shardtune.config import ConfigError, Recipe
 from shardtune.flags import recipe_parser
-from shardtune.float8 import check_fp8, convert_linears
-from shardtune.flops import resolve_model
-from shardtune.hardware import parse_hardware
 from shardtune.launch import LaunchDescription
+from shardtune.levers.float8 import check_fp8, convert_linears
+from shardtune.models.flops import resolve_model
+from shardtune.models.tiny_assets import tiny_llama_config
 from shardtune.plan.buffers import buffers, float8_weight_elements
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.planner import plan
 from shardtune.plan.search import Search, recommend
 from shardtune.plan.strategy import CONFIGS_DIR, PlanError, Strategy, read_accelerate_config
-from shardtune.tiny import tiny_llama_config
 
 FP8 = Recipe(mixed_precision="fp8")
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -166,7 +166,7 @@ def test_gpu_check_runs_fp8_on_float8_tensor_cores_and_against_its_bf16_run():
     name = gpu_check.case_name(config, accumulation, packing, levers)
     reference = gpu_check.case_name(config, accumulation, packing, {})
     assert name == f"{reference} fp8"
-    from shardtune.gpu_check_figures import MEASURED_PHASES, comparison
+    from shardtune.gpu_check.figures import MEASURED_PHASES, comparison
 
     measured = {f"{phase}_error": 0.0 for phase, _ in MEASURED_PHASES} | {  # the reserves within their plan
         "fragmentation_gb": 1.0, "fragmentation_planned_gb": 8.0, "outside_allocator_gb": 1.0,
@@ -182,7 +182,7 @@ def test_gpu_check_runs_fp8_on_float8_tensor_cores_and_against_its_bf16_run():
 
 
 def test_the_float8_lever_needs_cuda_float8_tensor_cores_and_no_deepspeed():
-    from shardtune.levers import LEVERS
+    from shardtune.levers.catalogue import LEVERS
 
     (lever,) = [lever for lever in LEVERS if lever.flags == ("--mixed_precision", "fp8")]
     assert not lever.always  # it trades precision
@@ -247,8 +247,8 @@ def float8_training(compiled: bool) -> list[tuple[float, float]]:
     """Three AdamW steps of a 2-layer fp32 tiny Llama whose decoder linears train in emulated float8 (the casts and
     scales of a GPU, the products in fp32), its layers compiled by --torch_compile's regional compilation or not:
     (loss, gradient norm) of each step."""
-    from shardtune.compilation import compile_decoder_layers
-    from shardtune.tiled_loss import chunked_token_loss
+    from shardtune.levers.compile import compile_decoder_layers
+    from shardtune.levers.tiled_loss import chunked_token_loss
 
     torch.manual_seed(0)
     model = tiny_model()
@@ -279,7 +279,7 @@ def test_compiled_float8_layers_train_as_eager_float8_without_graph_breaks():
     (scripts/gpu_check.py runs those)."""
     from torch._dynamo.utils import counters
 
-    from shardtune.compilation import local_compile_figures
+    from shardtune.levers.compile import local_compile_figures
 
     torch.set_num_threads(1)
     eager = float8_training(compiled=False)
@@ -293,7 +293,7 @@ def test_compiled_float8_layers_train_as_eager_float8_without_graph_breaks():
 
 
 def test_the_machine_check_passes_fsdp_s_cpu_offload_to_the_float8_check(monkeypatch):
-    from shardtune import checks
+    from shardtune.checks import startup as checks
 
     monkeypatch.setattr(checks, "gpu_capability", lambda recipe, on_gpu: (9, 0))  # an H100, as far as fp8 asks
     recipe = dataclasses.replace(FP8, model_name_or_path="m", dataset="d")

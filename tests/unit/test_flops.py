@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 
-from shardtune.flops import flops_per_token, main, mfu, resolve_model
-from shardtune.hardware import PEAK_BF16_FLOPS, gpu_key, peak_flops
+from shardtune.models.flops import flops_per_token, main, mfu, resolve_model
+from shardtune.plan.hardware import PEAK_BF16_FLOPS, gpu_key, peak_flops
 
 
 def test_llama_8b_flops_per_token_by_hand():
@@ -61,4 +61,5 @@ def test_cli_unknown_gpu_reports_no_mfu(capsys):
     assert code == 0
     out, err = capsys.readouterr()
     assert "not reported" in out
-    assert err == "shardtune.flops: warning: Unknown GPU 'NVIDIA T4': no BF16 peak known, so no MFU is reported.\n"
+    assert err == ("shardtune.models.flops: warning: Unknown GPU 'NVIDIA T4': no BF16 peak known, so no MFU is "
+                   "reported.\n")

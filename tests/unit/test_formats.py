@@ -14,15 +14,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from shardtune.config import ConfigError, Recipe
-from shardtune.data import IGNORE_INDEX, load_splits
-from shardtune.data_sources import (
+from shardtune.data.loading import IGNORE_INDEX, load_splits
+from shardtune.data.sources import (
     CHAT_TEMPLATES_DIR,
     check_chat_template,
     check_dataset_sources,
     check_dataset_weights,
 )
-from shardtune.templating import apply_chat_template_flag
-from shardtune.tiny import CHAT_TEMPLATE
+from shardtune.data.templates import apply_chat_template_flag
+from shardtune.models.tiny_assets import CHAT_TEMPLATE
 from tests.conftest import load_script
 
 LLAMA3_MARKERS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -159,7 +159,7 @@ def test_bundled_template_is_applied_learnt_and_saved(tmp_path, plain_tokenizer,
     tokenizer = plain_tokenizer
     tokenizer.add_special_tokens({"additional_special_tokens": LLAMA3_MARKERS})  # as Llama 3 tokenizers have them
     _, messages = write_sharegpt_and_messages(tmp_path, count=8)
-    with caplog.at_level(logging.WARNING, logger="shardtune.data"):
+    with caplog.at_level(logging.WARNING, logger="shardtune.data.loading"):
         train, _ = load_splits(recipe(messages, chat_template="llama3"), tokenizer)
     assert "not tokens of this tokenizer" not in caplog.text
     assert re.fullmatch(r"[a-j]+<\|eot_id\|>[k-t]+<\|eot_id\|>", targets(tokenizer, train[0]))
@@ -172,7 +172,7 @@ def test_bundled_template_is_applied_learnt_and_saved(tmp_path, plain_tokenizer,
 def test_template_from_a_file_and_split_markers_warned(tmp_path, plain_tokenizer, caplog):
     path = tmp_path / "mine.jinja"
     path.write_text((Path(CHAT_TEMPLATES_DIR) / "chatml.jinja").read_text())
-    with caplog.at_level(logging.WARNING, logger="shardtune.data"):
+    with caplog.at_level(logging.WARNING, logger="shardtune.data.loading"):
         apply_chat_template_flag(plain_tokenizer, recipe("x", chat_template=str(path)))
     assert "<|im_end|>, <|im_start|> are not tokens of this tokenizer" in caplog.text
     rendered = plain_tokenizer.apply_chat_template(chat_rows(1)[0][:3], tokenize=False)
@@ -197,7 +197,7 @@ def mixture_files(root: Path) -> tuple[str, str]:
 def test_mixture_takes_each_share_with_the_seed(tmp_path, tokenizer, caplog):
     alpaca, sharegpt = mixture_files(tmp_path)
     mixed = recipe(f"{alpaca}, {sharegpt}", dataset_weights="1.0,0.5", eval_fraction=0.1)
-    with caplog.at_level(logging.WARNING, logger="shardtune.data"):
+    with caplog.at_level(logging.WARNING, logger="shardtune.data.loading"):
         splits = load_splits(mixed, tokenizer)
     assert f"{alpaca}: 40 of 40 rows (alpaca); {sharegpt}: 15 of 30 rows (sharegpt)" in caplog.text
     rows = every_row(splits)

@@ -1,4 +1,4 @@
-"""FSDP2 in this process, on one rank over gloo, prepared as the trainer prepares it (shardtune.distributed's
+"""FSDP2 in this process, on one rank over gloo, prepared as the trainer prepares it (shardtune.parallel.distributed's
 plugin, accelerate's FSDP2 preparation): what the step's loss is made of under bf16 mixed precision. The
 launched runs (tests/launch/test_strategies.py) compare whole loss curves; here one loss is compared exactly."""
 
@@ -16,10 +16,10 @@ from accelerate.utils import fsdp2_prepare_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from shardtune.batches import COUNTS, make_collator
 from shardtune.config import BatchSizes, Recipe
-from shardtune.distributed import enable_fsdp_on_cpu, fsdp_plugin
-from shardtune.optimizers import make_optimizer
+from shardtune.data.batches import COUNTS, make_collator
+from shardtune.levers.optimizers import make_optimizer
+from shardtune.parallel.distributed import enable_fsdp_on_cpu, fsdp_plugin
 from shardtune.step import token_loss, train_step
 from tests.unit.test_step import features
 
@@ -37,7 +37,7 @@ def free_port() -> int:
 
 @pytest.fixture
 def fsdp_bf16(monkeypatch) -> Iterator[Accelerator]:
-    """An Accelerator on FSDP2 with bf16 mixed precision, one rank, as shardtune.distributed makes it on CPU."""
+    """An Accelerator on FSDP2 with bf16 mixed precision, one rank, as parallel.distributed makes it on CPU."""
     for name, value in {**FSDP_ENV, "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(name, value)
     plugin = fsdp_plugin("bf16", on_cpu=True)

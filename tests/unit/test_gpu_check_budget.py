@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from shardtune.gpu_check_figures import append_jsonl, earlier_records, new_comparisons, not_run
+from shardtune.gpu_check.figures import append_jsonl, earlier_records, new_comparisons, not_run
 from tests.conftest import REPO, load_script
 
 

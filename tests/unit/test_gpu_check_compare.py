@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shardtune.gpu_check_figures import COMPARED, comparison, last_hidden_states, over_tolerance, relative_gaps
+from shardtune.gpu_check.figures import COMPARED, comparison, last_hidden_states, over_tolerance, relative_gaps
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -17,7 +17,7 @@ import pytest
 
 from shardtune.config import Recipe
 from shardtune.flags import parse_recipe
-from shardtune.float8 import unfused_fp8_warning
+from shardtune.levers.float8 import unfused_fp8_warning
 from tests.conftest import ENV, REPO, load_script
 
 
@@ -43,7 +43,7 @@ import importlib.util, json, sys
 from transformers import AutoConfig
 from shardtune.config import Recipe
 from shardtune.model import load_model
-from shardtune.model_checks import check_lora_targets
+from shardtune.checks.model import check_lora_targets
 recipe = Recipe(model_name_or_path=sys.argv[1], use_peft=True, lora_r=4, lora_target_modules="q_proj,v_proj",
                 mixed_precision="no", gradient_checkpointing=True, activation_offloading=True)
 check_lora_targets(recipe, AutoConfig.from_pretrained(recipe.model_name_or_path))

@@ -12,7 +12,7 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
-from shardtune.gpu_check_figures import (
+from shardtune.gpu_check.figures import (
     comparison,
     failed_cases,
     new_comparisons,

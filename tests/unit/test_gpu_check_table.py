@@ -11,7 +11,7 @@ import pytest
 
 from shardtune.config import Recipe
 from shardtune.flags import parse_recipe
-from shardtune.gpu_check_figures import WARMUP_STEPS
+from shardtune.gpu_check.figures import WARMUP_STEPS
 from shardtune.plan.planner import GPU_FIXED_RESERVE, GPU_HEADROOM_FRACTION, plan
 from tests.conftest import load_script
 
@@ -135,7 +135,7 @@ def test_the_compared_cases_run_first_beside_their_plain_cases(gpu_check):
 def test_the_planner_doc_states_the_tolerances(gpu_check):
     from pathlib import Path
 
-    from shardtune.gpu_check_figures import COMPARED
+    from shardtune.gpu_check.figures import COMPARED
 
     text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text().split())
     for suffix, name in ((" liger", "Liger"), (" fp8", "fp8")):

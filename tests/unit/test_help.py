@@ -9,7 +9,7 @@ import pytest
 
 from shardtune.config import Recipe
 from shardtune.flags import recipe_parser
-from shardtune.flops import main as flops_main
+from shardtune.models.flops import main as flops_main
 from shardtune.plan.__main__ import main as plan_main
 
 

@@ -16,11 +16,11 @@ import torch
 from transformers import AutoTokenizer
 
 from shardtune.config import ConfigError, Recipe
-from shardtune.data import load_splits
-from shardtune.data_sources import check_dataset_sources
-from shardtune.flops import SUPPORTED_MODEL_TYPES, ModelError, resolve_model
+from shardtune.data.loading import load_splits
+from shardtune.data.sources import check_dataset_sources
+from shardtune.models.flops import SUPPORTED_MODEL_TYPES, ModelError, resolve_model
+from shardtune.models.tiny_assets import build_tokenizer
 from shardtune.plan.__main__ import main as plan_main
-from shardtune.tiny import build_tokenizer
 from tests.unit.test_bad_input import Case, refused
 
 ARCHITECTURE = "shardtune plans and trains dense decoders of model_type llama, mistral, qwen2, qwen3, gemma3_text"
@@ -74,7 +74,7 @@ def test_supported_architectures_are_planned_exactly(model_type):
     from the config, equal the model's own (built on the meta device)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from shardtune.flops import shape_from_config
+    from shardtune.models.flops import shape_from_config
 
     # The family's own defaults beside these sizes (Gemma 3's head_dim 256, tied embeddings, sliding layers).
     config = CONFIG_MAPPING[model_type](vocab_size=96, hidden_size=64, intermediate_size=176, num_hidden_layers=2,

@@ -21,19 +21,19 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.llama import modeling_llama
 
-from shardtune.checks import check_lora
+from shardtune.checks.values import check_lora
 from shardtune.config import LIGER_MODEL_TYPES, ConfigError, Recipe
-from shardtune.data import IGNORE_INDEX
-from shardtune.flops import builtin_configs, shape_from_config
-from shardtune.liger import apply_liger_kernels, check_liger_device, check_liger_kernel, check_liger_model
+from shardtune.data.loading import IGNORE_INDEX
+from shardtune.levers.liger import apply_liger_kernels, check_liger_device, check_liger_kernel, check_liger_model
+from shardtune.levers.tiled_loss import chunked_token_loss, fused_linear_cross_entropy
+from shardtune.models.flops import builtin_configs, shape_from_config
+from shardtune.models.tiny_assets import tiny_llama_config
 from shardtune.plan.activations import (
     layer_activation_bytes,
     liger_chunk_positions,
     liger_loss_saved_bytes,
     liger_loss_transient_bytes,
 )
-from shardtune.tiled_loss import chunked_token_loss, fused_linear_cross_entropy
-from shardtune.tiny import tiny_llama_config
 
 LIGER = Recipe(use_liger_kernel=True)
 
@@ -195,7 +195,7 @@ def batch_of(vocab: int, rows: int, positions: int) -> dict:
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_the_fused_loss_and_its_gradients_equal_the_tiled_loss(torch_kernels, tie):
-    """Through the LM head's swapped-in forward, as the step runs it (shardtune.tiled_loss), on fp32 weights: the
+    """Through the LM head's swapped-in forward, as the step runs it (shardtune.levers.tiled_loss), on fp32 weights: the
     loss divided by the global target count and every gradient, the head's (computed in Liger's forward) and the
     layers' behind it, as the tiles give them."""
     torch.manual_seed(0)
@@ -403,7 +403,7 @@ def test_the_planner_refuses_what_the_recipe_refuses(capsys):
 def test_the_search_with_liger_skips_selective_checkpointing():
     """Liger's in-place RoPE is refused with selective checkpointing: its search tries none, then full, and a plan
     of it is refused."""
-    from shardtune.hardware import parse_hardware
+    from shardtune.plan.hardware import parse_hardware
     from shardtune.plan.planner import plan
     from shardtune.plan.search import Search
     from shardtune.plan.strategy import PlanError, read_accelerate_config

@@ -44,10 +44,10 @@ def test_accelerate_reads_the_json_as_the_planner_and_the_checks_do(config, monk
     bf16 is "auto": accelerate fills it from the run's precision."""
     from accelerate.utils import DeepSpeedPlugin
 
+    from shardtune.checks.nvme import check_nvme_path
     from shardtune.config import Recipe
     from shardtune.launch import LaunchDescription
-    from shardtune.nvme_checks import check_nvme_path
-    from shardtune.ranks import deepspeed_fingerprint
+    from shardtune.parallel.ranks import deepspeed_fingerprint
 
     launch = accelerate_launch_env(config, monkeypatch)
     assert "mixed_precision" not in launch and "zero_stage" not in launch["deepspeed_config"]

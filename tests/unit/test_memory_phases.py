@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from shardtune.flops import resolve_model
+from shardtune.models.flops import resolve_model
 from shardtune.plan.phases import EXPORT_SHARD_BYTES, PHASES, optimizer_step_bytes
 from shardtune.plan.strategy import Strategy
 from tests.conftest import CONFIGS
@@ -37,7 +37,7 @@ def test_adamw_step_transient_is_planned(foreach, tiny_assets):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shardtune.optimizers import param_groups
+    from shardtune.levers.optimizers import param_groups
 
     model = AutoModelForCausalLM.from_pretrained(tiny_assets[0])
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, foreach=foreach)

@@ -9,12 +9,12 @@ import types
 import pytest
 import torch
 
+from shardtune.checks.model import check_family_levers
 from shardtune.config import ConfigError, Recipe
-from shardtune.flops import BUILTIN_CONFIG_VALUES, ModelError, flops_per_token, resolve_model, shape_from_config
-from shardtune.model_checks import check_family_levers
+from shardtune.levers.optimizers import param_groups
 from shardtune.models.families import FAMILIES, SUPPORTED_MODEL_TYPES
+from shardtune.models.flops import BUILTIN_CONFIG_VALUES, ModelError, flops_per_token, resolve_model, shape_from_config
 from shardtune.models.tiny import tiny_config_values
-from shardtune.optimizers import param_groups
 from shardtune.plan.optimizer_states import parameter_matrices
 from shardtune.plan.states import parameter_sizes
 
@@ -121,7 +121,7 @@ def test_tiled_loss_is_each_familys_own_loss(model_type):
     model's forward applies them, so the loss equals transformers' own (fp32)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardtune.tiled_loss import chunked_token_loss
+    from shardtune.levers.tiled_loss import chunked_token_loss
 
     overrides = {"final_logit_softcapping": 3.0} if model_type == "gemma3_text" else {}
     values = tiny_config_values(model_type, 40, **overrides)
@@ -197,7 +197,7 @@ def test_liger_patches_each_accepted_familys_instance(model_type, monkeypatch):
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardtune.liger import apply_liger_kernels
+    from shardtune.levers.liger import apply_liger_kernels
 
     config = AutoConfig.for_model(model_type, **tiny_config_values(model_type, 40))
     model = AutoModelForCausalLM.from_config(config)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shardtune.flops import shape_from_config
-from shardtune.hardware import parse_hardware
 from shardtune.model import enable_gradient_checkpointing
+from shardtune.models.flops import shape_from_config
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import Strategy
 from tests.unit.test_plan_accuracy import MLP_RATIO, measured_step, padded_batch

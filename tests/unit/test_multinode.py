@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed
 
-from shardtune.ranks import from_a_collective
+from shardtune.parallel.ranks import from_a_collective
 
 
 def test_collective_failures_are_told_from_local_errors():
@@ -25,7 +25,7 @@ def test_collective_failures_are_told_from_local_errors():
 SHARED_CHECK = """
 import os, sys, torch.distributed as dist
 from shardtune.config import ConfigError
-from shardtune.ranks import check_output_dir_shared
+from shardtune.parallel.ranks import check_output_dir_shared
 rank, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 try:

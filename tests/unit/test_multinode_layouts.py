@@ -11,10 +11,10 @@ import os
 import pytest
 
 from shardtune.config import ConfigError
-from shardtune.flops import resolve_model
-from shardtune.hardware import parse_hardware
 from shardtune.launch import LaunchDescription
+from shardtune.models.flops import resolve_model
 from shardtune.plan.__main__ import main as plan_main
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import read_accelerate_config
 from tests.conftest import CONFIGS
@@ -151,7 +151,7 @@ def test_an_hpz_group_that_does_not_divide_the_ranks_is_refused():
 def test_stochastic_rounding_is_refused_and_not_planned_under_hybrid_sharding():
     """Each node's replica of a shard would round with draws of its own: the trainer refuses it in one line, and
     the search steps its rounding rungs under FULL_SHARD across the nodes instead."""
-    from shardtune.checks import check_optimizer
+    from shardtune.checks.values import check_optimizer
     from shardtune.config import Recipe
     from shardtune.plan.search import Search, runs_under
 

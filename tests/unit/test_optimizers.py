@@ -14,12 +14,13 @@ import sys
 import pytest
 import torch
 
-from shardtune.checks import check_choices, check_optimizer, validate
+from shardtune.checks.startup import validate
+from shardtune.checks.values import check_choices, check_optimizer
 from shardtune.config import OPTIMIZERS, TORCHAO_OPTIMIZERS, BatchSizes, ConfigError, Recipe
-from shardtune.flops import resolve_model
-from shardtune.hardware import parse_hardware
+from shardtune.levers.optimizers import build_optimizer
 from shardtune.memory import held_model_states
-from shardtune.optimizers import build_optimizer
+from shardtune.models.flops import resolve_model
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.optimizer_states import parameter_matrices
 from shardtune.plan.planner import plan
 from shardtune.plan.states import model_states
@@ -234,7 +235,7 @@ def test_torchao_kernel_warnings_are_silenced_and_no_other(tmp_path):
 
 
 def test_fsdp2_holds_the_bf16_weights_it_loaded(tiny_assets, monkeypatch):
-    """One FSDP2 rank made as the trainer makes it (shardtune.distributed.make_accelerator, load_model, accelerate's
+    """One FSDP2 rank made as the trainer makes it (parallel.distributed.make_accelerator, load_model, accelerate's
     FSDP2 preparation): with --bf16_stochastic_round every sharded parameter stays bf16 (accelerate's preparation
     upcasts them to an fp32 master under any mixed precision but "no"), and after one step each rank holds the
     planned bytes of weights, gradients and 8-bit states."""
@@ -242,9 +243,9 @@ def test_fsdp2_holds_the_bf16_weights_it_loaded(tiny_assets, monkeypatch):
     from accelerate.utils import fsdp2_prepare_model
     from torch.distributed.tensor import DTensor
 
-    from shardtune.distributed import make_accelerator
     from shardtune.launch import LaunchDescription
     from shardtune.model import load_model
+    from shardtune.parallel.distributed import make_accelerator
     from tests.unit.test_fsdp_step import FSDP_ENV, free_port
 
     for name, value in {**FSDP_ENV, "MASTER_PORT": str(free_port())}.items():

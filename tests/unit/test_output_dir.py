@@ -1,4 +1,4 @@
-"""An output directory belongs to one live run: the lock rank 0 holds (shardtune.output_dir) against a second run,
+"""An output directory belongs to one live run: the lock rank 0 holds (checkpoint.output_dir) against a second run,
 taken over with a line once its holder is gone, and kept by --overwrite_output_dir's clearing; and `auto` or a
 path that cannot be resumed from is refused with what to give instead (shardtune.checkpoint.markers)."""
 
@@ -13,13 +13,13 @@ import sys
 import pytest
 
 from shardtune.checkpoint.markers import describe_files, resolve_resume, write_marker
+from shardtune.checkpoint.output_dir import LOCK_FILE, OutputDirLock, in_use
 from shardtune.checkpoint.run_files import clear_output_dir, strangers
+from shardtune.checks.outputs import check_checkpoints, check_output_dir
 from shardtune.config import ConfigError, Recipe
-from shardtune.output_checks import check_checkpoints, check_output_dir
-from shardtune.output_dir import LOCK_FILE, OutputDirLock, in_use
 
-HOLD = "import sys, time; from shardtune.output_dir import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(False); " \
-       "print('held', flush=True); time.sleep(600)"
+HOLD = "import sys, time; from shardtune.checkpoint.output_dir import OutputDirLock; " \
+       "OutputDirLock(sys.argv[1]).acquire(False); print('held', flush=True); time.sleep(600)"
 
 
 def hold(output_dir) -> subprocess.Popen:
@@ -61,7 +61,8 @@ def test_a_live_run_keeps_its_directory_and_a_dead_one_is_taken_over(tmp_path, m
 def test_two_runs_started_together_one_is_refused(tmp_path):
     """Two launches into one new directory at the same moment: exactly one holds it."""
     output_dir = tmp_path / "out"
-    code = ("import sys, time; from shardtune.config import ConfigError; from shardtune.output_dir import OutputDirLock"
+    code = ("import sys, time; from shardtune.config import ConfigError; "
+            "from shardtune.checkpoint.output_dir import OutputDirLock"
             "\ntry:\n    OutputDirLock(sys.argv[1]).acquire(False); print('held', flush=True); time.sleep(3)"
             "\nexcept ConfigError as error:\n    print(error, flush=True)")
     runs = [subprocess.Popen([sys.executable, "-c", code, str(output_dir)], stdout=subprocess.PIPE, text=True)

@@ -16,14 +16,14 @@ from transformers import AutoModelForCausalLM
 
 from scripts import plot_metrics
 from shardtune.config import Recipe
-from shardtune.data import IGNORE_INDEX
-from shardtune.export import add_model_files
-from shardtune.flops import resolve_model
+from shardtune.data.loading import IGNORE_INDEX
+from shardtune.export.model import add_model_files
 from shardtune.generation import generate_samples, held_out_prompts
 from shardtune.launch import LaunchDescription
 from shardtune.memory import rss_bytes
+from shardtune.models.flops import resolve_model
+from shardtune.models.tiny_assets import build_tokenizer
 from shardtune.plan.launched import launch_hardware, plan_launch
-from shardtune.tiny import build_tokenizer
 from shardtune.tracking import json_values, memory_plan, run_config
 
 
@@ -157,8 +157,8 @@ def test_a_window_leaves_out_the_saves_and_evals_it_paused_for(accelerator):
     out, and the window's peak memory starts again after it, in GB (1e9 bytes, as the planner counts)."""
     import time
 
-    from shardtune.batches import StepBatch
     from shardtune.config import BatchSizes
+    from shardtune.data.batches import StepBatch
     from shardtune.metrics import TrainMetrics
     from shardtune.step import StepOutput
 
@@ -177,7 +177,7 @@ def test_a_window_leaves_out_the_saves_and_evals_it_paused_for(accelerator):
     assert 0 < row["peak_rss_gb"] * 1e9 < during - 150e6
     assert pause["peak_rss_gb"] * 1e9 > during - 10e6  # the pause's own, which a checkpoint save logs
     # MFU of LoRA: the frozen base's flops_per_token, over the window's mean sequence length (30 / 4 tokens)
-    from shardtune.flops import flops_per_token
+    from shardtune.models.flops import flops_per_token
 
     shape = resolve_model("llama-3.1-8b")
     lora = TrainMetrics(accelerator, BatchSizes(1, 1, 1), 10, shape, 1e15, adapters=41_943_040)
@@ -193,8 +193,8 @@ def test_overflows_without_end_stop_an_fp16_run(accelerator):
     """Each overflow under a loss scaler is a skipped step; MAX_SKIPPED_IN_A_ROW of them in a row are gradients no
     scale makes finite (torch's GradScaler would skip forever), and stop the run; a finite step starts the count
     again."""
-    from shardtune.batches import StepBatch
     from shardtune.config import BatchSizes
+    from shardtune.data.batches import StepBatch
     from shardtune.metrics import MAX_SKIPPED_IN_A_ROW, TrainMetrics
     from shardtune.step import StepOutput
 

@@ -14,16 +14,16 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardtune.batches import COUNTS, make_collator
 from shardtune.config import Recipe
-from shardtune.data import load_splits
-from shardtune.flops import resolve_model
-from shardtune.hardware import parse_hardware
-from shardtune.packing import SEQUENCE_LENGTHS, fill_ratio, pack_rows
+from shardtune.data.batches import COUNTS, make_collator
+from shardtune.data.loading import load_splits
+from shardtune.data.packing import SEQUENCE_LENGTHS, fill_ratio, pack_rows
+from shardtune.models.flops import resolve_model
+from shardtune.models.tiny_assets import TASK_LETTERS, reversal_examples
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.planned_run import plan_recipe
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
-from shardtune.tiny import TASK_LETTERS, reversal_examples
 from tests.conftest import REPO
 from tests.unit.test_data import per_token_losses
 
@@ -122,7 +122,7 @@ def test_rows_are_at_least_95_percent_full_on_chats_of_varied_length(tmp_path, t
     recipe = bfd(path, max_seq_length=1024)
     train, _ = load_splits(recipe, tokenizer)
     lengths = [len(ids) for ids in train["input_ids"]]
-    with caplog.at_level("WARNING", logger="shardtune.packing"):
+    with caplog.at_level("WARNING", logger="shardtune.data.packing"):
         packed = pack_rows(train, recipe)
     fill = fill_ratio(packed, recipe.max_seq_length)
     # Measured from the batches the collator builds, not from the dataset: one row per micro-batch.
@@ -131,7 +131,7 @@ def test_rows_are_at_least_95_percent_full_on_chats_of_varied_length(tmp_path, t
     assert sum(tokens_per_row) == sum(lengths) and fill == sum(tokens_per_row) / (len(packed) * 1024)
     assert fill >= MIN_FILL
     page = " ".join((REPO / "docs" / "data.md").read_text().split())
-    logged = [record for record in caplog.records if record.name == "shardtune.packing"][-1].getMessage()
+    logged = [record for record in caplog.records if record.name == "shardtune.data.packing"][-1].getMessage()
     assert f"`{logged}`" in page, f"update docs/data.md: {logged}"
     assert (f"{min(lengths)} to {max(lengths):,} tokens (mean {sum(lengths) / len(lengths):.0f})" in page
             and f"give {len(packed)} rows with {fill:.3f} of their positions" in page), "update docs/data.md"

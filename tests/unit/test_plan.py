@@ -16,17 +16,17 @@ from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 from shardtune.config import Recipe
 from shardtune.flags import parse_recipe
-from shardtune.flops import BUILTIN_MODELS, builtin_configs, resolve_model, shape_from_config
-from shardtune.flops import main as flops_main
-from shardtune.hardware import HardwareError, nominal_gpu_memory, parse_hardware
 from shardtune.model import enable_gradient_checkpointing
+from shardtune.models.flops import BUILTIN_MODELS, builtin_configs, resolve_model, shape_from_config
+from shardtune.models.flops import main as flops_main
+from shardtune.models.tiny_assets import tiny_llama_config
 from shardtune.plan.__main__ import main
 from shardtune.plan.activations import activation_bytes, layer_activation_bytes, saved_activation_bytes
+from shardtune.plan.hardware import HardwareError, nominal_gpu_memory, parse_hardware
 from shardtune.plan.planner import plan, usable_capacity
 from shardtune.plan.search import Search, candidates, launch_command, recommend
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
-from shardtune.tiny import tiny_llama_config
 from tests.conftest import REPO
 
 MISSION_PARAMS = {
@@ -213,7 +213,7 @@ def test_cli_refuses_impossible_values_all_at_once(capsys):
     assert main(["--model", "llama-3.1-8b", "--use_peft", "true", "--lora_target_modules", "qkv"]) == 2
     assert "are not linear layers of llama-3.1-8b" in capsys.readouterr().err
     assert flops_main(["--model", "llama-3.1-8b", "--tokens_per_second", "1000", "--gpus", "0"]) == 2
-    assert capsys.readouterr().err.strip() == "shardtune.flops: error: --gpus must be > 0, got 0."
+    assert capsys.readouterr().err.strip() == "shardtune.models.flops: error: --gpus must be > 0, got 0."
 
 
 @pytest.mark.parametrize("mode", ["fp32", "half"])

@@ -15,13 +15,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shardtune.flops import shape_from_config
-from shardtune.hardware import parse_hardware
+from shardtune.levers.tiled_loss import chunked_token_loss, shifted_labels
 from shardtune.model import enable_gradient_checkpointing
+from shardtune.models.flops import shape_from_config
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import Strategy
 from shardtune.profiling import PhaseRecorder
-from shardtune.tiled_loss import chunked_token_loss, shifted_labels
 from tests.conftest import REPO
 
 # Planned over measured, per phase and for the step (docs/planner.md states it): at most 10% over, and under by

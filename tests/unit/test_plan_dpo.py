@@ -12,11 +12,11 @@ import os
 import pytest
 
 from shardtune.config import LOSS_TILE_POSITIONS, Recipe
-from shardtune.flops import BUILTIN_CONFIG_VALUES, resolve_model
-from shardtune.hardware import parse_hardware
+from shardtune.models.flops import BUILTIN_CONFIG_VALUES, resolve_model
 from shardtune.plan.__main__ import main
 from shardtune.plan.activations import eval_activation_bytes
 from shardtune.plan.buffers import resharded_after_forward
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.launched import plan_launch
 from shardtune.plan.planned_run import plan_recipe
 from shardtune.plan.planner import plan

@@ -11,12 +11,12 @@ import os
 
 import pytest
 
+from shardtune.checks.model import check_context_length
 from shardtune.config import FIELD_CHOICES, LOSS_TILE_POSITIONS, ConfigError, Recipe
-from shardtune.flops import resolve_config, resolve_model
-from shardtune.hardware import parse_hardware
-from shardtune.model_checks import check_context_length
+from shardtune.models.flops import resolve_config, resolve_model
 from shardtune.plan import planned_run
 from shardtune.plan.__main__ import RUN_FLAGS, add_run_flags, main
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.planner import plan
 from shardtune.plan.report import PEAK_COMPONENTS, format_compare, peak_components, write_chart
 from shardtune.plan.search import config_paths

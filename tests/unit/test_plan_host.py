@@ -20,10 +20,10 @@ from huggingface_hub.serialization._base import parse_size_to_int
 from transformers import LlamaForCausalLM
 
 from shardtune.checkpoint.mmap_load import MmapCheckpointEngine, detach_optimizer
-from shardtune.export import MAX_SHARD_SIZE, export_entries, export_layout
-from shardtune.flops import builtin_configs, resolve_model
-from shardtune.hardware import parse_hardware
-from shardtune.optimizers import param_groups
+from shardtune.export.model import MAX_SHARD_SIZE, export_entries, export_layout
+from shardtune.levers.optimizers import param_groups
+from shardtune.models.flops import builtin_configs, resolve_model
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.host import MB, PINNED_MAX_CACHED_MB, pinned_block_bytes
 from shardtune.plan.phases import EXPORT_SHARD_BYTES
 from shardtune.plan.planner import plan
@@ -99,7 +99,7 @@ def test_a_deepspeed_launch_sets_the_pinned_cache_limit_unless_the_environment_d
     env["PYTHONPATH"] = str(REPO)
     if environment:
         env["PYTORCH_ALLOC_CONF"] = environment
-    code = ("import torch; from shardtune.distributed import exact_pinned_host_memory; "
+    code = ("import torch; from shardtune.parallel.distributed import exact_pinned_host_memory; "
             "exact_pinned_host_memory(); print(torch._C._accelerator_getAllocatorSettings())")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                             check=True)

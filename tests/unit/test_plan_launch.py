@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from shardtune.cli import main
-from shardtune.flops import recipe_fields
+from shardtune.models.flops import recipe_fields
 from tests.conftest import REPO, load_script
 
 

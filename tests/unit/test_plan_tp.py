@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.flops import resolve_model, shape_from_config
-from shardtune.hardware import parse_hardware
 from shardtune.launch import LaunchDescription, planned_launch_environment
+from shardtune.models.flops import resolve_model, shape_from_config
+from shardtune.models.tiny_assets import tiny_llama_config
 from shardtune.plan.activations import (
     activation_bytes,
     layer_backward_bytes,
@@ -24,12 +24,12 @@ from shardtune.plan.activations import (
     saved_activation_bytes,
 )
 from shardtune.plan.buffers import buffers, freed_under_layer_gradients, gathered_layer_bytes
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.planner import plan
 from shardtune.plan.search import Search, recommend
 from shardtune.plan.states import Peft
 from shardtune.plan.strategy import PlanError, read_accelerate_config
 from shardtune.plan.tensor import activation_shape, sliced_shape
-from shardtune.tiny import tiny_llama_config
 from tests.conftest import CONFIGS, REPO, free_port
 
 TP = read_accelerate_config(str(CONFIGS / "fsdp_tp.yaml"), "bf16")

@@ -19,7 +19,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from shardtune.config import ConfigError, Recipe
-from shardtune.data import IGNORE_INDEX, load_splits, tokenize
+from shardtune.data.loading import IGNORE_INDEX, load_splits, tokenize
 from shardtune.methods.pair_batches import PreferenceCollator
 from shardtune.methods.preference import PAIR_COLUMNS
 from tests.conftest import launch_env, load_script

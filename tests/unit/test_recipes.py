@@ -11,7 +11,7 @@ import pytest
 
 from shardtune.config import Recipe
 from shardtune.flags import parse_recipe
-from shardtune.hardware import parse_hardware
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.strategy import Strategy, read_accelerate_config
 from tests.conftest import CONFIGS, REPO
 from tests.unit.documented_commands import agrees, outside_a_launch, run, same_sentence

@@ -14,7 +14,7 @@ from shardtune.checkpoint.run_settings import (
     resume_point,
     run_settings,
 )
-from shardtune.checks import batch_sizes
+from shardtune.checks.startup import batch_sizes
 from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.launch import LaunchDescription
 

@@ -12,7 +12,7 @@ import pytest
 
 from shardtune.config import Recipe
 from shardtune.flags import parse_recipe
-from shardtune.levers import LEVERS, PLAIN_FLAGS
+from shardtune.levers.catalogue import LEVERS, PLAIN_FLAGS
 from tests.conftest import CONFIGS, REPO, load_script
 from tests.unit.test_help import help_entries
 
@@ -55,11 +55,11 @@ def test_bench_refuses_impossible_numbers_before_launching():
 
 
 def test_flops_unknown_gpu_is_one_clean_line():
-    result = run("-m", "shardtune.flops", "--model", "llama-3.1-8b", "--tokens_per_second", "1000", "--gpus", "8",
-                 "--gpu", "h1000")
+    result = run("-m", "shardtune.models.flops", "--model", "llama-3.1-8b", "--tokens_per_second", "1000",
+                 "--gpus", "8", "--gpu", "h1000")
     assert result.returncode == 0
-    assert result.stderr.splitlines() == ["shardtune.flops: warning: Unknown GPU 'h1000': no BF16 peak known, so no "
-                                          "MFU is reported."]
+    assert result.stderr.splitlines() == [
+        "shardtune.models.flops: warning: Unknown GPU 'h1000': no BF16 peak known, so no MFU is reported."]
     assert "MFU: unknown GPU peak, not reported" in result.stdout
 
 

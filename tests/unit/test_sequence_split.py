@@ -8,13 +8,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig
 
-from shardtune.batches import make_collator
 from shardtune.cli import main
 from shardtune.config import ConfigError, Recipe
-from shardtune.data import IGNORE_INDEX
-from shardtune.flops import resolve_model
-from shardtune.hardware import parse_hardware
+from shardtune.data.batches import make_collator
+from shardtune.data.loading import IGNORE_INDEX
 from shardtune.launch import LaunchDescription
+from shardtune.models.flops import resolve_model
 from shardtune.parallel.sequence import (
     check_right_padding,
     check_sequence_split,
@@ -23,6 +22,7 @@ from shardtune.parallel.sequence import (
     sequence_split,
 )
 from shardtune.plan.__main__ import main as plan_main
+from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.planner import plan
 from shardtune.plan.search import Search, recommend
 from shardtune.plan.strategy import read_accelerate_config

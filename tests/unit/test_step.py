@@ -14,15 +14,15 @@ from accelerate.state import AcceleratorState
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
-from shardtune.batches import COUNT_KEYS, COUNTS, StepBatch, counted_steps, make_collator, take_counts
-from shardtune.checks import check_attention
+from shardtune.checks.values import check_attention
 from shardtune.config import BatchSizes, ConfigError, Recipe
-from shardtune.data import IGNORE_INDEX
+from shardtune.data.batches import COUNT_KEYS, COUNTS, StepBatch, counted_steps, make_collator, take_counts
+from shardtune.data.loading import IGNORE_INDEX
 from shardtune.evaluation import head_statistics, row_statistics
+from shardtune.levers.optimizers import make_optimizer
+from shardtune.levers.tiled_loss import shifted_labels
 from shardtune.metrics import step_vector
-from shardtune.optimizers import make_optimizer
 from shardtune.step import StepOutput, norm_on_device, train_step
-from shardtune.tiled_loss import shifted_labels
 
 META = torch.device("meta")
 
@@ -163,7 +163,7 @@ def test_each_step_reports_the_learning_rate_its_update_used(tiny_assets, tokeni
         schedule.step()
     assert expected[:3] == [0.0, 5e-4, 1e-3]
 
-    accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False)  # as shardtune.distributed makes it
+    accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False)  # as parallel.distributed makes it
     try:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(tiny_assets[0], dtype=torch.float32)
@@ -225,7 +225,7 @@ def test_eval_statistics_come_from_the_head_a_chunk_at_a_time(precision):
     wrapper too, whose fp32 conversion of the model's outputs would copy the full logits."""
     from transformers import LlamaForCausalLM
 
-    from shardtune.tiny import tiny_llama_config
+    from shardtune.models.tiny_assets import tiny_llama_config
 
     AcceleratorState._reset_state(True)
     accelerator = Accelerator(cpu=True, mixed_precision=precision)
@@ -263,7 +263,7 @@ import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaForCausalLM
 from shardtune.evaluation import plain_head
-from shardtune.tiny import tiny_llama_config
+from shardtune.models.tiny_assets import tiny_llama_config
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 model = LlamaForCausalLM(tiny_llama_config(100))
 fully_shard([model.model.norm, model.lm_head])
@@ -282,7 +282,7 @@ def test_eval_of_a_head_with_an_adapter_reads_its_full_logits():
     from transformers import LlamaForCausalLM
 
     from shardtune.evaluation import evaluate, plain_head
-    from shardtune.tiny import tiny_llama_config
+    from shardtune.models.tiny_assets import tiny_llama_config
 
     AcceleratorState._reset_state(True)
     accelerator = Accelerator(cpu=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig
 
-from shardtune.checks import batch_sizes
+from shardtune.checks.startup import batch_sizes
 from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.flags import given_fields, parse_recipe
 from shardtune.launch import LaunchDescription

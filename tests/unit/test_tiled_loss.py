@@ -9,14 +9,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shardtune.checks import check_lora
+from shardtune.checks.values import check_lora
 from shardtune.config import ConfigError, Recipe
-from shardtune.data import IGNORE_INDEX
-from shardtune.flops import shape_from_config
+from shardtune.data.loading import IGNORE_INDEX
+from shardtune.levers.tiled_loss import chunked_token_loss, shifted_labels
+from shardtune.models.flops import shape_from_config
+from shardtune.models.tiny_assets import tiny_llama_config
 from shardtune.plan.activations import activation_bytes
 from shardtune.step import token_loss
-from shardtune.tiled_loss import chunked_token_loss, shifted_labels
-from shardtune.tiny import tiny_llama_config
 
 # fp32 sums in another order (one per tile, then the tiles): a few ulps of the loss, relative.
 RTOL = 1e-6

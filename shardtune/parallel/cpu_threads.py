@@ -1,7 +1,7 @@
 """OpenMP threads per rank for an accelerate config: its share of the node's cores when the optimizer steps on the
 CPU (DeepSpeed's CPU Adam for an optimizer offloaded to cpu or nvme, FSDP's AdamW on offloaded parameters), else 1.
 
-    OMP_NUM_THREADS=$(python -m shardtune.cpu_threads --ranks_per_node 8 \\
+    OMP_NUM_THREADS=$(python -m shardtune.parallel.cpu_threads --ranks_per_node 8 \\
         accelerate_configs/ds_zero3_offload_optimizer.yaml) \\
     accelerate launch --config_file accelerate_configs/ds_zero3_offload_optimizer.yaml recipes/llama70b.py
 
@@ -33,7 +33,7 @@ def threads_per_rank(config_file: str, ranks_per_node: int, cpus_per_node: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardtune.cpu_threads", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="shardtune.parallel.cpu_threads", description=__doc__.split("\n\n")[0])
     parser.add_argument("config_file", help="The accelerate config YAML (and the DeepSpeed JSON file it names).")
     parser.add_argument("--ranks_per_node", type=int, required=True, help="Processes launched on each node.")
     parser.add_argument("--cpus_per_node", type=int, default=os.cpu_count() or 1,
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def refuse(message: str) -> int:
-    print(f"shardtune.cpu_threads: error: {message}", file=sys.stderr)
+    print(f"shardtune.parallel.cpu_threads: error: {message}", file=sys.stderr)
     return 2
 
 

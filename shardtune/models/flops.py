@@ -1,6 +1,6 @@
 """Model shapes, exact parameter counts, FLOPs per token and MFU, all without loading a weight.
 
-    python -m shardtune.flops --model llama-3.1-70b --tokens_per_second 400 --gpus 8 --gpu h100 [--json]
+    python -m shardtune.models.flops --model llama-3.1-70b --tokens_per_second 400 --gpus 8 --gpu h100 [--json]
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from shardtune.hardware import PEAK_BF16_FLOPS, peak_flops
 from shardtune.models.builtin import ALIASES, BUILTIN_CONFIG_VALUES
 from shardtune.models.families import MIXTURE_OF_EXPERTS_TYPES, SUPPORTED_MODEL_TYPES, family_of, layer_types
+from shardtune.plan.hardware import PEAK_BF16_FLOPS, peak_flops
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -305,7 +305,8 @@ def report(model: str, tokens_per_second: float, gpus: int, gpu: str | None, seq
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardtune.flops", description=__doc__.strip().splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m shardtune.models.flops",
+                                     description=__doc__.strip().splitlines()[0])
     parser.add_argument("--model", required=True, help=f"Built-in ({', '.join(BUILTIN_MODELS)}), dir or recipe.")
     parser.add_argument("--tokens_per_second", type=float, required=True, help="All GPUs together.")
     parser.add_argument("--gpus", type=int, required=True, help="How many GPUs produced --tokens_per_second.")
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         ("tokens_per_second", args.tokens_per_second), ("gpus", args.gpus), ("max_seq_length", args.max_seq_length))
         if not value > 0]
     for problem in problems:
-        print(f"shardtune.flops: error: {problem}", file=sys.stderr)
+        print(f"shardtune.models.flops: error: {problem}", file=sys.stderr)
     if problems:
         return 2
     try:
@@ -327,10 +328,10 @@ def main(argv: list[str] | None = None) -> int:
             warnings.simplefilter("always")
             result = report(args.model, args.tokens_per_second, args.gpus, args.gpu, args.max_seq_length)
     except ValueError as error:
-        print(f"shardtune.flops: error: {error}", file=sys.stderr)
+        print(f"shardtune.models.flops: error: {error}", file=sys.stderr)
         return 2
     for warning in caught:
-        print(f"shardtune.flops: warning: {warning.message}", file=sys.stderr)
+        print(f"shardtune.models.flops: warning: {warning.message}", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -1,7 +1,7 @@
 """Fine-tuning data through `datasets`: local json/jsonl/parquet/csv files, `save_to_disk` directories or Hub
 datasets, one source or a weighted mixture; `text`, `prompt`/`completion`, chat `messages`, Alpaca or ShareGPT
 rows, or rows tokenized before (scripts/prepare_data.py); tokenized once per node (cached by `datasets`), with
-the loss on completion / assistant tokens only. Their micro-batches: shardtune.batches."""
+the loss on completion / assistant tokens only. Their micro-batches: shardtune.data.batches."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, l
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config import DATA_FILE_TYPES, ConfigError, Recipe
-from shardtune.data_sources import (
+from shardtune.data.sources import (
     FORMATS,
     PREFERENCE_FORMATS,
     TOKENIZED_FORMATS,
@@ -31,7 +31,7 @@ from shardtune.data_sources import (
     row_error,
     source_format,
 )
-from shardtune.templating import apply_chat_template_flag, chat_ids, has_chat_template
+from shardtune.data.templates import apply_chat_template_flag, chat_ids, has_chat_template
 
 IGNORE_INDEX = -100  # label of tokens that carry no loss (prompt, padding)
 logger = logging.getLogger(__name__)

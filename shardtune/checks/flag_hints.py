@@ -9,8 +9,9 @@ import difflib
 import functools
 import importlib.util
 import os
-import sys
 from collections.abc import Iterable
+
+from shardtune.parallel.launcher_args import script_shown
 
 
 def accelerate_config(engine: str, example: str, family: str) -> str:
@@ -22,13 +23,13 @@ def accelerate_config(engine: str, example: str, family: str) -> str:
 def launch_line(config_file: str) -> str:
     """How a run trains under an accelerate config: the launcher reads it, before the script (this one, when a
     recipe runs)."""
-    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "recipes/<recipe>.py"
+    script = script_shown()
     return f"accelerate launch --config_file {config_file} {script} ..."
 
 
 def launcher_hint(flag: str, value: str | None) -> str:
     """The hint for a flag of `accelerate launch` given to the recipe: it goes before the script."""
-    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "recipes/<recipe>.py"
+    script = script_shown()
     given = f"{flag} {value}" if value else flag
     return (f"a flag of accelerate launch, not of the recipe: give it to the launcher, before the script: "
             f"accelerate launch --config_file accelerate_configs/<config>.yaml {given} {script} ...")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from shardtune.config import FP8_DIM_MULTIPLE, FP8_MIN_CAPABILITY, ConfigError, Recipe
 
-if TYPE_CHECKING:  # torch and torchao load with the model, not with the start-up checks (shardtune.checks)
+if TYPE_CHECKING:  # torch and torchao load with the model, not with the start-up checks (shardtune.checks.startup)
     import torch
 
 KEPT_HIGH_PRECISION = ("lm_head",)  # module names never converted

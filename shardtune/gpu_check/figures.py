@@ -29,7 +29,7 @@ TOLERANCE = 0.10  # a planned peak against the measured one, relative
 COMPARED = {" liger": {"grad_norm": 0.01, "hidden": 0.01, "loss": 0.01},
             " fp8": {"grad_norm": 0.02, "hidden": 0.10, "loss": 0.02},
             " levers": {"grad_norm": 0.03, "loss": 0.02}}
-# What Liger and fp8 replace in a Llama decoder of L layers (shardtune.liger, shardtune.float8): Liger's RMSNorm in
+# What Liger and fp8 replace in a Llama decoder of L layers (levers.liger, levers.float8): Liger's RMSNorm in
 # each layer's two norms and the final one, its SwiGLU in each MLP, its RoPE in the modeling module; torchao's
 # Float8Linear for each layer's seven projections (never lm_head).
 LLAMA_PROJECTIONS = 7
@@ -207,11 +207,11 @@ def final_hidden_states(model_dir: str, suffix: str, ids):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     if suffix == " liger":
-        from shardtune.liger import apply_liger_kernels
+        from shardtune.levers.liger import apply_liger_kernels
 
         apply_liger_kernels(model)
     elif suffix == " fp8":
-        from shardtune.float8 import convert_linears
+        from shardtune.levers.float8 import convert_linears
 
         convert_linears(model, all_gather=False)
     return last_hidden_states(model.cuda(), ids)

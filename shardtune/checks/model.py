@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 from shardtune.config import ConfigError, Problems, Recipe, padded_length, token_multiple
-from shardtune.liger import check_liger_model
+from shardtune.levers.liger import check_liger_model
 from shardtune.parallel.context import check_context_model
 from shardtune.parallel.sequence import check_split_heads
 from shardtune.parallel.tensor import check_tensor_parallel_heads
@@ -49,8 +49,8 @@ def check_family_levers(recipe: Recipe, config: PretrainedConfig, sp_size: int, 
     planned or proven; Ulysses over sliding-window layers under a kernel that takes the window from the mask
     Ulysses drops (flash attention reads it from the module instead); DPO's log-probs, which read the LM head's
     output as it comes, on a model that scales or soft-caps its logits."""
+    from shardtune.levers.tiled_loss import logits_after_head
     from shardtune.models.families import FAMILIES, layer_types
-    from shardtune.tiled_loss import logits_after_head
 
     text = config.get_text_config()
     family = FAMILIES[text.model_type]
@@ -74,8 +74,8 @@ def check_family_levers(recipe: Recipe, config: PretrainedConfig, sp_size: int, 
 
 
 def read_model_config(name: str) -> PretrainedConfig:
-    """The model's config.json alone (shardtune.flops.read_config), a refusal when it cannot be had."""
-    from shardtune.flops import ModelError, read_config
+    """The model's config.json alone (shardtune.models.flops.read_config), a refusal when it cannot be had."""
+    from shardtune.models.flops import ModelError, read_config
 
     try:
         return read_config(name)

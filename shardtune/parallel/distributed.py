@@ -54,7 +54,7 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
                      ) -> Accelerator:
     world_size, uses_deepspeed, uses_fsdp = launch.world_size, launch.uses_deepspeed, launch.uses_fsdp
     on_cpu = recipe.use_cpu
-    precision = compute_precision(recipe.mixed_precision)  # fp8: shardtune.float8 converts the linears itself
+    precision = compute_precision(recipe.mixed_precision)  # fp8: shardtune.levers.float8 converts the linears itself
     plugin = fsdp_plugin(precision, on_cpu, recipe.bf16_stochastic_round) if uses_fsdp else None
     # A mesh accelerate refuses to build on MULTI_CPU: set once the state is FSDP (enable_fsdp_on_cpu) or, for TP
     # alone, by mesh_on_cpu.

@@ -14,8 +14,8 @@ import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
 
 from shardtune.config import BatchSizes
-from shardtune.data import IGNORE_INDEX
-from shardtune.packing import SEQUENCE_LENGTHS, split_rows
+from shardtune.data.loading import IGNORE_INDEX
+from shardtune.data.packing import SEQUENCE_LENGTHS, split_rows
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -33,7 +33,7 @@ def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool = False, att
     the first label of each sequence masked. Flash attention gets the sequence boundaries from the collator
     (`cu_seq_lens`, computed on the host: no device sync in every layer); flex attention, SDPA and eager derive
     per-sequence attention from the position ids (SDPA and eager through a dense mask, see checks.check_attention).
-    Rows packed before (--packing_strategy bfd, shardtune.packing) are split into their sequences first, so a
+    Rows packed before (--packing_strategy bfd, shardtune.data.packing) are split into their sequences first, so a
     micro-batch of them is packed the same way.
     `multiple` (shardtune.config.token_multiple): the padded length, or the packed row's, a multiple of it; a
     packed row is padded with one more sequence of pad tokens that carries no loss (its own positions, so it
@@ -58,7 +58,7 @@ class CountingCollator:
     while the batch is built: the step never reads them back from the device.
     targets: tokens that carry loss (labels shifted by one, as the causal LM loss compares them);
     tokens: sequence tokens (not padding); processed: tokens the model runs on; sequences: sequences before
-    packing (several per row packed by shardtune.packing, whose rows are split into them here)."""
+    packing (several per row packed by shardtune.data.packing, whose rows are split into them here)."""
 
     def __init__(self, inner, row_pad_id: int | None = None, multiple: int = 1, unmasked: bool = False) -> None:
         self.inner = inner

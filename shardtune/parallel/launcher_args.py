@@ -30,6 +30,11 @@ SUPPORTING_CONFIG = {
 }
 
 
+
+def script_shown() -> str:
+    """The recipe as a fix names it: the script this process runs, else a placeholder (a test, an interpreter)."""
+    return os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "recipes/<recipe>.py"
+
 def launcher_command() -> tuple[list[str], str] | None:
     """(the command line, the working directory) of the `accelerate launch` this process runs under: the rank's
     parent under torchrun's agent and the simple launcher, an ancestor a few levels up under a wrapper. None when
@@ -137,7 +142,7 @@ def launcher_problems(launcher: LauncherRequest, world_size: int, strategy: str)
                         f"from a config file with a parallelism_config section, and {config} has none, so the run "
                         f"would train {strategy} without them. Launch a config that applies them ({configs}).")
     count = f"--num_processes {launcher.num_processes}"
-    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "recipes/<recipe>.py"
+    script = script_shown()
     if launcher.cpu and (launcher.engine or launcher.num_processes > 1):
         # Under --cpu accelerate's launcher runs its simple launcher whatever the config's distributed_type says.
         without = f" without {config}'s {launcher.engine}" if launcher.engine else ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from shardtune.cpu_threads import optimizer_steps_on_cpu
+from shardtune.parallel.cpu_threads import optimizer_steps_on_cpu
 from shardtune.plan.strategy import Strategy
 
 

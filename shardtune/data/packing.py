@@ -1,7 +1,7 @@
 """Packing to full rows (--packing_strategy bfd): the tokenized training sequences bin-packed, best-fit decreasing,
 into rows of at most --max_seq_length tokens by TRL's `pack_dataset`, and each row split back into its sequences
 when it is collated, so that a micro-batch of packed rows is flattened padding-free like any packed micro-batch
-(shardtune.batches.make_collator)."""
+(shardtune.data.batches.make_collator)."""
 
 from __future__ import annotations
 

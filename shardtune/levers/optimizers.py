@@ -8,7 +8,7 @@ transformers' Trainer builds them (trainer_optimizer.py `_get_adamw_torch`, `_ge
   TORCHAO_BLOCK_SIZE elements (the Trainer's block size for both). They step DTensor shards (FSDP2) and run on CPU.
 - adamw_8bit / paged_adamw_8bit: bitsandbytes' 8-bit AdamW (CUDA only), paged: states in CUDA unified memory.
 - --bf16_stochastic_round (torchao's bf16_stochastic_round, TrainingArguments' optim_args key for its torchao
-  names): no fp32 master copy. The weights are bf16 (shardtune.model loads them so, shardtune.distributed keeps
+  names): no fp32 master copy. The weights are bf16 (shardtune.model loads them so, shardtune.parallel.distributed keeps
   them so), each update is computed in fp32 and rounded to bf16 stochastically, so that updates smaller than bf16's
   spacing survive on average. With adamw_torch the optimizer is torchao's AdamW (the same update; its states take
   the parameters' dtype, bf16); with the torchao names, their own optimizer.
@@ -34,7 +34,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, fused: bool = False) -> torch.optim.Optimizer:
-    """The optimizer `recipe.optim` names over `param_groups` (shardtune.checks refused what cannot run here).
+    """The optimizer `recipe.optim` names over `param_groups` (shardtune.checks.startup refused what cannot run here).
     `fused`: adamw_torch's fused kernel, for a run on CUDA (the parameters may still be on the host here)."""
     groups = param_groups(model, recipe.weight_decay)
     adam = {"lr": recipe.learning_rate, "betas": (recipe.adam_beta1, recipe.adam_beta2), "eps": recipe.adam_epsilon}

@@ -9,7 +9,7 @@ import re
 from transformers import PreTrainedTokenizerBase
 
 from shardtune.config import ConfigError, Recipe
-from shardtune.data_sources import chat_template_path
+from shardtune.data.sources import chat_template_path
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from accelerate.utils import DistributedType, gather_object
 
 from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.launch import LaunchDescription
-from shardtune.local_rank import first_on_machine
+from shardtune.parallel.local_rank import first_on_machine
 
 PEER_LOST_EXIT_CODE = 4
 # What `accelerate launch` exports from the accelerate config (distributed type, ZeRO stage and offload, FSDP

@@ -21,17 +21,25 @@ PLAIN_FLAGS = ("--chunked_cross_entropy", "false", "--torch_compile", "false", "
                "adamw_torch", "--bf16_stochastic_round", "false", "--use_liger_kernel", "false")
 
 
+def over(base: tuple[str, ...], flags: tuple[str, ...]) -> tuple[str, ...]:
+    """`flags` (pairs of --name value) over `base`: each flag once, at the last value given (a recipe refuses a flag
+    given twice with two values)."""
+    merged = dict(zip(base[::2], base[1::2], strict=True))
+    merged.update(zip(flags[::2], flags[1::2], strict=True))
+    return tuple(token for pair in merged.items() for token in pair)
+
+
 @dataclass(frozen=True)
 class Lever:
     name: str
     flags: tuple[str, ...]  # over PLAIN_FLAGS
     always: bool = False  # in the recommended combination wherever it runs (it costs no precision)
-    cuda_only: bool = False  # shardtune.checks refuses it elsewhere
+    cuda_only: bool = False  # checks.values refuses it elsewhere
     deepspeed: bool = True  # runs under DeepSpeed (its engine steps its own fp32 master with torch's AdamW)
     fsdp_or_one_process: bool = False  # stochastic rounding: DDP's replicas would round apart
     needs_bf16: bool = False
     needs_packing: bool = False
-    zero3: bool = True  # runs under ZeRO-3 (compile does not: shardtune.checks.check_compile_under)
+    zero3: bool = True  # runs under ZeRO-3 (compile does not: shardtune.checks.values.check_compile_under)
     min_capability: tuple[int, int] | None = None  # the GPU's compute capability it needs (fp8: float8 tensor cores)
 
     def runs(self, kind: str, shard: int, processes: int, mixed_precision: str, packing: bool, cuda: bool,
@@ -61,11 +69,11 @@ LEVERS = (
     Lever("selective checkpointing", ("--gradient_checkpointing", "true", "--gradient_checkpointing_mode",
                                       "selective")),
     Lever("packing to full rows", ("--packing_strategy", "bfd"), always=True, needs_packing=True),
-    # Every layer recomputed: a layer that is not would offload its weights too (shardtune.checks).
+    # Every layer recomputed: a layer that is not would offload its weights too (shardtune.checks.startup).
     Lever("activation offloading, layers recomputed",
           ("--gradient_checkpointing", "true", "--gradient_checkpointing_interval", "1", "--activation_offloading",
            "true"), cuda_only=True),
-    # Liger's fused loss replaces the tiles and runs in their place (shardtune.liger.check_liger_kernel); not in
+    # Liger's fused loss replaces the tiles and runs in their place (shardtune.levers.liger.check_liger_kernel); not in
     # the recommended combination: it is refused with compile, which is.
     Lever("Liger kernels", ("--chunked_cross_entropy", "true", "--use_liger_kernel", "true"), cuda_only=True),
     Lever("8-bit AdamW states", ("--optim", "adamw_torch_8bit"), deepspeed=False),

@@ -8,11 +8,11 @@ import json
 import os
 
 from shardtune.checkpoint.markers import MARKER, foreign_checkpoints, foreign_checkpoints_note
+from shardtune.checkpoint.output_dir import in_use, in_use_message, is_rank_zero
 from shardtune.checkpoint.run_files import clear_problem, described, strangers
 from shardtune.config import SAVE_DTYPES, ConfigError, Recipe
-from shardtune.data_sources import dataset_sources
+from shardtune.data.sources import dataset_sources
 from shardtune.launch import LaunchDescription
-from shardtune.output_dir import in_use, in_use_message, is_rank_zero
 
 
 def check_checkpoints(recipe: Recipe) -> None:
@@ -43,7 +43,7 @@ def check_output_dir(recipe: Recipe) -> None:
     overlaps = overlap_problems(output_dir, [(flag, path) for flag, path in inputs if path and os.path.exists(path)])
     if overlaps:
         raise ConfigError(overlaps)
-    holder = in_use(output_dir) if is_rank_zero() else None  # rank 0 holds the lock (shardtune.output_dir)
+    holder = in_use(output_dir) if is_rank_zero() else None  # rank 0 holds the lock (shardtune.checkpoint.output_dir)
     if holder:
         raise ConfigError(in_use_message(output_dir, holder, recipe.overwrite_output_dir))
     check_not_occupied(recipe)

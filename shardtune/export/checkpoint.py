@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardtune.export import MAX_SHARD_SIZE, SHARD_PATTERN, cast_floating
+from shardtune.export.model import MAX_SHARD_SIZE, SHARD_PATTERN, cast_floating
 
 DCP_PREFIX = "model."  # accelerate's save_fsdp_model nests the model state under "model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -157,7 +157,7 @@ def export_lora(checkpoint: Path, output: Path, lora, dtype: torch.dtype | None,
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardtune.export_checks import listed, model_class, quiet_loading
+    from shardtune.export.checks import listed, model_class, quiet_loading
 
     config = AutoConfig.from_pretrained(checkpoint)
     state = checkpoint_state(checkpoint)

@@ -7,7 +7,7 @@ hooks ZeRO-3 and FSDP2 put on those modules still gather their weights around th
 function that the attention's forward looks up at every call: it stays replaced in the model's modeling module
 for the process. The classes Liger also swaps in that module (for models built later) are put back: only this
 model is patched. The loss: Liger's fused linear cross-entropy, run as the LM head's forward
-(shardtune.tiled_loss.fused_linear_cross_entropy), where ZeRO-3 and FSDP2 have gathered the head's weight.
+(shardtune.levers.tiled_loss.fused_linear_cross_entropy), where ZeRO-3 and FSDP2 have gathered the head's weight.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 def check_liger_kernel(recipe: Recipe) -> None:
     """What --use_liger_kernel cannot run with (the machine is check_liger_device's). Its loss is Liger's fused
-    linear cross-entropy run as the LM head's forward, where the tiled loss runs (shardtune.tiled_loss), so that
+    linear cross-entropy run as the LM head's forward, where the tiled loss runs (shardtune.levers.tiled_loss), so that
     ZeRO-3 and FSDP2 gather the head's weight for it: it replaces the tiles and needs their path."""
     if not recipe.use_liger_kernel:
         return
@@ -75,7 +75,7 @@ def check_liger_model(recipe: Recipe, config: PretrainedConfig) -> None:
 def apply_liger_kernels(model: torch.nn.Module) -> None:
     """Liger's RMSNorm, SwiGLU and RoPE in `model` (a peft wrapper's base model too), in place. Liger's own loss
     paths stay off (cross_entropy, fused_linear_cross_entropy): the trainer's loss runs Liger's fused loss inside
-    the LM head's forward instead (shardtune.tiled_loss)."""
+    the LM head's forward instead (shardtune.levers.tiled_loss)."""
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

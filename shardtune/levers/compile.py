@@ -8,7 +8,7 @@ FSDP2 (`compile_regions_fsdp2`), applied to the model's repeated blocks only:
   `unwrap_model` still finds the model. `Accelerator.prepare`'s own DDP path (`compile_regions`) copies the parent
   modules and wraps each block in an OptimizedModule instead: its state-dict keys gain `_orig_mod.`.
 - The layers only: accelerate also compiles every other leaf (embedding, final norm, rotary embedding, LM head),
-  and the tiled loss (shardtune.tiled_loss) runs as the head's forward, a new closure each step: a compiled head
+  and the tiled loss (shardtune.levers.tiled_loss) runs as the head's forward, a new closure each step: a compiled head
   recompiles at every step (measured: once per new sequence length) until dynamo's recompile limit.
 The layers are instances of one class and share one code object, so they share their compiled graphs: a model
 compiles once whatever its depth. A changed sequence length recompiles once, with that dimension dynamic (dynamo's

@@ -85,7 +85,7 @@ def check_dataset_num_proc(recipe: Recipe) -> None:
 
 
 def bundled_chat_templates() -> list[str]:
-    """Names of the chat templates shipped in shardtune/chat_templates (`<name>.jinja`)."""
+    """Names of the chat templates shipped in shardtune/data/chat_templates (`<name>.jinja`)."""
     names = os.listdir(CHAT_TEMPLATES_DIR) if os.path.isdir(CHAT_TEMPLATES_DIR) else []
     return sorted(name[: -len(".jinja")] for name in names if name.endswith(".jinja"))
 
