@@ -488,12 +488,18 @@ TINY_ZERO_SIZES = {"reduce_bucket_size": 12_000, "allgather_bucket_size": 12_000
 TINY_NVME_PARAM_BUFFER_SIZE = 12_288
 
 
+GPUS_PER_NODE = 8  # the shipped configs are written for nodes of 8 GPUs
+
+
 def config_machines(config: str) -> int:
-    """num_machines of a shipped accelerate config: the multi-machine layouts (hybrid sharding, ZeRO++ hpZ) say 2
-    and run on 2 loopback machines (tests/launch/test_multinode_layouts.py), not in the 2-process reference runs."""
+    """The nodes a shipped accelerate config is written for (its num_processes over nodes of 8 GPUs; its
+    num_machines is 1, the nodes given at launch): the multi-machine layouts (hybrid sharding, ZeRO++ hpZ, TP over
+    FSDP2) say 16 and run on 2 loopback machines (tests/launch/test_multinode_layouts.py), not in the 2-process
+    reference runs."""
     import yaml
 
-    return int(yaml.safe_load((CONFIGS / f"{config}.yaml").read_text()).get("num_machines", 1))
+    processes = int(yaml.safe_load((CONFIGS / f"{config}.yaml").read_text()).get("num_processes", 1))
+    return max(1, processes // GPUS_PER_NODE)
 
 
 def tiny_deepspeed_json(config: str) -> Path:

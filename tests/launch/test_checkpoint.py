@@ -19,6 +19,7 @@ from accelerate.utils.other import TORCH_SAFE_GLOBALS
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from shardtune.checkpoint.output_dir import LOCK_FILE
 from shardtune.checkpoint.preemption import FAULT_ENV, NON_FINITE_EXIT_CODE, PREEMPTED_EXIT_CODE
 from shardtune.parallel.ranks import PEER_LOST_EXIT_CODE
 from tests.conftest import (
@@ -236,5 +237,6 @@ def test_occupied_output_dir_overwritten_on_request(tiny_assets, tmp_path):
     output_dir = tmp_path / "out"
     output_dir.mkdir()
     (output_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (output_dir / LOCK_FILE).write_text("")  # every run takes the lock first: an earlier run's, ended cleanly
     run_recipe(output_dir, tiny_assets, "--max_steps", "2", "--overwrite_output_dir", "true")
     assert [row["step"] for row in read_metrics(output_dir) if "loss" in row] == [1, 2]
