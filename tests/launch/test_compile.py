@@ -8,7 +8,11 @@ tests/launch/test_memory_phases.py. DDP and ZeRO-1/2 compile the same way (the l
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
+from safetensors import safe_open
 
 from tests.conftest import (
     REFERENCE_ARGS,
@@ -58,5 +62,16 @@ def test_compiled_layers_train_as_eager(config, request, tiny_assets, tmp_path):
         eager, _ = measured_peaks(plain.parent / "memory", 2)
         print("phase, compiled peak, eager peak:", {name: (compiled[name], eager[name]) for name in eager})
         # The same batches and states; only the layers' saved tensors may differ (AOT autograd's partition keeps
-        # what the backward reads): at most eager's, up to the allocator's rounding.
-        assert all(compiled[name] <= eager[name] * (1 + NEUTRAL_RTOL) for name in COMPILED_PHASES), (compiled, eager)
+        # what the backward reads): at most eager's, up to the allocator's rounding and one decoder layer's
+        # gathered parameters. On gloo a rank may still hold a layer's all-gather output after it moved on (the
+        # worker thread drops it in its own time): the same build's compiled eval measured 1,539,704 bytes here and
+        # 1,722,232 in CI, 182,528 bytes apart, against eager's 1,586,624 in both.
+        race = gathered_layer_bytes(tiny_assets[0])
+        assert all(compiled[name] <= eager[name] * (1 + NEUTRAL_RTOL) + race for name in COMPILED_PHASES), (
+            compiled, eager, race)
+
+
+def gathered_layer_bytes(model_dir: str) -> int:
+    """The bytes of one decoder layer's parameters as stored (the tiny model is fp32), gathered whole by FSDP2."""
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as stored:
+        return sum(math.prod(stored.get_slice(name).get_shape()) * 4 for name in stored.keys() if ".layers.0." in name)
