@@ -23,6 +23,7 @@ from shardtune.data.batches import COUNT_KEYS, StepBatch
 from shardtune.memory import peak_memory_gb, reset_phase_peak
 from shardtune.models.flops import ModelShape, flops_per_token, mfu
 from shardtune.parallel.groups import counted_here, loss_counted_here
+from shardtune.plan.hardware import peak_flops
 from shardtune.step import StepOutput
 
 # Loss-scale overflows in a row after which a run stops as non-finite: from torch's initial scale (2^16) that many
@@ -182,3 +183,9 @@ class TrainMetrics:
         self.last_loss = row["loss"]
         self._reset()
         return row
+
+
+def device_peak_flops(accelerator: Accelerator) -> float | None:
+    """The GPU's peak bf16 FLOP/s, for MFU (None on CPU, or for a GPU shardtune.plan.hardware does not know)."""
+    on_gpu = accelerator.device.type == "cuda"
+    return peak_flops(torch.cuda.get_device_name(accelerator.device)) if on_gpu else None

@@ -1,4 +1,5 @@
-"""Where metrics go: `output_dir/metrics.jsonl` always, W&B through accelerate's tracker when asked."""
+"""Where metrics go: `output_dir/metrics.jsonl` always, W&B through accelerate's tracker when asked; and what the
+trainer reports there: the first step's held bytes and compilation, each logging window."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import math
 import os
 import uuid
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from tqdm.auto import tqdm
 
 from shardtune.checkpoint.output_dir import METRICS_FILE, RUN_CONFIG_FILE, SAMPLES_FILE
 from shardtune.config import Recipe
 from shardtune.data.sources import dataset_sources
 from shardtune.launch import LaunchDescription
+from shardtune.levers.compile import compile_figures
+from shardtune.memory import COMPONENTS, ModelStateProbe
 
 # what `accelerate launch` exports from its config file and flags
 LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
@@ -156,3 +161,32 @@ def log_samples(accelerator: Accelerator, output_dir: str, step: int, samples: l
         accelerator.get_tracker("wandb").log_table(
             "samples", columns=columns, data=[[step, *sample.values()] for sample in samples], step=step)
 
+
+
+def report_held(accelerator: Accelerator, output_dir: str, step: int, probe: ModelStateProbe,
+                loaded: dict[str, int]) -> None:
+    """What the ranks really held at the first step (checked against the planner's model states: max over
+    ranks), and per rank what it held right after loading the weights (only rank 0 reads them under FSDP)."""
+    loading = ("parameter_bytes", "peak_rss_bytes", "loading_rss_bytes")
+    local = [probe.held[key] for key in COMPONENTS] + [loaded[key] for key in loading]
+    per_rank = accelerator.gather(torch.tensor(local, dtype=torch.float64, device=accelerator.device))
+    per_rank = per_rank.view(-1, len(local)).tolist()
+    held = {f"held_{key}_bytes": int(max(rank[index] for rank in per_rank)) for index, key in enumerate(COMPONENTS)}
+    for rank, values in enumerate(per_rank):
+        held.update({f"loaded_{key}_rank{rank}": int(value) for key, value in zip(loading, values[-3:], strict=True)})
+    accelerator.print("shardtune: held per rank (max over ranks): "
+                      + ", ".join(f"{key} {held[f'held_{key}_bytes'] / 2**30:.3f} GiB" for key in COMPONENTS))
+    log_metrics(accelerator, output_dir, step, held)
+
+
+def report_compiled(accelerator: Accelerator, recipe: Recipe) -> None:
+    """The first step's compilation, once: the layers compile in their first forward and backward."""
+    figures = compile_figures(accelerator)
+    accelerator.print(f"shardtune: torch.compile ({recipe.torch_compile_backend}) of the decoder layers: "
+                      f"{figures['compile_seconds']:.1f}s in the first step, {figures['compiled_frames']:.0f} "
+                      "frames compiled (the slowest rank)")
+
+
+def log_window(accelerator: Accelerator, output_dir: str, step: int, row: dict[str, float], progress: tqdm) -> None:
+    progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_second']:.0f}")
+    log_metrics(accelerator, output_dir, step, row)

@@ -3,7 +3,8 @@
 The pieces it calls: `train_step` (shardtune.step) runs one optimizer step and returns device tensors and the
 rate the step used; `TrainMetrics` (shardtune.metrics) syncs once per step and keeps the logging window; the
 `Checkpointer` (shardtune.checkpoint.saver) decides when to save; `evaluate` (shardtune.evaluation) runs without
-fp32 logits; `save_hf_model` (shardtune.export.model) writes the trained model.
+fp32 logits; `save_hf_model` (shardtune.export.model) writes the trained model; `report_held` and `log_window`
+(shardtune.tracking) report the first step and each logging window.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from shardtune.levers.float8 import (
 from shardtune.levers.liger import apply_liger_kernels
 from shardtune.levers.optimizers import make_optimizer
 from shardtune.memory import (
-    COMPONENTS,
     ModelStateProbe,
     local_parameter_bytes,
     peak_rss_bytes,
@@ -59,7 +59,7 @@ from shardtune.methods.dpo_loss import PAIR_METRICS
 from shardtune.methods.pair_batches import PreferenceCollator, numbered
 from shardtune.methods.reference import disable_dropout
 from shardtune.methods.training import DPOTraining
-from shardtune.metrics import MAX_SKIPPED_IN_A_ROW, StepSummary, TrainMetrics
+from shardtune.metrics import MAX_SKIPPED_IN_A_ROW, StepSummary, TrainMetrics, device_peak_flops
 from shardtune.model import enable_activation_offloading, load_model, load_tokenizer
 from shardtune.models.flops import ModelShape, shape_from_config
 from shardtune.parallel.context import row_multiple
@@ -87,11 +87,18 @@ from shardtune.parallel.tensor import (
     shard_and_fill,
     tensor_parallel_size,
 )
-from shardtune.plan.hardware import peak_flops
 from shardtune.plan.planned_run import recipe_peft
 from shardtune.profiling import begin_phase, end_phase, phase, profile_memory, start_phases
 from shardtune.step import train_step
-from shardtune.tracking import log_metrics, log_samples, start_tracking, truncate_metrics
+from shardtune.tracking import (
+    log_metrics,
+    log_samples,
+    log_window,
+    report_compiled,
+    report_held,
+    start_tracking,
+    truncate_metrics,
+)
 
 
 def train(recipe: Recipe, batching: BatchSizes, launch: LaunchDescription, resume: ResumePoint) -> NoReturn:
@@ -328,12 +335,6 @@ def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch
         accelerator.print(warning)
 
 
-def device_peak_flops(accelerator: Accelerator) -> float | None:
-    """The GPU's peak bf16 FLOP/s, for MFU (None on CPU, or for a GPU shardtune.plan.hardware does not know)."""
-    on_gpu = accelerator.device.type == "cuda"
-    return peak_flops(torch.cuda.get_device_name(accelerator.device)) if on_gpu else None
-
-
 def refuse_non_finite(accelerator: Accelerator, step: int, summary: StepSummary, loss_scaled: bool) -> int:
     what = "loss" if loss_scaled else "loss or gradient norm"  # a loss scaler skips the steps of infinite norms
     if summary.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
@@ -342,35 +343,6 @@ def refuse_non_finite(accelerator: Accelerator, step: int, summary: StepSummary,
                       f"(loss {summary.loss}, grad norm {summary.grad_norm}); nothing saved from this "
                       "state. Lower --learning_rate or resume from the last checkpoint.")
     return NON_FINITE_EXIT_CODE
-
-
-def report_held(accelerator: Accelerator, output_dir: str, step: int, probe: ModelStateProbe,
-                loaded: dict[str, int]) -> None:
-    """What the ranks really held at the first step (checked against the planner's model states: max over
-    ranks), and per rank what it held right after loading the weights (only rank 0 reads them under FSDP)."""
-    loading = ("parameter_bytes", "peak_rss_bytes", "loading_rss_bytes")
-    local = [probe.held[key] for key in COMPONENTS] + [loaded[key] for key in loading]
-    per_rank = accelerator.gather(torch.tensor(local, dtype=torch.float64, device=accelerator.device))
-    per_rank = per_rank.view(-1, len(local)).tolist()
-    held = {f"held_{key}_bytes": int(max(rank[index] for rank in per_rank)) for index, key in enumerate(COMPONENTS)}
-    for rank, values in enumerate(per_rank):
-        held.update({f"loaded_{key}_rank{rank}": int(value) for key, value in zip(loading, values[-3:], strict=True)})
-    accelerator.print("shardtune: held per rank (max over ranks): "
-                      + ", ".join(f"{key} {held[f'held_{key}_bytes'] / 2**30:.3f} GiB" for key in COMPONENTS))
-    log_metrics(accelerator, output_dir, step, held)
-
-
-def report_compiled(accelerator: Accelerator, recipe: Recipe) -> None:
-    """The first step's compilation, once: the layers compile in their first forward and backward."""
-    figures = compile_figures(accelerator)
-    accelerator.print(f"shardtune: torch.compile ({recipe.torch_compile_backend}) of the decoder layers: "
-                      f"{figures['compile_seconds']:.1f}s in the first step, {figures['compiled_frames']:.0f} "
-                      "frames compiled (the slowest rank)")
-
-
-def log_window(accelerator: Accelerator, output_dir: str, step: int, row: dict[str, float], progress: tqdm) -> None:
-    progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_second']:.0f}")
-    log_metrics(accelerator, output_dir, step, row)
 
 
 def save_and_stop(accelerator: Accelerator, checkpointer: Checkpointer, step: int) -> int:
