@@ -30,6 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardtune.checks.command_line import OneLineParser
+from shardtune.config import ConfigError
+
 REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = ("ddp", "fsdp_full_shard", "ds_zero3")
 RESULT = "bench_checkpoint result: "
@@ -171,8 +174,8 @@ def table(rows: list[dict], rates: list[float]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=None,
                         help="where checkpoints go, in a new directory of the benchmark's own, deleted at the end "
                              "(default: the working directory)")
@@ -187,10 +190,14 @@ def main() -> None:
     parser.add_argument("--dd_megabytes", type=int, default=2048, help="size of the dd write that rates the disk")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    try:
+        args = parser.parse_args(argv)
+    except ConfigError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
     if args.worker:
         worker(args)
-        return
+        return 0
     parent = args.dir or Path(os.getcwd())
     parent.mkdir(parents=True, exist_ok=True)
     # Everything the benchmark writes goes into a new directory of its own inside --dir, deleted at the end: what
@@ -205,7 +212,8 @@ def main() -> None:
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     print(table(rows, rates))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

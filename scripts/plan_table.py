@@ -7,11 +7,13 @@ recipe header's plan for the hardware it names. Written from shardtune.plan, che
 
 from __future__ import annotations
 
-import argparse
 import re
+import sys
 import textwrap
 from pathlib import Path
 
+from shardtune.checks.command_line import OneLineParser
+from shardtune.config import ConfigError
 from shardtune.models.flops import resolve_config, resolve_model
 from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.planned_run import HELD_OPTIMIZER, planned_recipe, recipe_search
@@ -141,11 +143,15 @@ def recipe_with_plan(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = OneLineParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--write", action="store_true",
                         help="Rewrite docs/plan-table.md's table and every recipe header's plan instead of "
                              "printing them")
-    write = parser.parse_args(argv).write
+    try:
+        write = parser.parse_args(argv).write
+    except ConfigError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
     if write:
         TABLE_DOC.write_text(doc_with_table(TABLE_DOC.read_text()))
     else:

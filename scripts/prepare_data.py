@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardtune.checks.command_line import OneLineParser
 from shardtune.config import ConfigError, Recipe
 from shardtune.data.sources import (
     check_chat_template,
@@ -61,15 +62,9 @@ def load_recipe(path: str) -> Recipe:
     return module.RECIPE
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse's own errors as ConfigError: one line, exit code 2."""
-
-    def error(self, message: str) -> None:
-        raise ConfigError(f"Bad command line: {message}; see scripts/prepare_data.py --help.")
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Recipe]:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                           see="scripts/prepare_data.py --help")
     parser.add_argument("recipe", help="A recipe file, e.g. recipes/llama8b.py.")
     parser.add_argument("--output_dir", help="Where the tokenized DatasetDict goes (train and eval).")
     parser.add_argument("--benchmark_rows", type=int, default=0, help="Measure tokenization throughput on N rows.")

@@ -20,6 +20,7 @@ import sys
 import typing
 from collections.abc import Callable
 
+from shardtune.checks.command_line import OneLineParser
 from shardtune.checks.flag_hints import RENAMED
 from shardtune.checks.startup import batch_sizes
 from shardtune.config import FIELD_CHOICES, ConfigError, Recipe, below_lowest
@@ -90,17 +91,10 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-class PlanParser(argparse.ArgumentParser):
-    """argparse's own errors (a value of the wrong type, a missing --model) as ConfigError: one line, exit code 2,
-    as a recipe answers them, not argparse's usage block."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        raise ConfigError(f"Bad command line: {message.rstrip('.')}; see --help for the planner's flags.")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = PlanParser(prog="python -m shardtune.plan", description=" ".join(__doc__.split("\n\n")[0].split()),
-                        allow_abbrev=False)  # a typo such as --micro_batch must not pass as another flag
+    parser = OneLineParser(prog="python -m shardtune.plan", description=" ".join(__doc__.split("\n\n")[0].split()),
+                           allow_abbrev=False,  # a typo such as --micro_batch must not pass as another flag
+                           see="--help for the planner's flags")
     parser.add_argument("--model", required=True,
                         help="Built-in name, any Hugging Face model id (only its config.json is fetched), a local "
                              "model directory or config.json, or a recipe file")
