@@ -44,8 +44,8 @@ class StepSummary:
 
 def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main_process: bool,
                 loss_scaled: bool = False, counted: bool = True, loss_counted: bool = True) -> torch.Tensor:
-    """[non-finite, stop, skipped, loss share, gradient norm, *counts, *method sums, next step's targets] on the
-    loss's device,
+    """[non-finite, stop, skipped, loss share, gradient norm, *counts, *method sums, *routing (a mixture of experts'
+    load-balancing loss share and tokens per expert, shardtune.routing), next step's targets] on the loss's device,
     to be summed over ranks. The norm is global (the same on every rank): only the main process adds it, so the
     sum is exact; so are the counts (integers far below 2**53). With a dynamic loss scaler (`loss_scaled`, fp16)
     an infinite norm is an overflow the scaler skips the step for and lowers its scale after, as torch's
@@ -70,6 +70,7 @@ def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main
         norm.to(torch.float64) if is_main_process else zero,  # not inf x 0: that would sum to NaN
         *(torch.full((), share * batch.counts[key], dtype=torch.float64, device=device) for key in COUNT_KEYS),
         *(out.method_sums.to(torch.float64) if out.method_sums is not None else ()),
+        *(share * out.routing if out.routing is not None else ()),
         torch.full((), share * batch.next_targets, dtype=torch.float64, device=device),
     ])
 
@@ -113,6 +114,7 @@ class TrainMetrics:
         self.started, self.paused_s, self.steps, self.skipped, self.loss = time.perf_counter(), 0.0, 0, 0, 0.0
         self.counts = dict.fromkeys(COUNT_KEYS, 0.0)
         self.method_sums = [0.0] * len(self.method_metrics)
+        self.routing = [0.0] * (1 + self.shape.experts if self.shape.experts else 0)
         self.peak_before_pauses: dict[str, float] = {}  # the window's training peak up to its last pause
         reset_phase_peak(self.accelerator.device)  # each window logs its own peak
 
@@ -137,7 +139,9 @@ class TrainMetrics:
         summed = self.accelerator.reduce(vector, "sum")  # the step's one collective
         self._next_targets = summed[-1].to(torch.long)  # stays on the device: the next step's loss divisor
         non_finite, stop, skipped, loss, grad_norm, *rest, _ = summed.tolist()  # the step's one device-to-host sync
-        counts, method_sums = rest[:len(COUNT_KEYS)], rest[len(COUNT_KEYS):]
+        counts, method_sums = rest[:len(COUNT_KEYS)], rest[len(COUNT_KEYS):len(COUNT_KEYS) + len(self.method_metrics)]
+        routing = rest[len(COUNT_KEYS) + len(self.method_metrics):]
+        self.routing = [total + value for total, value in zip(self.routing, routing, strict=True)]
         self.steps += 1
         self.skipped += skipped > 0
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped > 0 else 0
@@ -171,6 +175,11 @@ class TrainMetrics:
             **{name: total / self.counts["targets"] for name, total in zip(self.method_metrics, self.method_sums,
                                                                             strict=True)},
         }
+        if self.routing:  # the load-balancing loss as transformers' aux_loss (its weighted share is in "loss")
+            row["aux_loss"] = self.routing[0] / self.steps
+            row["routed_tokens_per_expert"] = [round(count) for count in self.routing[1:]]
+            routed = self.routing[1:]  # the busiest expert's load over the mean: 1.0 is a perfect balance
+            row["expert_load_max_over_mean"] = max(routed) * len(routed) / sum(routed) if sum(routed) else 0.0
         if not math.isfinite(row["grad_norm"]):  # the last step overflowed under a loss scaler (or had no norm):
             del row["grad_norm"]  # metrics.jsonl stays JSON, which has no inf or NaN
         if self.loss_scaled:

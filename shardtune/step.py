@@ -23,6 +23,7 @@ from shardtune.config import BatchSizes
 from shardtune.levers.tiled_loss import LABEL_KEYS, chunked_token_loss
 from shardtune.parallel.context import context_parallel
 from shardtune.parallel.sequence import SequenceSplit, sequence_shards
+from shardtune.routing import routers_recorded, with_router_loss
 
 if TYPE_CHECKING:
     from shardtune.methods.dpo import DPOStep
@@ -34,6 +35,8 @@ class StepOutput:
     grad_norm: torch.Tensor | None  # the global gradient norm before clipping; None where the strategy has none
     lr: float  # the learning rate this step's update used (a host number: no sync)
     method_sums: torch.Tensor | None = None  # a method's metrics summed over this rank's micro-batches (DPO's rewards)
+    # a mixture of experts': [load-balancing loss share, tokens routed per expert...] over this rank's micro-batches
+    routing: torch.Tensor | None = None
 
 
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
@@ -63,18 +66,22 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     unwrapped = accelerator.unwrap_model(model)
     # Read before anything steps the scheduler: afterwards it holds the next step's rate.
     lr = float(scheduler.get_last_lr()[0])  # torchao's optimizers keep it as a host tensor: no sync
-    loss_sum, method_sums = torch.zeros((), device=device), None
+    loss_sum, method_sums, routing = torch.zeros((), device=device), None, None
     if sequence_split is not None:
         micro_batches = sequence_shards(micro_batches, device)
     for index, whole in enumerate(micro_batches):
         with accelerator.accumulate(model), context_parallel(accelerator, whole, context_size) as batch:
-            if method is not None:
-                loss, sums = method.loss(model, unwrapped, batch, targets)
-                method_sums = sums if method_sums is None else method_sums + sums
-            elif chunked_cross_entropy:  # this micro-batch's share of the mean
-                loss = chunked_token_loss(model, unwrapped, batch, targets, fused=fused_loss)
-            else:
-                loss = token_loss(model, unwrapped, batch, targets)
+            with routers_recorded(unwrapped) as router_logits:  # a mixture of experts' (shardtune.routing)
+                if method is not None:
+                    loss, sums = method.loss(model, unwrapped, batch, targets)
+                    method_sums = sums if method_sums is None else method_sums + sums
+                elif chunked_cross_entropy:  # this micro-batch's share of the mean
+                    loss = chunked_token_loss(model, unwrapped, batch, targets, fused=fused_loss)
+                else:
+                    loss = token_loss(model, unwrapped, batch, targets)
+            loss, routed = with_router_loss(unwrapped, loss, router_logits, batch,
+                                            batching.accumulation * batching.data_parallel_size)
+            routing = routed if routing is None else routing + routed
             loss_sum += loss.detach()
             accelerator.backward(loss * scale)
             # The spent graph would outlive the loop into the optimizer step: under LoRA with recomputation its
@@ -87,7 +94,8 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     if not accelerator.optimizer_step_was_skipped:  # a loss scaler's overflow (a host flag): the schedule waits too,
         scheduler.step()  # as in transformers' Trainer
     optimizer.zero_grad()
-    return StepOutput(loss=loss_sum, grad_norm=norm_on_device(grad_norm, device), lr=lr, method_sums=method_sums)
+    return StepOutput(loss=loss_sum, grad_norm=norm_on_device(grad_norm, device), lr=lr, method_sums=method_sums,
+                      routing=routing)
 
 
 def token_loss(model: torch.nn.Module, unwrapped: torch.nn.Module, batch: dict, targets: torch.Tensor

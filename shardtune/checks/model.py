@@ -40,16 +40,19 @@ def check_model(recipe: Recipe, sp_size: int = 1, tp_size: int = 1, cp_size: int
     problems.check(check_split_heads, config, sp_size)
     problems.check(check_tensor_parallel_heads, config, tp_size)
     problems.check(check_context_model, config, cp_size)
-    problems.check(check_family_levers, recipe, config, sp_size, tp_size)
+    problems.check(check_family_levers, recipe, config, sp_size, tp_size, cp_size)
     problems.raise_any()
 
 
-def check_family_levers(recipe: Recipe, config: PretrainedConfig, sp_size: int, tp_size: int) -> None:
+def check_family_levers(recipe: Recipe, config: PretrainedConfig, sp_size: int, tp_size: int, cp_size: int = 1
+                        ) -> None:
     """The levers a family refuses (shardtune.models.families): tensor parallelism where its plan is not the one
     planned or proven; Ulysses over sliding-window layers under a kernel that takes the window from the mask
     Ulysses drops (flash attention reads it from the module instead); DPO's log-probs, which read the LM head's
-    output as it comes, on a model that scales or soft-caps its logits."""
+    output as it comes, on a model that scales or soft-caps its logits; on a mixture of experts, what cannot carry
+    its router's loss (a split of the rows, DPO's loss) or leaves its experts unplanned (float8)."""
     from shardtune.levers.tiled_loss import logits_after_head
+    from shardtune.models.experts import MOE_REFUSALS, is_mixture_of_experts
     from shardtune.models.families import FAMILIES, layer_types
 
     text = config.get_text_config()
@@ -69,6 +72,11 @@ def check_family_levers(recipe: Recipe, config: PretrainedConfig, sp_size: int, 
         problems.append(f"--method dpo computes log-probs from the LM head's output as it comes, and this "
                      f"{text.model_type} model scales or soft-caps its logits after the head (logits_scaling, "
                      "final_logit_softcapping), which those log-probs would leave out: train it with --method sft.")
+    if is_mixture_of_experts(text):
+        asked = {"sequence_split": sp_size > 1, "context_parallel": cp_size > 1,
+                 "fp8": recipe.mixed_precision == "fp8", "dpo": recipe.method == "dpo"}
+        problems += [f"A {text.model_type} model (a mixture of experts): {MOE_REFUSALS[lever]}"
+                     for lever, wanted in asked.items() if wanted]
     if problems:
         raise ConfigError(problems)
 

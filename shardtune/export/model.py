@@ -154,15 +154,24 @@ def export_layout(unwrapped: torch.nn.Module, entries: dict[str, torch.Tensor], 
     """The output shards, planned by huggingface_hub as save_pretrained plans them, from each tensor's full shape
     and the dtype it is written in (meta tensors: no data), in the order save_pretrained gives them:
     transformers' revert_weight_conversion, which save_pretrained applies first, rebuilds the state dict in
-    sorted key order. A model whose conversion renames or merges tensors is refused (the Llama-class models
-    have none)."""
-    planned = planned_tensors(entries, dtype)
-    reverted = revert_weight_conversion(unwrapped, planned)
-    if reverted.keys() != planned.keys():
-        raise NotImplementedError(f"{type(unwrapped).__name__} saves its weights under other names than it trains "
-                                  "them (a transformers weight conversion): the streamed export writes them as "
-                                  "named in training only.")
+    sorted key order (a mixture of experts' packed experts written per expert: written_sources)."""
+    reverted = revert_weight_conversion(unwrapped, planned_tensors(entries, dtype))
     return split_torch_state_dict_into_shards(reverted, filename_pattern=SHARD_PATTERN, max_shard_size=max_shard_size)
+
+
+def written_sources(unwrapped: torch.nn.Module, entries: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each written tensor's trained entry, every entry reverted on its own: the Llama-class models write each
+    entry as it is named; a mixture of experts' packed experts (gate_up_proj, down_proj) are written per expert,
+    as its checkpoints hold them. A model whose conversion merges several entries into one written tensor is
+    refused."""
+    planned = planned_tensors(entries, None)
+    sources = {written: name for name, tensor in planned.items()
+               for written in revert_weight_conversion(unwrapped, {name: tensor})}
+    if sources.keys() != revert_weight_conversion(unwrapped, planned).keys():
+        raise NotImplementedError(f"{type(unwrapped).__name__} saves its weights under other names than it trains "
+                                  "them, several trained tensors into one (a transformers weight conversion): the "
+                                  "streamed export writes each trained tensor on its own only.")
+    return sources
 
 
 def planned_tensors(entries: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -186,20 +195,25 @@ def write_streamed_shards(accelerator: Accelerator, unwrapped: torch.nn.Module, 
     depends on how the model was built (a model FSDP built on the meta device has no recorded conversion)."""
     entries = export_entries(unwrapped)
     main = accelerator.is_main_process
-    layout = [export_layout(unwrapped, entries, dtype, max_shard_size) if main else None]
+    layout = [(export_layout(unwrapped, entries, dtype, max_shard_size), written_sources(unwrapped, entries))
+              if main else None]
     if accelerator.num_processes > 1:
         broadcast_object_list(layout)
-    layout = layout[0]
+    layout, sources = layout[0]
     masters = dtype == torch.float32 and deepspeed_half(accelerator)
     if main:
         os.makedirs(output_dir, exist_ok=True)
         remove_stale_shards(output_dir, layout)
     for filename, names in layout.filename_to_tensors.items():
-        shard = {}
+        shard, source, written = {}, None, {}
         for name in names:  # the same order on every rank: each gather is a collective
-            whole = gathered_host_tensor(entries[name], dtype, masters, main)
-            if main:
-                shard[name] = whole
+            if sources[name] != source:  # a packed entry gathered once for the tensors it is written as
+                source = sources[name]
+                whole = gathered_host_tensor(entries[source], dtype, masters, main)
+                written = (revert_weight_conversion(unwrapped, {source: whole}) if name != source else
+                           {name: whole}) if main else {}
+            if main:  # a packed entry's pieces are views of its storage, which safetensors would write once
+                shard[name] = written.pop(name) if name == source else written.pop(name).clone()
         if main:
             path = os.path.join(output_dir, filename)
             write_safetensors(shard, path)  # safetensors' own save_file would build a second copy in memory

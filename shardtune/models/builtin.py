@@ -83,6 +83,25 @@ BUILTIN_CONFIG_VALUES = {
         residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=16.0, tie_word_embeddings=True,
         bos_token_id=0, eos_token_id=0, pad_token_id=0,
     ),
+    # Qwen3-30B-A3B: Qwen3's attention (32 heads, 4 kv heads, head_dim 128, q/k norms), 128 experts of width 768
+    # in every layer, 8 routed per token (norm_topk_prob), router_aux_loss_coef 0.001.
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        router_aux_loss_coef=0.001, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+        attention_bias=False, bos_token_id=151643, eos_token_id=151645,
+    ),
+    # Mixtral 8x7B: Mistral 7B's attention, 8 experts of width 14336 in every layer, 2 routed per token,
+    # router_aux_loss_coef 0.02, no sliding window.
+    "mixtral-8x7b": dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        router_aux_loss_coef=0.02, max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    ),
 }
 # Hub ids whose last path component, lower-cased, does not already equal a built-in name: Mistral's releases
 # share one shape; Llama 3.3 70B is Llama 3.1 70B's architecture; the pretrained and instruction-tuned releases of
@@ -91,4 +110,5 @@ ALIASES = {"mistral-7b-v0.1": "mistral-7b", "mistral-7b-v0.3": "mistral-7b", "ll
            "gemma-3-12b-text": "gemma-3-12b", "olmo-2-1124-7b": "olmo-2-7b",
            "olmo-2-1124-7b-instruct": "olmo-2-7b", "olmo-2-1124-7b-sft": "olmo-2-7b", "qwen3-8b-base": "qwen3-8b",
            "smollm3-3b-base": "smollm3-3b", "granite-3.3-8b-base": "granite-3.3-8b",
-           "granite-3.3-8b-instruct": "granite-3.3-8b"}
+           "granite-3.3-8b-instruct": "granite-3.3-8b", "qwen3-30b-a3b-base": "qwen3-30b-a3b",
+           "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b"}

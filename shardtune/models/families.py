@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardtune.models.experts import MOE_REFUSALS
+
 
 @dataclass(frozen=True)
 class Family:
@@ -55,12 +57,15 @@ FAMILIES = {family.model_type: family for family in (
     Family("smollm3"),
     Family("granite", liger_refusal="Liger's fused loss would run in place of Granite's LM head without dividing "
                                     "the logits by logits_scaling: drop --use_liger_kernel."),
+    # Mixtures of experts (shardtune.models.experts): Qwen3-MoE's attention is Qwen3's, Mixtral's Mistral's.
+    Family("qwen3_moe", qk_norm="head", liger_refusal=MOE_REFUSALS["liger"],
+           tensor_parallel_refusal=MOE_REFUSALS["tensor_parallel"]),
+    Family("mixtral", liger_refusal=MOE_REFUSALS["liger"], tensor_parallel_refusal=MOE_REFUSALS["tensor_parallel"]),
 )}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 LIGER_MODEL_TYPES = tuple(name for name, family in FAMILIES.items() if not family.liger_refusal)
-# Mixture-of-experts families: their weights, states, activations and FLOPs follow the experts, which the shape
-# does not count yet.
-MIXTURE_OF_EXPERTS_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+# Mixtures of experts whose layouts (shared experts, dense layers, other routers) the shape does not count.
+MIXTURE_OF_EXPERTS_TYPES = ("qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 
 def family_of(model_type: str) -> Family:
@@ -74,6 +79,6 @@ def layer_types(config: object) -> list[str]:
     kinds = getattr(config, "layer_types", None)
     if kinds:
         return list(kinds)
-    if getattr(config, "model_type", "") == "mistral" and getattr(config, "sliding_window", None):
+    if getattr(config, "model_type", "") in ("mistral", "mixtral") and getattr(config, "sliding_window", None):
         return ["sliding_attention"] * layers
     return ["full_attention"] * layers

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from shardtune.models.builtin import ALIASES, BUILTIN_CONFIG_VALUES
+from shardtune.models.experts import ROUTER_FIRST, expert_sizes
 from shardtune.models.families import MIXTURE_OF_EXPERTS_TYPES, SUPPORTED_MODEL_TYPES, family_of, layer_types
 from shardtune.plan.hardware import PEAK_BF16_FLOPS, peak_flops
 
@@ -64,13 +65,45 @@ class ModelShape:
     sliding_window: int = 0
     logits_scaling: float = 1.0  # Granite divides the logits by it
     final_logit_softcapping: float | None = None  # Gemma: tanh(logits / c) x c where the config sets it
+    # A mixture of experts (shardtune.models.experts): each layer's MLP is `experts` gated MLPs of `intermediate`
+    # width (the expert's) behind a router of experts x hidden, and each token runs `experts_per_token` of them.
+    experts: int = 0
+    experts_per_token: int = 0
+
+    @property
+    def attention_matmul_params(self) -> int:
+        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * q_out + 2 * self.hidden * kv_out + q_out * self.hidden
+
+    @property
+    def routed(self) -> int:
+        """Gated MLPs a token runs per layer: its top-k experts, or the one dense MLP."""
+        return self.experts_per_token if self.experts else 1
+
+    def mlp_matrices(self) -> list[tuple[int, int]]:
+        """One layer's MLP weights as torch holds them (rows x columns, a packed 3-D expert tensor as experts·rows x
+        columns), in parameter order: gate, up and down; or the router and the packed experts' gate_up and down."""
+        h, inter = self.hidden, self.intermediate
+        if not self.experts:
+            return [(inter, h), (inter, h), (h, inter)]
+        experts = [(self.experts * 2 * inter, h), (self.experts * h, inter)]
+        return [(self.experts, h), *experts] if ROUTER_FIRST[self.family] else [*experts, (self.experts, h)]
+
+    @property
+    def router_params(self) -> int:
+        return self.experts * self.hidden
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weights of q, k, v, o and the three gated-MLP projections of one decoder layer."""
-        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = self.hidden * q_out + 2 * self.hidden * kv_out + q_out * self.hidden
-        return attention + 3 * self.hidden * self.intermediate
+        """Weights of q, k, v, o and the three gated-MLP projections of one decoder layer (every expert's, and the
+        router, in a mixture of experts)."""
+        return self.attention_matmul_params + 3 * self.hidden * self.intermediate * max(self.experts, 1) + \
+            self.router_params
+
+    @property
+    def active_layer_matmul_params(self) -> int:
+        """The weights one token's compute reads in a layer: attention, the router and its top-k experts."""
+        return self.attention_matmul_params + 3 * self.hidden * self.intermediate * self.routed + self.router_params
 
     @property
     def layer_norm_params(self) -> int:
@@ -97,9 +130,17 @@ class ModelShape:
 
     @property
     def non_embedding_matmul_params(self) -> int:
-        """N of the PaLM FLOPs formula: every matmul weight, lm_head included (it is a matmul even when tied to
-        the input embedding, which is a lookup and does no FLOPs)."""
-        return self.layers * self.layer_matmul_params + self.embedding_params
+        """N of the PaLM FLOPs formula: every matmul weight a token's compute reads, lm_head included (it is a
+        matmul even when tied to the input embedding, which is a lookup and does no FLOPs); in a mixture of
+        experts the router and the token's top-k experts, not the others (MFU counts active parameters)."""
+        return self.layers * self.active_layer_matmul_params + self.embedding_params
+
+    @property
+    def linear_params(self) -> int:
+        """The weights that run through F.linear, which autocast casts to 16 bits (cached per step): every matmul
+        weight but the experts', whose grouped matmuls transformers casts to the weights' own dtype."""
+        mlp = self.router_params if self.experts else 3 * self.hidden * self.intermediate
+        return self.layers * (self.attention_matmul_params + mlp) + self.embedding_params
 
     def attended_positions(self, seq_len: int) -> int:
         """Key positions summed over the layers at sequence length T: T for a global layer, min(window, T) for a
@@ -118,9 +159,13 @@ def shape_from_config(config: PretrainedConfig, name: str = "") -> ModelShape:
     attention_bias = bool(getattr(config, "attention_bias", False))
     qk_norms = {"": (), "head": (head_dim, head_dim), "width": (heads * head_dim, kv_heads * head_dim)}[family.qk_norm]
     sliding = sum(kind == "sliding_attention" for kind in layer_types(config))
+    try:
+        experts, experts_per_token, intermediate = expert_sizes(config)
+    except ValueError as error:
+        raise ModelError(str(error)) from None
     return ModelShape(
         name=name or getattr(config, "name_or_path", "") or model_type,
-        hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
+        hidden=config.hidden_size, intermediate=intermediate, layers=config.num_hidden_layers,
         heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         vocab=config.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", False)),
         qkv_bias=family.qkv_bias or attention_bias, o_bias=attention_bias and not family.qkv_bias,
@@ -129,6 +174,7 @@ def shape_from_config(config: PretrainedConfig, name: str = "") -> ModelShape:
         sliding_window=(getattr(config, "sliding_window", None) or 0) if sliding else 0,
         logits_scaling=float(getattr(config, "logits_scaling", None) or 1.0),
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+        experts=experts, experts_per_token=experts_per_token,
     )
 
 
@@ -146,9 +192,8 @@ def check_architecture(config: PretrainedConfig, name: str = "") -> None:
     classes = getattr(config, "architectures", None) or []
     described = f"{model_type} model" + (f" ({', '.join(classes)})" if classes else "")
     if model_type in MIXTURE_OF_EXPERTS_TYPES:
-        raise ModelError(f"{name or 'The model'!r} is a {described}, a mixture of experts, whose weights, states "
-                         f"and FLOPs shardtune does not plan yet: give a dense model (model_type "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}).")
+        raise ModelError(f"{name or 'The model'!r} is a {described}, a mixture of experts that shardtune does not "
+                         f"plan: give a model of model_type {', '.join(SUPPORTED_MODEL_TYPES)}.")
     if model_type == "gemma3":
         raise ModelError(f"{name or 'The model'!r} is Gemma 3's image-and-text model ({described}): shardtune "
                          "trains its text model, model_type gemma3_text; save the language model alone "

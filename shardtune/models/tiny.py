@@ -1,6 +1,6 @@
 """The tiny random config of each family that the CPU tests train: Llama's tiny sizes, plus what makes the family
 differ exercised at that size (Gemma 3's sliding layers with a window shorter than the rows, SmolLM3's NoPE layer,
-Granite's multipliers)."""
+Granite's multipliers, the experts' routing)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ TINY_FAMILY_VALUES = {
     "smollm3": dict(rms_norm_eps=1e-6, no_rope_layer_interval=2),  # the second layer without RoPE
     "granite": dict(rms_norm_eps=1e-6, embedding_multiplier=4.0, residual_multiplier=0.5,
                     attention_multiplier=0.125, logits_scaling=2.0),
+    # Mixtures of experts: 4 experts of width 48, 2 routed per token, a load-balancing loss weight large enough
+    # to move the routers within the tests' few steps.
+    "qwen3_moe": dict(rms_norm_eps=1e-6, head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.1),
+    "mixtral": dict(rms_norm_eps=1e-5, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                    sliding_window=None, router_aux_loss_coef=0.1),
 }
 
 

@@ -30,7 +30,7 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
     layer = shape.layer_params
     root = shape.params - shape.layers * layer
     if strategy.kind == "ddp":  # with LoRA only the adapters have gradients, and a 16-bit base needs no cast
-        cached = peft.trainable_params(shape) if peft else shape.non_embedding_matmul_params
+        cached = peft.trainable_params(shape) if peft else shape.linear_params
         if strategy.float8:  # a float8 linear casts its fp32 weight to float8 itself, per call: nothing cached
             cached -= shape.layers * float8_weight_elements(shape)
         return 2 * cached if activation_mode == "autocast" else 0

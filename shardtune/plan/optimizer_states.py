@@ -33,14 +33,15 @@ CODE_BYTES = {"adamw_torch_8bit": 1.0, "adamw_torch_4bit": 0.5}
 @lru_cache(maxsize=64)  # the search plans one shape thousands of times; callers only read the list
 def parameter_matrices(shape: ModelShape) -> list[tuple[int, int]]:
     """(rows, columns) of every parameter of a dense decoder as torch holds it (Linear: out x in; norms and
-    biases: elements x 1), in `model.parameters()` order (states.parameter_sizes' elements)."""
-    h, inter = shape.hidden, shape.intermediate
+    biases: elements x 1; a packed expert tensor as experts·rows x columns), in `model.parameters()` order
+    (states.parameter_sizes' elements)."""
+    h = shape.hidden
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     layer = [(q_dim, h), *([(q_dim, 1)] if shape.qkv_bias else []),
              (kv_dim, h), *([(kv_dim, 1)] if shape.qkv_bias else []),
              (kv_dim, h), *([(kv_dim, 1)] if shape.qkv_bias else []),
              (h, q_dim), *([(h, 1)] if shape.o_bias else []), *[(norm, 1) for norm in shape.qk_norms]]
-    for rows, columns in ((inter, h), (inter, h), (h, inter)):
+    for rows, columns in shape.mlp_matrices():
         layer += [(rows, columns)] + ([(rows, 1)] if shape.mlp_bias else [])
     matrices = [(shape.vocab, h)] + (layer + [(h, 1)] * shape.layer_norms) * shape.layers + [(h, 1)]
     return matrices + ([] if shape.tied else [(shape.vocab, h)])

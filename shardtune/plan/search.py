@@ -242,11 +242,14 @@ def family_allows(strategy: Strategy, search: Search, shape: ModelShape | None) 
     """Whether the model's family takes the strategy's axis (shardtune.checks.model.check_family_levers and
     shardtune.parallel.context refuse the rest): tensor parallelism where the family's plan is planned and proven;
     no ring attention over sliding-window layers; Ulysses over windows shorter than the row only under flash
-    attention, which reads the window from the layer rather than from the mask Ulysses drops."""
+    attention, which reads the window from the layer rather than from the mask Ulysses drops; a mixture of
+    experts under no split of its rows and no float8 (shardtune.models.experts)."""
     if shape is None:
         return True
     if strategy.tensor_parallel > 1 and FAMILIES[shape.family].tensor_parallel_refusal:
         return False
+    if shape.experts and (strategy.sequence_split > 1 or strategy.context_parallel > 1 or strategy.float8):
+        return False  # a slice of the rows cannot compute the router's loss; float8 leaves the experts (experts.py)
     if strategy.context_parallel > 1 and shape.sliding_layers:
         return False
     windowed = shape.sliding_layers and 0 < shape.sliding_window < search.seq

@@ -38,7 +38,9 @@ class Peft:
         h, inter = shape.hidden, shape.intermediate
         shapes = {"q_proj": (h, q_dim), "k_proj": (h, kv_dim), "v_proj": (h, kv_dim), "o_proj": (q_dim, h),
                   "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-        names = self.target_names()
+        if shape.experts:  # a mixture of experts' MLP holds no linear layer (its router is an F.linear of its own)
+            shapes = {name: shapes[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        names = [name for name in self.target_names() if name in shapes or self.targets != "all-linear"]
         unknown = [name for name in names if name not in shapes]
         if unknown:
             raise PlanError(f"LoRA target(s) {unknown} are not linear layers of {shape.name}; use {LORA_TARGETS}.")
@@ -91,15 +93,15 @@ def parameter_sizes(shape: ModelShape) -> list[tuple[int, bool]]:
     """(elements, weight-decayed) of every parameter of a dense decoder, in `model.parameters()` order: the
     order in which DeepSpeed fills each parameter group's sub-groups. Decayed as the trainer splits them
     (shardtune.levers.optimizers.param_groups: matrices decay, norms and biases do not)."""
-    h, inter = shape.hidden, shape.intermediate
+    h = shape.hidden
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     sizes = [(shape.vocab * h, True)]
     layer = [(h * q_dim, True), *([(q_dim, False)] if shape.qkv_bias else []),
              (h * kv_dim, True), *([(kv_dim, False)] if shape.qkv_bias else []),
              (h * kv_dim, True), *([(kv_dim, False)] if shape.qkv_bias else []),
              (q_dim * h, True), *([(h, False)] if shape.o_bias else []), *[(norm, False) for norm in shape.qk_norms]]
-    for matrix in ((h, inter), (h, inter), (inter, h)):
-        layer += [(matrix[0] * matrix[1], True)] + ([(matrix[1], False)] if shape.mlp_bias else [])
+    for rows, columns in shape.mlp_matrices():
+        layer += [(rows * columns, True)] + ([(rows, False)] if shape.mlp_bias else [])
     sizes += (layer + [(h, False)] * shape.layer_norms) * shape.layers + [(h, False)]
     return sizes + ([] if shape.tied else [(shape.vocab * h, True)])
 
@@ -115,9 +117,8 @@ def decay_tensors(shape: ModelShape) -> list[tuple[int, int]]:
     """(rows, columns) of the matrices torch AdamW steps as one parameter group (the trainer's weight-decay group),
     in parameter order: embedding, per layer q, k, v, o, gate, up, down, then lm_head unless tied. Norm weights
     and biases, the other group, are far smaller."""
-    h, q_dim, kv_dim, inter = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, \
-        shape.intermediate
-    layer = [(q_dim, h), (kv_dim, h), (kv_dim, h), (h, q_dim), (inter, h), (inter, h), (h, inter)]
+    h, q_dim, kv_dim = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    layer = [(q_dim, h), (kv_dim, h), (kv_dim, h), (h, q_dim), *shape.mlp_matrices()]
     return [(shape.vocab, h), *layer * shape.layers] + ([] if shape.tied else [(shape.vocab, h)])
 
 
