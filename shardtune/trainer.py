@@ -315,7 +315,7 @@ def start(accelerator: Accelerator, recipe: Recipe, batching: BatchSizes, launch
     if resume.path:
         started = time.perf_counter()
         # a DeepSpeed checkpoint of another world size: its universal form, converted once
-        path = universal_checkpoint(accelerator, resume.path) if resume.universal else resume.path
+        path = universal_checkpoint(accelerator, resume.path, output_dir) if resume.universal else resume.path
         load_state(accelerator, path, universal=resume.universal)
         accelerator.print(f"shardtune: resumed from {resume.path} at step {resume.step} "
                           f"(state loaded in {time.perf_counter() - started:.1f}s)"

@@ -20,6 +20,9 @@ from shardtune.parallel.local_rank import first_on_machine
 MARKER = "checkpoint_complete.json"
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 SCRATCH_NAME = re.compile(r"^\.checkpoint-(\d+)\.tmp$")  # a save being written (saver.py)
+# Another directory's DeepSpeed checkpoint converted into this run's to resume on another size (universal.py).
+CONVERTED_NAME = re.compile(r"^universal-checkpoint-(\d+)$")
+CONVERTED_SCRATCH = re.compile(r"^\.universal-checkpoint-(\d+)\.tmp$")
 CHECKSUM_MAX_BYTES = 1 << 20  # small files (configs, RNG and scheduler states) are cheap to checksum
 
 

@@ -11,6 +11,8 @@ import sys
 
 from shardtune.checkpoint.markers import (
     CHECKPOINT_NAME,
+    CONVERTED_NAME,
+    CONVERTED_SCRATCH,
     MARKER,
     SCRATCH_NAME,
     described,
@@ -67,6 +69,10 @@ def run_entry(output_dir: str, name: str) -> bool:
         return os.path.isdir(path) and not folder_strangers(path, RUN_DIRECTORIES[name])
     if name == PEFT_MODEL_CARD:
         return os.path.isfile(path) and is_peft_model_card(path)
+    if CONVERTED_NAME.match(name) or CONVERTED_SCRATCH.match(name):  # a conversion for a resume: marked as a save
+        return os.path.isdir(path) and os.path.isfile(os.path.join(output_dir, LOCK_FILE)) and (
+            CONVERTED_SCRATCH.match(name) is not None or (os.path.isfile(os.path.join(path, MARKER))
+                                                          and not checkpoint_strangers(path)))
     if CHECKPOINT_NAME.match(name) or SCRATCH_NAME.match(name):
         if not os.path.isdir(path):
             return False

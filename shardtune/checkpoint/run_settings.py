@@ -214,7 +214,8 @@ def deepspeed_resize_problem(checkpoint: str, saved_world: int, launch: LaunchDe
     settings = launch.deepspeed_settings
     unsupported = [what for what, applies in (
         (f"under ZeRO-{settings.get('stage')}", settings.get("stage") not in UNIVERSAL_STAGES),
-        ("with offloaded states", launch.deepspeed_offloads), ("with the sequence split", launch.sp_size > 1),
+        ("with states offloaded to NVMe", "nvme" in (settings.get("offload_optimizer"), settings.get("offload_param"))),
+        ("with the sequence split", launch.sp_size > 1),
         ("with ZeRO++'s hpZ", settings.get("hpz_partition", 1) > 1)) if applies]
     if not unsupported:
         return None

@@ -5,27 +5,30 @@ moments, cut for the processes that saved them; DeepSpeed refuses to load them o
 own converter, `deepspeed.checkpoint.ds_to_universal`, writes every parameter's fp32 weights and moments whole
 (`zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`), which its `load_universal_checkpoint` slices for any size.
 
-The conversion runs once, on rank 0, into `<checkpoint>/universal`: written under `.universal.tmp`, fsynced,
-renamed, and then listed in the checkpoint's marker (rewritten atomically), so that `auto` checks its files, a
-later resume of the same checkpoint reuses it, and rotation and --overwrite_output_dir delete it with the
-checkpoint. `universal/` is a checkpoint accelerate's load_state reads: the converted `pytorch_model/` beside
-copies of the checkpoint's own small states (scheduler, random streams). accelerate's DeepSpeed checkpoints carry
-no `universal_checkpoint_info` (Megatron-DeepSpeed's client state): the converter injects the default
-(--inject_missing_state)."""
+The conversion runs once, on rank 0, into the resuming run's output directory, never into another run's (a
+checkpoint given by path may be read-only, or still another run's): a checkpoint of this run's own directory is
+converted into `<checkpoint>/universal` and listed in its marker, so that rotation and --overwrite_output_dir delete
+it with the checkpoint; one from elsewhere into `<output_dir>/universal-checkpoint-<step>`, a folder with a marker
+of its own naming its source. Either is written under a scratch name, fsynced, renamed and marked, so that `auto`
+checks its files and a later resume of the same checkpoint reuses it. It is a checkpoint accelerate's load_state
+reads: the converted `pytorch_model/` beside copies of the checkpoint's own small states (scheduler, random
+streams). accelerate's DeepSpeed checkpoints carry no `universal_checkpoint_info` (Megatron-DeepSpeed's client
+state): the converter injects the default (--inject_missing_state). Its host RAM and time are planned and printed
+before it starts, its peak measured after (shardtune.checkpoint.conversion_plan)."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 
 from accelerate import Accelerator
 
+from shardtune.checkpoint.conversion_plan import plan_conversion, run_measured, size
 from shardtune.checkpoint.durable import fsync_path, fsync_tree
-from shardtune.checkpoint.markers import describe_files, read_marker, write_marker
+from shardtune.checkpoint.markers import damage, describe_files, read_marker, write_marker
 
 UNIVERSAL_DIR = "universal"
 SCRATCH_DIR = ".universal.tmp"  # a conversion that did not finish: this module's own, redone
@@ -41,40 +44,71 @@ def is_converted(checkpoint: str) -> bool:
     return any(name.startswith(f"{UNIVERSAL_DIR}/{TAG}/zero/") for name in files)
 
 
-def universal_checkpoint(accelerator: Accelerator, checkpoint: str) -> str:
+def conversion_target(checkpoint: str, output_dir: str) -> str:
+    """Where `checkpoint`'s universal form goes: inside it when it is this run's own, else into the output dir."""
+    if os.path.realpath(os.path.dirname(os.path.normpath(checkpoint))) == os.path.realpath(output_dir):
+        return os.path.join(checkpoint, UNIVERSAL_DIR)
+    step = read_marker(checkpoint)["step"]
+    return os.path.join(output_dir, f"universal-checkpoint-{step}")
+
+
+def converted_from(target: str, checkpoint: str) -> bool:
+    """`target` (a folder of this run's) holds a finished, undamaged conversion of `checkpoint`."""
+    if not os.path.isfile(os.path.join(target, "checkpoint_complete.json")) or damage(target):
+        return False
+    return read_marker(target).get("converted_from") == os.path.realpath(checkpoint)
+
+
+def universal_checkpoint(accelerator: Accelerator, checkpoint: str, output_dir: str) -> str:
     """The universal form of `checkpoint`, converted by rank 0 if it is not yet; every rank returns its path."""
-    if accelerator.is_main_process and not is_converted(checkpoint):
+    target = conversion_target(checkpoint, output_dir)
+    inside = os.path.dirname(target) == checkpoint
+    if accelerator.is_main_process and not (is_converted(checkpoint) if inside else converted_from(target, checkpoint)):
+        marker = read_marker(checkpoint)
+        zero_stage = (marker.get("run") or {}).get("zero_stage") or 3
+        plan = plan_conversion(os.path.join(checkpoint, TAG), zero_stage)
+        accelerator.print(plan.line(checkpoint), flush=True)
+        accelerator.print(f"shardtune: converting {checkpoint} to DeepSpeed's universal checkpoint ({target}) with "
+                          "deepspeed.checkpoint.ds_to_universal, once", flush=True)
         started = time.perf_counter()
-        accelerator.print(f"shardtune: converting {checkpoint} to DeepSpeed's universal checkpoint "
-                          f"({os.path.join(checkpoint, UNIVERSAL_DIR)}) with deepspeed.checkpoint.ds_to_universal, "
-                          "once", flush=True)
-        convert(checkpoint)
-        accelerator.print(f"shardtune: converted in {time.perf_counter() - started:.1f}s", flush=True)
+        peak = convert(checkpoint, target, inside)
+        accelerator.print(f"shardtune: converted in {time.perf_counter() - started:.1f}s (planned "
+                          f"{plan.seconds:.0f}s), peak host RAM {size(peak)} (planned {size(plan.peak_bytes)})",
+                          flush=True)
     accelerator.wait_for_everyone()
-    return os.path.join(checkpoint, UNIVERSAL_DIR)
+    return target
 
 
-def convert(checkpoint: str) -> None:
-    """ds_to_universal into the scratch directory, the small states beside it, all durable, renamed into place,
-    then the marker lists them."""
-    scratch, target = os.path.join(checkpoint, SCRATCH_DIR), os.path.join(checkpoint, UNIVERSAL_DIR)
+def convert(checkpoint: str, target: str, inside: bool) -> int:
+    """ds_to_universal into a scratch directory, the small states beside it, all durable, renamed into place,
+    then marked (the checkpoint's marker lists them, or the target's own names its source). Returns the
+    converter's peak host RAM (bytes, measured by the kernel)."""
+    parent = os.path.dirname(target)
+    scratch = os.path.join(parent, SCRATCH_DIR if inside else f".{os.path.basename(target)}.tmp")
     shutil.rmtree(scratch, ignore_errors=True)  # an earlier conversion of this module's that did not finish
-    if os.path.isdir(target):  # renamed, but the marker was not rewritten: redone as a whole
+    if os.path.isdir(target):  # renamed, but not marked, or another source's: redone as a whole
         shutil.rmtree(target)
     command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-               os.path.join(checkpoint, TAG), "--output_folder", os.path.join(scratch, TAG), "--inject_missing_state"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
+               os.path.join(checkpoint, TAG), "--output_folder", os.path.join(scratch, TAG), "--inject_missing_state",
+               "--num_extract_workers", "1", "--num_merge_workers", "1"]  # one rank's file at a time (planned so)
+    returncode, stderr, peak = run_measured(command)
+    if returncode != 0:
         shutil.rmtree(scratch, ignore_errors=True)
-        raise RuntimeError(f"{' '.join(command)} failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+        raise RuntimeError(f"{' '.join(command)} failed (exit {returncode}):\n{stderr[-4000:]}")
     for name in os.listdir(checkpoint):
         if SMALL_STATES.match(name):
             shutil.copy2(os.path.join(checkpoint, name), os.path.join(scratch, name))
+    if not inside:  # its own marker, as a checkpoint's: what it holds, at which step, converted from what
+        marker = read_marker(checkpoint)
+        write_marker(scratch, {"step": marker["step"], "world_size": marker["world_size"], "model_only": False,
+                               "converted_from": os.path.realpath(checkpoint), "files": describe_files(scratch)})
     fsync_tree(scratch)
     os.rename(scratch, target)
-    fsync_path(checkpoint)
-    marker = read_marker(checkpoint)
-    write_marker(checkpoint, {**marker, "files": describe_files(checkpoint)})
+    fsync_path(parent)
+    if inside:
+        marker = read_marker(checkpoint)
+        write_marker(checkpoint, {**marker, "files": describe_files(checkpoint)})
+    return peak
 
 
 def loading_universal(accelerator: Accelerator, universal: bool) -> list:
@@ -107,7 +141,7 @@ def repair_zero3_universal_load(engines: list, path: str) -> None:
         zero = engine.optimizer
         for flat in zero.fp32_partitioned_groups_flat:
             state = zero.optimizer.state.get(flat, {})
-            if "step" in state:
+            if torch.is_tensor(state.get("step")):  # DeepSpeed's CPU Adam counts in a Python int: not shared
                 state["step"] = state["step"].clone()
         # DeepSpeed's own file, written by ds_to_universal from this run's checkpoint; DeepSpeed loads it unpickled
         saved = torch.load(os.path.join(path, TAG, "zero", "optimizer_state.pt"), map_location="cpu",

@@ -3,12 +3,15 @@ and that run's checkpoint resumed on 2 again, train the uninterrupted 2-process 
 per-step losses and gradient norms within 1e-5, and every step the same rows, row for row. The global batch of 32
 is kept (micro-batch 8 x 2 accumulation x 2 ranks, then 8 x 1 x 4), the data order continues from the same row,
 and the schedule and Adam's step count continue (a restarted schedule or bias correction shows in the losses).
-ZeRO-1, 2 and 3 the same, through DeepSpeed's universal checkpoint, converted once beside the checkpoint's files."""
+ZeRO-1, 2 and 3 the same, through DeepSpeed's universal checkpoint, converted once into the resuming run's output
+directory (the source checkpoint, another run's, left as it was), its host RAM planned before it starts and its
+measured peak within 10% of the plan; ZeRO-3 with the optimizer in CPU RAM too (grown only, for the suite's time).
+NVMe offload is refused at another size (tests/unit/checkpoint/test_resume_resized.py)."""
 
 from __future__ import annotations
 
 import json
-import shutil
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,6 +23,8 @@ from tests.conftest import REFERENCE_ARGS, grad_norms, made_once, read_metrics, 
 # The reference runs (tests/conftest.py): 2 processes, 8 steps of 32 rows, a checkpoint every 2 steps.
 GROWN_FROM, SHRUNK_FROM, STEPS = 4, 6, 8
 TOLERANCE = 1e-5  # the same global batches, reduced over other ranks and micro-batches: rounding only
+GROWN_ONLY = ("ds_zero3_offload_optimizer",)  # the shrink runs the same load: one launch fewer
+PLANNED_RAM = 0.10  # the conversion's measured peak host RAM against its plan
 
 
 def rows_by_step(trace: Path) -> dict[int, list[str]]:
@@ -48,21 +53,50 @@ def steps_from(output_dir: Path) -> list[int]:
     return [row["step"] for row in read_metrics(output_dir) if "loss" in row]
 
 
+def source_state(checkpoint: Path) -> dict[str, tuple[int, int]]:
+    """Every file below `checkpoint` with its size and modification time: what a conversion must leave alone."""
+    return {str(path.relative_to(checkpoint)): (path.stat().st_size, path.stat().st_mtime_ns)
+            for path in sorted(checkpoint.rglob("*"))}
+
+
+def check_conversion(stdout: str, source: Path, output_dir: Path) -> None:
+    """Converted into `output_dir` (not beside `source`, another run's), planned before it started, marked with
+    its files, within PLANNED_RAM of its planned peak host RAM."""
+    lines = stdout.splitlines()
+    converting = next(index for index, line in enumerate(lines) if "converting" in line)
+    planned = lines[converting - 1]
+    assert planned.startswith(f"shardtune: planned conversion of {source} (2 ranks' ZeRO files") or \
+        planned.startswith(f"shardtune: planned conversion of {source} (4 ranks' ZeRO files"), planned
+    assert "peak host RAM" in planned and "about" in planned, planned
+    target = output_dir / f"universal-checkpoint-{int(source.name.split('-')[1])}"
+    assert f"converting {source} to DeepSpeed's universal checkpoint ({target})" in lines[converting]
+    assert (target / "pytorch_model" / "zero").is_dir() and not (source / "universal").exists()
+    marker = json.loads((target / "checkpoint_complete.json").read_text())
+    assert marker["converted_from"] == str(source.resolve())
+    assert set(marker["files"]) == {str(path.relative_to(target)) for path in target.rglob("*")
+                                    if path.is_file() and path.name != "checkpoint_complete.json"}
+    done = next(line for line in lines if line.startswith("shardtune: converted in"))
+    measured, plan = (float(value) * {"MB": 1e6, "GB": 1e9}[unit] for value, unit in
+                      re.findall(r"([\d.]+) (MB|GB)", done.split("peak host RAM", 1)[1]))
+    assert plan == pytest.approx(measured, rel=PLANNED_RAM), done
+
+
 @pytest.mark.parametrize("config", ["ddp", "fsdp_full_shard", "fsdp_shard_grad_op", "ds_zero1", "ds_zero2",
-                                    "ds_zero3"])
+                                    "ds_zero3", "ds_zero3_offload_optimizer"])
 def test_resume_on_other_world_sizes_continues_the_run(config, reference_run, uninterrupted_rows, tiny_assets,
                                                        tmp_path):
     reference = reference_run(config)
     reference_losses, reference_norms = train_losses(reference), grad_norms(reference)
     assert len(uninterrupted_rows) == STEPS and all(len(rows) == 32 for rows in uninterrupted_rows.values())
 
-    # 2 -> 4 processes at step 4, into a directory of its own: steps 5 to 8. From a copy of the shared reference's
-    # checkpoint: a DeepSpeed resume converts it in place (shardtune.checkpoint.universal).
-    source = tmp_path / "source" / f"checkpoint-{GROWN_FROM}"
-    shutil.copytree(reference / source.name, source)
+    # 2 -> 4 processes at step 4, into a directory of its own: steps 5 to 8, from the shared reference's checkpoint,
+    # which a DeepSpeed resume converts into the new run's directory.
+    source = reference / f"checkpoint-{GROWN_FROM}"
+    before = source_state(source)
     grown = tmp_path / "grown"
     result = run_recipe(grown, tiny_assets, *REFERENCE_ARGS, "--resume_from_checkpoint", str(source),
                         config=config, processes=4, env={TRACE_ROWS_ENV: str(tmp_path / "rows-grown")})
+    assert source_state(source) == before
     resumed_line = next(line for line in result.stdout.splitlines() if "resumed from" in line)
     assert ("4 processes where the checkpoint had 2: micro-batch 8 x 1 accumulation x 4 data ranks where it had "
             "micro-batch 8 x 2 accumulation x 2 data ranks; kept: the global batch of 32, the data order after the "
@@ -70,16 +104,15 @@ def test_resume_on_other_world_sizes_continues_the_run(config, reference_run, un
     assert "global batch 32 = 8 x 1 accumulation x 4 ranks" in result.stdout
     deepspeed = config.startswith("ds_")
     assert (f"converting {source} to DeepSpeed's universal checkpoint" in result.stdout) == deepspeed
-    if deepspeed:  # converted once, durable and listed in the checkpoint's marker as its own files are
-        assert (source / "universal" / "pytorch_model" / "zero").is_dir() and not (source / ".universal.tmp").exists()
-        listed = json.loads((source / "checkpoint_complete.json").read_text())["files"]
-        assert {name for name in listed if name.startswith("universal/")} == {
-            str(path.relative_to(source)) for path in (source / "universal").rglob("*") if path.is_file()}
+    if deepspeed:
+        check_conversion(result.stdout, source, grown)
     assert steps_from(grown) == list(range(GROWN_FROM + 1, STEPS + 1))
     assert train_losses(grown) == pytest.approx(reference_losses[GROWN_FROM:], rel=TOLERANCE, abs=TOLERANCE)
     assert grad_norms(grown) == pytest.approx(reference_norms[GROWN_FROM:], rel=TOLERANCE, abs=TOLERANCE)
     grown_rows = rows_by_step(tmp_path / "rows-grown")
     assert grown_rows == {step: uninterrupted_rows[step] for step in range(GROWN_FROM + 1, STEPS + 1)}
+    if config in GROWN_ONLY:
+        return
 
     # 4 -> 2 processes at step 6, from the 4-process run's own checkpoint: steps 7 and 8.
     shrunk = tmp_path / "shrunk"
@@ -87,6 +120,8 @@ def test_resume_on_other_world_sizes_continues_the_run(config, reference_run, un
                         str(grown / f"checkpoint-{SHRUNK_FROM}"), config=config, processes=2,
                         env={TRACE_ROWS_ENV: str(tmp_path / "rows-shrunk")})
     assert "2 processes where the checkpoint had 4: micro-batch 8 x 2 accumulation x 2 data ranks" in result.stdout
+    if deepspeed:
+        check_conversion(result.stdout, grown / f"checkpoint-{SHRUNK_FROM}", shrunk)
     assert steps_from(shrunk) == list(range(SHRUNK_FROM + 1, STEPS + 1))
     assert train_losses(shrunk) == pytest.approx(reference_losses[SHRUNK_FROM:], rel=TOLERANCE, abs=TOLERANCE)
     assert grad_norms(shrunk) == pytest.approx(reference_norms[SHRUNK_FROM:], rel=TOLERANCE, abs=TOLERANCE)
