@@ -10,7 +10,7 @@ device's Python; DeepSpeed, which PyPI has as a source distribution only, is bui
 prebuilt (the check's cases JIT-compile none). Each wheel is recompressed with LZMA (pip reads it as any zip). The
 set must stay under WHEELS_LIMIT_MIB, the carried 64 MiB less the working tree; the script exits 1 (one line) if
 not, or if a wheel's Requires-Dist is met by neither the device nor the set. For the device's Python it also writes
-SET_RECORD (checked in: tests/unit/test_gpu_wheels.py holds the set to the device list without building it).
+SET_RECORD (checked in: tests/unit/gpu_check/test_gpu_wheels.py holds the set to the device list without building it).
 
     python scripts/gpu_wheels.py [--dest .whl] [--python_version 3.12]
 """

@@ -1,5 +1,6 @@
 """The planner's figures wherever the repository states them: the plan table of docs/plan-table.md, and each
-recipe header's plan for the hardware it names. Written from shardtune.plan, checked by tests/unit/test_plan_launch.py.
+recipe header's plan for the hardware it names. Written from shardtune.plan, checked by
+tests/unit/plan/test_plan_launch.py.
 
     python scripts/plan_table.py            # print the table and every recipe's plan
     python scripts/plan_table.py --write    # rewrite them in docs/plan-table.md and recipes/*.py

@@ -22,9 +22,10 @@ TOLERANCE = 0.10  # a planned peak against the measured one, relative
 # round differently (fused norm, SwiGLU, RoPE and loss), about 1e-2. fp8: e4m3 keeps 3 mantissa bits, so each matmul's
 # output moves by about 3.5% (rms) and the final hidden states by several percent; the gradient norm and the loss,
 # sums over millions of terms, average that out. A decoder scaled by 50 or replaced by noise moves the hidden
-# states by far more than either (tests/unit/test_gpu_check_compare.py). The levers (compile, 8-bit AdamW, bf16
-# stochastic rounding) change the numerics of the forward (compile's fused kernels) and of each update (8-bit
-# moments, rounding): losses and gradient norms only, as their model's hidden states move by updates of lr 1e-5.
+# states by far more than either (tests/unit/gpu_check/test_gpu_check_compare.py). The levers (compile, 8-bit
+# AdamW, bf16 stochastic rounding) change the numerics of the forward (compile's fused kernels) and of each update
+# (8-bit moments, rounding): losses and gradient norms only, as their model's hidden states move by updates of lr
+# 1e-5.
 # "grad_norm": every logged step's, the largest gap counted.
 COMPARED = {" liger": {"grad_norm": 0.01, "hidden": 0.01, "loss": 0.01},
             " fp8": {"grad_norm": 0.02, "hidden": 0.10, "loss": 0.02},

@@ -1,6 +1,6 @@
 """The public config.json values of the built-in models, as plain values: planning a built-in model needs no
 transformers import (which pulls in torch and takes seconds). Each is built on the meta device by
-tests/unit/test_models.py and its parameters counted against the shape's."""
+tests/unit/models/test_models.py and its parameters counted against the shape's."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The dense decoder families shardtune plans and trains, each as data: which parameters its layers hold beyond
 Llama's (biases, q/k norms, extra norms), what its logits pass through after the LM head, and the levers it
 refuses, each in one line. Read from transformers 5.24's modeling_<family>.py and liger-kernel 0.8.5's
-monkey_patch.py; the counts are held to the model built on the meta device by tests/unit/test_models.py."""
+monkey_patch.py; the counts are held to the model built on the meta device by tests/unit/models/test_models.py."""
 
 from __future__ import annotations
 

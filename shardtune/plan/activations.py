@@ -1,5 +1,5 @@
 """Activation memory of a Llama-class decoder: what autograd saves for backward (calibrated against
-torch.autograd.graph.saved_tensors_hooks in tests/unit/test_plan.py), the transient on top of it, and the eval
+torch.autograd.graph.saved_tensors_hooks in tests/unit/plan/test_plan.py), the transient on top of it, and the eval
 forward's live tensors."""
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def loss_transient_bytes(shape: ModelShape, n: int, mode: str, loss_tile: int | 
     upcast (4·n·vocab, none when fp32 already); the backward holds two fp32 n x vocab gradients (nll_loss's and
     log_softmax's, 8·n·vocab). With a `loss_tile` of t positions (shardtune.levers.tiled_loss), one tile at a time: its
     backward recomputes the tile's log-probabilities (4·t·vocab, fp32) and holds the two fp32 gradients beside
-    them, 12·t·vocab in every mode (measured in tests/unit/test_tiled_loss.py), and under autocast the tile's
+    them, 12·t·vocab in every mode (measured in tests/unit/levers/test_tiled_loss.py), and under autocast the tile's
     16-bit cast of lm_head's input (c·t·h)."""
     compute, residual = dtype_bytes(mode)
     if loss_tile:

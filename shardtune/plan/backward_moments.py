@@ -5,7 +5,7 @@ A step's gradients exist before its backward where the step accumulates (the ear
 stay) or where a strategy keeps them allocated (DDP's buckets on several ranks). One process that steps after
 every micro-batch frees its gradients at each step (the trainer's and a plain loop's zero_grad set them to None):
 its backward then creates them while it frees the activations, lm_head's first and the embedding's last, so the
-full gradients never meet the full activations (measured in tests/unit/test_plan_accuracy.py)."""
+full gradients never meet the full activations (measured in tests/unit/plan/test_plan_accuracy.py)."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ def optimizer_state_bytes(optim: str, matrices: list[tuple[int, int]], shards: i
 
 # torchao's eager step (adam.py `single_param_adam` run without torch.compile, as on CPU): its fp32 temporaries of
 # one tensor, bytes per element above the states, measured with the profiler on torch 2.13 (tests/unit/
-# test_optimizers.py): the quantized states' dequantized copies and one scale per block besides; bf16 weights add
+# levers/test_optimizers.py): the quantized states' dequantized copies and one scale per block besides; bf16 weights add
 # their fp32 upcast. Compiled (the default on CUDA) inductor fuses most of them: this bounds it from above.
 TORCHAO_STEP_BYTES = {(True, False): 53 + 4 / TORCHAO_BLOCK_SIZE, (True, True): 57 + 4 / TORCHAO_BLOCK_SIZE,
                       (False, True): 41.0}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, free_port, kill_tree, launch_env, popen, run_recipe
-from tests.unit.test_bad_launch import CPU_FLAG, FSDP_TP_ON_TWO, ONE_PROCESS, TP_TWO
+from tests.unit.parallel.test_bad_launch import CPU_FLAG, FSDP_TP_ON_TWO, ONE_PROCESS, TP_TWO
 
 # Whatever the shell running the tests exported must not leak into a case.
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -59,7 +59,7 @@ def test_batch_must_divide_over_ranks(tiny_assets, tmp_path):
 
 # The launcher settings a rank can judge only under the real `accelerate launch` (its command line read from the
 # rank's parent): (the launcher's options, the one line every refusing machine prints after "shardtune: error: ").
-# tests/unit/test_bad_launch.py runs the same cases in-process, with the variables accelerate's code builds.
+# tests/unit/parallel/test_bad_launch.py runs the same cases in-process, with the variables accelerate's code builds.
 SCRIPT = "recipes/tiny.py"
 LAUNCHER_CASES = {
     "TP size beside ddp.yaml": (("--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",

@@ -232,7 +232,7 @@ def test_non_finite_loss_stops_without_saving(tiny_assets, tmp_path):
 
 
 def test_occupied_output_dir_overwritten_on_request(tiny_assets, tmp_path):
-    """Refusing an occupied output_dir is in tests/unit/test_bad_input.py; --overwrite_output_dir true replaces
+    """Refusing an occupied output_dir is in tests/unit/checks/test_bad_input.py; --overwrite_output_dir true replaces
     the earlier run."""
     output_dir = tmp_path / "out"
     output_dir.mkdir()

@@ -1,10 +1,10 @@
 """--torch_compile on 2 real ranks with the aot_eager backend (dynamo's tracing and AOT autograd's graphs, without
-inductor's code generation, which takes minutes on CPU; tests/unit/test_compile.py runs inductor in one process):
+inductor's code generation, which takes minutes on CPU; tests/unit/levers/test_compile.py runs inductor in one process):
 the same losses and gradient norms as the plain run under FSDP2, and the compiled frames stop growing
 once the batches' lengths vary (padded batches of varying length: a recompilation per step would show); FSDP2's
 peak per phase it runs in at most the plain run's, which the plan (eager's bytes) is checked against in
 tests/launch/test_memory_phases.py. DDP and ZeRO-1/2 compile the same way (the layers in place, before
-`prepare`), as the one-process inductor test does; ZeRO-3 is refused (tests/unit/test_compile.py)."""
+`prepare`), as the one-process inductor test does; ZeRO-3 is refused (tests/unit/levers/test_compile.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`make demo` builds the one DeepSpeed op its config loads (tests/unit/test_demo_ops.py): a launch of that config
-compiles nothing more. The suite's ds_zero3 run (conftest.reference_run) starts with an extensions folder holding
+"""`make demo` builds the one DeepSpeed op its config loads (tests/unit/parallel/test_demo_ops.py): a launch of that
+config compiles nothing more. The suite's ds_zero3 run (conftest.reference_run) starts with an extensions folder holding
 that op alone; any op it loaded beyond it would have been compiled into the same folder."""
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from shardtune.plan.states import Peft
 from tests.conftest import read_metrics, run_recipe, strategy_as_launched
 from tests.launch.test_memory_phases import RTOL, measured_peaks
 from tests.launch.test_strategies import FP32_RTOL
-from tests.unit.test_formats import write_jsonl
+from tests.unit.data.test_formats import write_jsonl
 
 DPO_ARGS = ("--method", "dpo", "--max_steps", "4", "--mixed_precision", "no", "--per_device_train_batch_size", "4",
             "--global_batch_size", "16", "--learning_rate", "1e-3", "--warmup_steps", "1", "--max_seq_length", "32")

@@ -4,7 +4,7 @@ either chat form train to the same losses and gradient norms."""
 from __future__ import annotations
 
 from tests.conftest import grad_norms, start_recipe, train_losses
-from tests.unit.test_formats import alpaca_rows, write_jsonl, write_sharegpt_and_messages
+from tests.unit.data.test_formats import alpaca_rows, write_jsonl, write_sharegpt_and_messages
 
 
 def test_sharegpt_and_messages_train_to_identical_losses_in_a_mixture(tmp_path, tiny_assets):

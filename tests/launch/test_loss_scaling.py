@@ -17,7 +17,7 @@ from functools import cache
 import pytest
 
 from tests.conftest import read_metrics, run_recipe, skip_unless_required, tiny_deepspeed_json
-from tests.unit.test_bad_input import Case, refused
+from tests.unit.checks.test_bad_input import Case, refused
 
 # fp16 from the recipe (the JSON's "auto"), or from the JSON itself, which wins over the recipe's.
 PRECISIONS = [("auto", "fp16"), (True, "no")]

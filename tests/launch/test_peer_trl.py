@@ -43,7 +43,7 @@ from shardtune.data.loading import IGNORE_INDEX, load_splits
 from shardtune.model import load_tokenizer
 from shardtune.models.tiny_assets import TASK_LETTERS, reversal_examples
 from tests.conftest import launch_env, popen, read_metrics, start_recipe
-from tests.unit.test_formats import write_jsonl
+from tests.unit.data.test_formats import write_jsonl
 
 TRL_PEER = Path(__file__).with_name("trl_peer.py")
 ROWS = 16

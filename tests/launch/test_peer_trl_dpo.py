@@ -34,7 +34,7 @@ from shardtune.methods.dpo_loss import PAIR_METRICS
 from shardtune.model import load_tokenizer
 from shardtune.models.tiny_assets import preference_examples
 from tests.conftest import launch_env, popen, read_metrics, start_recipe
-from tests.unit.test_formats import write_jsonl
+from tests.unit.data.test_formats import write_jsonl
 
 TRL_PEER = Path(__file__).with_name("trl_dpo_peer.py")
 ROWS = 16

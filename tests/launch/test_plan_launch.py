@@ -11,7 +11,7 @@ from tests.conftest import ENV, REPO, run_recipe
 
 def test_70b_zero3_on_one_h100_node_refused_before_loading(tiny_assets, tmp_path):
     """Under accelerate launch, on every rank, the plan of the launched config (ZeRO-3). A CPU run cannot stand for
-    the GPUs of --hardware (refused: tests/unit/test_checks_shared.py), so the launch plans them as a dry run."""
+    the GPUs of --hardware (refused: tests/unit/checks/test_checks_shared.py), so the launch plans them as a dry run."""
     output_dir = tmp_path / "out"
     result = run_recipe(output_dir, tiny_assets, "--model_name_or_path", "meta-llama/Llama-3.1-70B",
                         "--hardware", "8xh100-80gb", "--dry_run", "true", config="ds_zero3", processes=2,

@@ -231,7 +231,7 @@ def test_planner_cli_takes_both_flags(capsys):
 
 def test_planner_plans_the_checkpointing_interval(capsys):
     """--gradient_checkpointing_interval k: the layers not recomputed save what they save without recomputation
-    (measured in tests/unit/test_plan_accuracy.py); the plan says which layers, and refuses it without
+    (measured in tests/unit/plan/test_plan_accuracy.py); the plan says which layers, and refuses it without
     checkpointing, as the recipe does."""
     import json
 

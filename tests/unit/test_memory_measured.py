@@ -55,7 +55,8 @@ def test_accelerate_reads_the_json_as_the_planner_and_the_checks_do(config, monk
     plugin.set_mixed_precision("bf16")
     planned = read_accelerate_config(str(CONFIGS / f"{config}.yaml"))
     launched = LaunchDescription.from_env()  # the start-up checks pass
-    # The sequence split is the parallelism_config section's, not the JSON's (tests/unit/test_sequence_split.py).
+    # The sequence split is the parallelism_config section's, not the JSON's
+    # (tests/unit/parallel/test_sequence_split.py).
     assert launched.strategy("bf16") == dataclasses.replace(planned, name=f"DeepSpeed ZeRO-{planned.shard}",
                                                             sequence_split=1)
     assert (plugin.zero_stage, plugin.offload_optimizer_device, plugin.offload_param_device) == (

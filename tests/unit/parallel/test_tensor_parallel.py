@@ -13,7 +13,7 @@ from shardtune.flags import given_fields, parse_recipe
 from shardtune.launch import LaunchDescription
 from shardtune.parallel.tensor import check_tensor_parallel, check_tensor_parallel_heads
 from tests.conftest import REPO
-from tests.unit.test_checks_shared import no_launch  # noqa: F401 (autouse fixture)
+from tests.unit.checks.test_checks_shared import no_launch  # noqa: F401 (autouse fixture)
 
 ZERO3_JSON = str(REPO / "accelerate_configs" / "deepspeed" / "zero3.json")
 KINDS = {

@@ -173,7 +173,7 @@ def test_gpu_check_runs_fp8_on_float8_tensor_cores_and_against_its_bf16_run():
         "outside_allocator_planned_gb": 2.0}
     plain = {"case": reference, "first_grad_norm": 2.0, "losses": [11.0, 10.0], **measured}
     close = {"case": name, "first_grad_norm": 2.02, "losses": [11.1, 10.05], **measured}
-    found = comparison(close, plain)  # (the hidden states: tests/unit/test_gpu_check_compare.py)
+    found = comparison(close, plain)  # (the hidden states: tests/unit/gpu_check/test_gpu_check_compare.py)
     assert found["gaps"] == {"grad_norm": pytest.approx(0.01), "loss": pytest.approx(0.1 / 11.0)}
     assert found["failed"] == ["hidden"]  # not probed: the comparison fails
     assert gpu_check.failed_cases([plain, close], [found]) == [name]

@@ -23,9 +23,9 @@ from shardtune.parallel.context import (
 from shardtune.plan.context import ring_attention_bytes
 from shardtune.plan.strategy import read_accelerate_config
 from tests.conftest import CONFIGS
-from tests.unit.test_checks_shared import no_launch  # noqa: F401 (autouse fixture)
-from tests.unit.test_sequence_split import split_and_unsplit_plans
-from tests.unit.test_tensor_parallel import tp_launch
+from tests.unit.checks.test_checks_shared import no_launch  # noqa: F401 (autouse fixture)
+from tests.unit.parallel.test_sequence_split import split_and_unsplit_plans
+from tests.unit.parallel.test_tensor_parallel import tp_launch
 
 CP_CONFIG = str(CONFIGS / "fsdp_cp.yaml")
 

@@ -18,7 +18,7 @@ from shardtune.config import ConfigError, Recipe
 from shardtune.levers.compile import compile_decoder_layers, eager_calls, local_compile_figures
 from shardtune.levers.tiled_loss import chunked_token_loss
 from shardtune.models.tiny_assets import tiny_llama_config
-from tests.unit.test_async_io_check import deepspeed_launch
+from tests.unit.checks.test_async_io_check import deepspeed_launch
 
 LENGTHS = (24, 37, 29)  # one static graph at 24, one with the length dynamic at 37, reused at 29
 COMPILED = Recipe(torch_compile=True)

@@ -25,7 +25,7 @@ from shardtune.plan.planned_run import plan_recipe
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import CONFIGS_DIR, read_accelerate_config
 from tests.conftest import REPO
-from tests.unit.test_data import per_token_losses
+from tests.unit.data.test_data import per_token_losses
 
 MIN_FILL = 0.95  # of --max_seq_length, on chats of varied length
 

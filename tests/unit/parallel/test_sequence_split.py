@@ -27,7 +27,7 @@ from shardtune.plan.planner import plan
 from shardtune.plan.search import Search, recommend
 from shardtune.plan.strategy import read_accelerate_config
 from tests.conftest import REPO
-from tests.unit.test_checks_shared import PLANNED, dry_run_errors, no_launch  # noqa: F401 (autouse fixture)
+from tests.unit.checks.test_checks_shared import PLANNED, dry_run_errors, no_launch  # noqa: F401 (autouse fixture)
 from tests.unit.test_step import features
 
 ULYSSES = str(REPO / "accelerate_configs" / "ds_zero3_ulysses.yaml")

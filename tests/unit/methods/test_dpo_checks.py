@@ -1,5 +1,5 @@
 """--method dpo's bad flags and reference model: each refused in one line from the recipe's entry point, before
-anything loads (tests/unit/test_bad_input.py's harness), and every one of them reported together."""
+anything loads (tests/unit/checks/test_bad_input.py's harness), and every one of them reported together."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from shardtune.config import ConfigError, Recipe
 from shardtune.levers.liger import check_liger_kernel
 from shardtune.methods.checks import DPO_FIELDS, check_dpo_flags, check_dpo_launch, check_dpo_values
-from tests.unit.test_bad_input import Case, refused
-from tests.unit.test_checks_shared import dry_run_errors, no_launch  # noqa: F401 (autouse fixture)
-from tests.unit.test_sequence_split import ULYSSES
+from tests.unit.checks.test_bad_input import Case, refused
+from tests.unit.checks.test_checks_shared import dry_run_errors, no_launch  # noqa: F401 (autouse fixture)
+from tests.unit.parallel.test_sequence_split import ULYSSES
 
 DPO = ("--method", "dpo")
 CASES = {
@@ -137,7 +137,7 @@ def test_a_dry_run_plans_the_reference_in_its_own_shape(capsys, tmp_path):
     the 1B policy), and one it cannot read is refused in one line naming that flag, not a traceback."""
     from shardtune.cli import main
     from tests.conftest import CONFIGS
-    from tests.unit.test_checks_shared import PLANNED
+    from tests.unit.checks.test_checks_shared import PLANNED
 
     config = str(CONFIGS / "ds_zero3.yaml")
     with pytest.raises(SystemExit) as exit_info:

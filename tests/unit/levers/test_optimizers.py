@@ -27,7 +27,7 @@ from shardtune.plan.states import model_states
 from shardtune.plan.strategy import PlanError, Strategy
 from shardtune.step import global_grad_norm
 from tests.conftest import REPO
-from tests.unit.test_async_io_check import deepspeed_launch
+from tests.unit.checks.test_async_io_check import deepspeed_launch
 
 DDP = Strategy("ddp", "ddp", 0, mixed_precision="bf16")
 FSDP = Strategy("fsdp_full_shard", "fsdp", 3, mixed_precision="bf16")
@@ -290,7 +290,7 @@ def test_the_eager_step_transient_is_planned(recipe, monkeypatch):
     """torchao's step on one tensor, eager, in this process: the bytes it allocates above the states at its
     second step are optimizer_states.torchao_step_bytes of that tensor."""
     from shardtune.plan.optimizer_states import torchao_step_bytes
-    from tests.unit.test_memory_phases import step_rise
+    from tests.unit.plan.test_memory_phases import step_rise
 
     monkeypatch.setattr(torch, "compile", lambda function, **options: function)  # eager: see the module's doc
     dtype = torch.bfloat16 if recipe.bf16_stochastic_round else torch.float32

@@ -137,7 +137,7 @@ def test_the_planner_doc_states_the_tolerances(gpu_check):
 
     from shardtune.gpu_check.figures import COMPARED
 
-    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text().split())
+    text = " ".join((Path(__file__).resolve().parents[3] / "docs" / "planner.md").read_text().split())
     for suffix, name in ((" liger", "Liger"), (" fp8", "fp8")):
         tolerance = COMPARED[suffix]
         assert (f"{name}: gradient norm {tolerance['grad_norm']:.0%}, hidden states {tolerance['hidden']:.0%}, "

@@ -286,7 +286,7 @@ LAYER_SHAPE = dict(hidden_size=96, intermediate_size=256, num_attention_heads=6)
 def one_layer_saved_bytes(mode: str) -> dict[bool, int]:
     """One decoder layer's saved bytes (3 layers less 2), plain and with Liger's Functions (their kernels in torch),
     in a process of its own: run in the test's process, freeing these tensors moved later tests' profiler-measured
-    peaks (tests/unit/test_plan_accuracy.py)."""
+    peaks (tests/unit/plan/test_plan_accuracy.py)."""
     import liger_kernel.ops.rms_norm as rms_norm
     import liger_kernel.ops.swiglu as swiglu
 
@@ -307,9 +307,10 @@ def test_a_liger_layer_saves_what_the_planner_counts(mode):
     import subprocess
     import sys
 
-    code = f"import json; from tests.unit.test_liger import one_layer_saved_bytes as m; print(json.dumps(m({mode!r})))"
+    code = (f"import json; from tests.unit.levers.test_liger import one_layer_saved_bytes as m; "
+            f"print(json.dumps(m({mode!r})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            cwd=Path(__file__).resolve().parents[2], env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            cwd=Path(__file__).resolve().parents[3], env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     measured = {key == "true": value for key, value in json.loads(result.stdout.splitlines()[-1]).items()}
     shape = shape_from_config(tiny_llama_config(97, **LAYER_SHAPE))

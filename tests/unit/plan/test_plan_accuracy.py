@@ -124,4 +124,4 @@ def test_the_planner_doc_states_the_band_this_test_checks():
     text = (REPO / "docs" / "planner.md").read_text()
     band = re.search(r"planned over measured between ([\d.]+) and ([\d.]+)", text)
     assert band and (float(band.group(1)), float(band.group(2))) == BAND
-    assert "tests/unit/test_plan_accuracy.py" in text and f"{MLP_RATIO:g}" in text
+    assert "tests/unit/plan/test_plan_accuracy.py" in text and f"{MLP_RATIO:g}" in text

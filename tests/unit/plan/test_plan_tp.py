@@ -136,7 +136,8 @@ def test_what_a_split_model_saves_is_the_planned_activation_shape(tmp_path):
     and MLP width, the residual stream and the fp32 log-probabilities of the gathered logits whole, byte for byte
     but the loss scalar; the vocabulary split as the weights are (sliced_shape) would plan the logits at half."""
     out, port = tmp_path / "saved.json", free_port()
-    code = "import sys; from tests.unit.test_plan_tp import saved_under_tp as run; run(int(sys.argv[1]), *sys.argv[2:])"
+    code = ("import sys; from tests.unit.plan.test_plan_tp import saved_under_tp as run; "
+            "run(int(sys.argv[1]), *sys.argv[2:])")
     ranks = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(port), str(out)], cwd=REPO,
                               stderr=subprocess.PIPE, text=True) for rank in range(2)]
     for rank in ranks:

@@ -2,7 +2,7 @@
 rotation past --save_total_limit and a save redone over an unfinished one (shardtune.checkpoint.saver), the final
 export's stale shards (shardtune.export.model), the scratch directories of scripts/export_hf.py and merge_lora.py, the
 tiny task's assets (models.tiny_assets) and bench_checkpoint's disk probe. --overwrite_output_dir's clearing is in
-tests/unit/test_output_dir.py; here, that its list of names covers what a run's export really writes."""
+tests/unit/checkpoint/test_output_dir.py; here, that its list of names covers what a run's export really writes."""
 
 from __future__ import annotations
 

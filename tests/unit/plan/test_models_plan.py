@@ -1,5 +1,5 @@
 """The planner on each family's shape against a plain transformers loop in this process, as
-tests/unit/test_plan_accuracy.py measures Llama's: the peak of live bytes per phase of one step (the profiler's
+tests/unit/plan/test_plan_accuracy.py measures Llama's: the peak of live bytes per phase of one step (the profiler's
 allocator events) over the one-process plan of the same shape, batch, precision and recomputation. Each family's
 extras are on at this size: Qwen3's q/k norms and own head_dim, Gemma 3's four norms in fp32, q/k norms, sliding
 layers and soft-capped logits, OLMo 2's post-norms and width-wide q/k norms, SmolLM3's NoPE layers, Granite's
@@ -16,7 +16,7 @@ from shardtune.models.flops import shape_from_config
 from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.planner import plan
 from shardtune.plan.strategy import Strategy
-from tests.unit.test_plan_accuracy import MLP_RATIO, measured_step, padded_batch
+from tests.unit.plan.test_plan_accuracy import MLP_RATIO, measured_step, padded_batch
 
 # Planned over measured. Llama's band is (0.99, 1.10); the families' lower end is 0.95: Gemma 3's step measures up to
 # 3.6% over its plan without recomputation (its saved tensors are counted one by one in shardtune.plan.activations;

@@ -21,7 +21,7 @@ from shardtune.data.sources import check_dataset_sources
 from shardtune.models.flops import SUPPORTED_MODEL_TYPES, ModelError, resolve_model
 from shardtune.models.tiny_assets import build_tokenizer
 from shardtune.plan.__main__ import main as plan_main
-from tests.unit.test_bad_input import Case, refused
+from tests.unit.checks.test_bad_input import Case, refused
 
 ARCHITECTURE = "shardtune plans and trains dense decoders of model_type llama, mistral, qwen2, qwen3, gemma3_text"
 

@@ -1,0 +1,1 @@
+"""Unit tests of checkpoints (shardtune/checkpoint/): durability, deletions, the output dir, resume on other sizes."""

@@ -1,0 +1,1 @@
+"""Unit tests of the export (shardtune/export/) and what an export wrote."""

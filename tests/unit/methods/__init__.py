@@ -1,0 +1,1 @@
+"""Unit tests of the methods (shardtune/methods/): DPO's checks and preference batches."""

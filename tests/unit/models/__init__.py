@@ -1,0 +1,1 @@
+"""Unit tests of the families (shardtune/models/): shapes, parameter counts, FLOPs."""
