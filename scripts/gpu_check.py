@@ -150,7 +150,7 @@ def write_assets(root: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shardtune.data.loading import tokenize_plain
+    from shardtune.data.tokenize import tokenize_plain
     from shardtune.models.tiny_assets import build_tokenizer
 
     tokenizer = build_tokenizer()

@@ -14,9 +14,9 @@ train on them with --method dpo.
 
     python scripts/prepare_data.py recipes/llama8b.py --benchmark_rows 1000000 [--benchmark_file rows.jsonl]
 
-measures the rows/s of shardtune's tokenization (shardtune.data.loading, with the recipe's --dataset_num_proc) on N rows
-(synthetic prompt/completion rows, or the first N of the file) against the tokenizer's own batched call on the same
-texts, and prints both.
+measures the rows/s of shardtune's tokenization (shardtune.data.tokenize, with the recipe's --dataset_num_proc) on
+N rows (synthetic prompt/completion rows, or the first N of the file) against the tokenizer's own batched call on
+the same texts, and prints both.
 """
 
 from __future__ import annotations
@@ -181,9 +181,9 @@ def benchmark_source(rows: int, path: str, scratch: str) -> str:
 def baseline_texts(raw, tokenizer, recipe: Recipe) -> list[tuple[list[str], bool]]:
     """The texts the tokenizer itself is timed on, each list with its add_special_tokens: the same prompt and
     target strings as ours, or the rendered conversations for chat rows (rendered before the clock starts)."""
-    from shardtune.data.loading import alpaca_messages, prompt_and_target, row_messages
     from shardtune.data.sources import detect_format
     from shardtune.data.templates import has_chat_template
+    from shardtune.data.tokenize import alpaca_messages, prompt_and_target, row_messages
 
     data_format = detect_format(raw.column_names, recipe.dataset_format)
     rows = raw.to_list()
@@ -195,12 +195,13 @@ def baseline_texts(raw, tokenizer, recipe: Recipe) -> list[tuple[list[str], bool
 
 
 def benchmark(recipe: Recipe, rows: int, path: str) -> dict[str, float]:
-    """rows/s of shardtune.data.loading.tokenize and of the tokenizer's own batched call, on the same rows."""
+    """rows/s of shardtune.data.tokenize.tokenize and of the tokenizer's own batched call, on the same rows."""
     import datasets
     import pyarrow.compute as pc
 
-    from shardtune.data.loading import load_source, tokenize, tokenize_processes
+    from shardtune.data.loading import load_source
     from shardtune.data.templates import apply_chat_template_flag
+    from shardtune.data.tokenize import tokenize, tokenize_processes
     from shardtune.model import load_tokenizer
 
     tokenizer = load_tokenizer(recipe)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from shardtune.checkpoint.output_dir import OutputDirLock, is_rank_zero
 from shardtune.checkpoint.run_settings import resume_point
 from shardtune.checks.flag_hints import launch_line
+from shardtune.checks.launch_config import accelerate_config_problems
 from shardtune.checks.model import check_model
 from shardtune.checks.outputs import check_not_occupied
 from shardtune.checks.startup import (
@@ -29,12 +30,7 @@ from shardtune.checks.startup import (
 from shardtune.config import BatchSizes, ConfigError, Problems, Recipe
 from shardtune.flags import given_fields, parse_flags
 from shardtune.hub import is_hub_id, probe_hub
-from shardtune.launch import (
-    LaunchDescription,
-    accelerate_config_problems,
-    launch_environment,
-    planned_launch_environment,
-)
+from shardtune.launch import LaunchDescription
 from shardtune.parallel.deepspeed_ops import compile_notice
 from shardtune.parallel.launcher_args import (
     check_launcher_precision,
@@ -43,6 +39,7 @@ from shardtune.parallel.launcher_args import (
     this_launcher,
 )
 from shardtune.parallel.local_rank import first_on_machine
+from shardtune.parallel.planned_launch import launch_environment, planned_launch_environment
 
 # A refused rank that does not print (shardtune.cli.reports_errors) waits this long before it exits, so that the rank
 # of its machine that prints the refusal is not stopped by the launcher first.

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from shardtune.config import EVAL_CHUNK_POSITIONS
 from shardtune.data.batches import COUNTS
-from shardtune.data.loading import IGNORE_INDEX
+from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.levers.tiled_loss import forward_replaced, shifted_labels
 from shardtune.parallel.context import context_group, context_parallel, context_parallel_size
 from shardtune.parallel.groups import rows_once

@@ -16,7 +16,7 @@ import torch
 from accelerate import Accelerator
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from shardtune.data.loading import IGNORE_INDEX
+from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.parallel.context import context_parallel_size
 from shardtune.parallel.sequence import split_size, unsplit
 

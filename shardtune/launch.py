@@ -1,16 +1,15 @@
 """The launch as `accelerate launch` describes it to each process: its environment variables and the DeepSpeed
 JSON file it names, read once into a LaunchDescription and checked before any process group exists. The start-up
-checks, the Accelerator, the launch-time memory plan and the cross-rank fingerprint all read it from here."""
+checks, the Accelerator, the launch-time memory plan and the cross-rank fingerprint all read it from here. The
+accelerate config file's own keys are checked in shardtune.checks.launch_config; the launch a --dry_run plans is
+built in shardtune.parallel.planned_launch."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
 import importlib.util
-import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -27,7 +26,6 @@ from shardtune.plan.strategy import (
     deepspeed_yaml_settings,
     fsdp_strategy,
     resolve_deepspeed_json,
-    tensor_parallel_launch_args,
 )
 
 ON = "true"  # how `accelerate launch` exports a boolean
@@ -342,131 +340,3 @@ def check_hpz(hpz_partition: int, world_size: int) -> None:
     if group > 1 and world_size % group:
         raise ConfigError(f"zero_hpz_partition_size {hpz_partition} does not divide the {world_size} processes "
                           "launched into groups: set it to the GPUs per node in the DeepSpeed JSON file.")
-
-
-# --- the accelerate config file ----------------------------------------------------------------------------------
-
-# The sections whose keys `accelerate launch` copies onto its own arguments with a prefix (commands/launch.py,
-# _validate_launch_command): fsdp_config's `offload_params` is its --fsdp_offload_params.
-SECTION_PREFIXES = {"fsdp_config": "fsdp_", "fp8_config": "fp8_", "dynamo_config": "dynamo_"}
-# Top-level keys accelerate still reads and converts (BaseConfig.process_config).
-LEGACY_KEYS = ("fp16", "dynamo_backend")
-# Keys of a DeepSpeed JSON config, which accelerate reads only through an accelerate config's
-# deepspeed_config_file: a file that sets them at its top is that JSON given in the YAML's place.
-DEEPSPEED_JSON_KEYS = frozenset({"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
-                                 "gradient_clipping", "optimizer", "scheduler", "bf16", "wall_clock_breakdown"})
-
-
-def accelerate_config_keys(compute_environment: str) -> tuple[frozenset[str], frozenset[str]]:
-    """(the top-level keys, the keys of its sections) of an accelerate config file, as accelerate reads them: the
-    fields of the config class it loads the file into (ClusterConfig on a local machine), and the arguments of
-    `accelerate launch`, onto which it copies every key of a section (fsdp_config, deepspeed_config, ...). It
-    copies an unknown key just the same, where nothing reads it: a misspelt key is silently ignored."""
-    import dataclasses
-
-    from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig
-    from accelerate.commands.launch import launch_command_parser
-
-    config_class = ClusterConfig if compute_environment == "LOCAL_MACHINE" else SageMakerConfig
-    fields = frozenset(item.name for item in dataclasses.fields(config_class)) | frozenset(LEGACY_KEYS)
-    arguments = frozenset(action.dest for action in launch_command_parser()._actions)
-    return fields, arguments
-
-
-def accelerate_config_problems(path: str) -> list[str]:
-    """One line per key of the accelerate config file at `path` that accelerate would not read (accelerate refuses
-    an unknown top-level key only when it launches, and ignores an unknown key of a section), naming the nearest
-    key it reads. [] for a file it cannot read (its launcher says why)."""
-    import yaml
-
-    try:
-        with open(path) as file:
-            config = yaml.safe_load(file)
-    except (OSError, yaml.YAMLError) as error:
-        return [f"Cannot read the accelerate config {path}: {' '.join(str(error).split())}"]
-    if not isinstance(config, dict):
-        return [f"The accelerate config {path} is not a mapping of keys to values: write it as `accelerate config` "
-                "does (accelerate_configs/*.yaml are examples)."]
-    deepspeed_keys = sorted(DEEPSPEED_JSON_KEYS & set(map(str, config)))
-    if deepspeed_keys and "distributed_type" not in config:  # every key would be refused, none with the cause
-        return [f"{path} is a DeepSpeed config (it sets {', '.join(deepspeed_keys)}), not an accelerate config: give "
-                "the accelerate YAML that names it as deepspeed_config_file (as accelerate_configs/ds_zero3.yaml "
-                "names deepspeed/zero3.json)."]
-    fields, arguments = accelerate_config_keys(str(config.get("compute_environment", "LOCAL_MACHINE")))
-    problems = [unknown_key(path, str(key), None, sorted(fields)) for key in config if str(key) not in fields]
-    for section, values in config.items():
-        if not (str(section).endswith("_config") and isinstance(values, dict)):
-            continue
-        prefix = SECTION_PREFIXES.get(section, "")
-        for key in map(str, values):
-            read_as = key if key.startswith(prefix) else prefix + key
-            if read_as not in arguments:
-                # The nearest among the keys written in this section: those sharing its prefix, or for
-                # deepspeed_config (whose keys have none) every argument of the launcher.
-                candidates = sorted(name for name in arguments if name.startswith(prefix) or not prefix)
-                problems.append(unknown_key(path, key, str(section), candidates))
-    return problems
-
-
-def unknown_key(path: str, key: str, section: str | None, candidates: list[str]) -> str:
-    """The line for a key accelerate does not read, with the nearest it does."""
-    nearest = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-    fix = f"did you mean {nearest[0]}?" if nearest else "remove it (see `accelerate launch --help` for the keys)."
-    if section is None:  # accelerate launch refuses these itself, without a hint
-        return f"The accelerate config {path} sets {key!r}, which accelerate does not know: {fix}"
-    return (f"The accelerate config {path} sets {section}: {key!r}, which accelerate does not read (it would be "
-            f"ignored): {fix}")
-
-
-def planned_launch_environment(config_file: str, nodes: int, gpus_per_node: int) -> dict[str, str]:
-    """The variables a process of `accelerate launch --config_file <config_file>` on `nodes` nodes of
-    `gpus_per_node` GPUs would see, as accelerate's own launcher builds them (commands/launch.py and
-    utils/launch.py), with torchrun's WORLD_SIZE, LOCAL_WORLD_SIZE and RANK of its first process: the launch that a
-    --dry_run plans, which its checks then read as a launched run reads its own (LaunchDescription.from_env).
-    Raises ConfigError where accelerate's launcher would refuse the file."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import (
-        prepare_deepspeed_cmd_env,
-        prepare_multi_gpu_env,
-        prepare_simple_launcher_cmd_env,
-    )
-
-    world = nodes * gpus_per_node
-    args = launch_command_parser().parse_args([
-        "--config_file", config_file, "--num_processes", str(world), "--num_machines", str(nodes),
-        "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", "29500",
-        *tensor_parallel_launch_args(config_file, world), "recipe.py"])
-    logging.getLogger("accelerate.commands.launch").setLevel(logging.ERROR)  # its notes on defaults it fills
-    try:
-        args, defaults, precision_from_config = _validate_launch_command(args)
-        if args.use_deepspeed:  # as launch_command does before it hands over to the DeepSpeed launcher
-            fields = [*(defaults.deepspeed_config if defaults else ())] + ["mixed_precision"] * precision_from_config
-            args.deepspeed_fields_from_accelerate_config = ",".join(fields)
-            _, env = prepare_deepspeed_cmd_env(args)
-        elif args.use_fsdp or args.multi_gpu:
-            env = prepare_multi_gpu_env(args)
-        else:
-            _, env = prepare_simple_launcher_cmd_env(args)
-    except (ValueError, TypeError, KeyError, OSError) as error:
-        raise ConfigError(f"accelerate launch refuses --config_file {config_file}: "
-                          f"{' '.join(str(error).split())}") from None
-    planned = {name: value for name, value in env.items() if os.environ.get(name) != value}
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **planned, "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(gpus_per_node), "RANK": "0", "LOCAL_RANK": "0"}
-
-
-@contextlib.contextmanager
-def launch_environment(env: Mapping[str, str]) -> Iterator[None]:
-    """os.environ as a planned launch's process sees it (planned_launch_environment), restored afterwards: every
-    check reads the planned launch where it reads a real one. The variables of this shell's own launch (if any)
-    are dropped meanwhile."""
-    saved = dict(os.environ)
-    for name in [*os.environ]:
-        if name.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")):
-            del os.environ[name]
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)

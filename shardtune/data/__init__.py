@@ -1,2 +1,2 @@
-"""The data path: sources and formats, chat templates, tokenization, packing, and each optimizer step's
-micro-batches."""
+"""The data path: sources and their loading, chat templates, the row formats and their tokenization per method,
+packing, and each optimizer step's micro-batches."""

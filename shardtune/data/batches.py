@@ -14,8 +14,8 @@ import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
 
 from shardtune.config import BatchSizes
-from shardtune.data.loading import IGNORE_INDEX
 from shardtune.data.packing import SEQUENCE_LENGTHS, split_rows
+from shardtune.data.tokenize import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from shardtune.config import LOSS_TILE_POSITIONS
-from shardtune.data.loading import IGNORE_INDEX
+from shardtune.data.tokenize import IGNORE_INDEX
 
 # A batch's labels, which the loss reads and the model must not see: plain, or shifted before a sequence split.
 LABEL_KEYS = ("labels", "shift_labels")

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardtune.config import LOSS_TILE_POSITIONS
 from shardtune.data.batches import COUNTS
-from shardtune.data.loading import IGNORE_INDEX
+from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.levers.tiled_loss import forward_replaced, shifted_labels
 from shardtune.methods.dpo_loss import PAIR_METRICS, DPOSettings, PairLogProbs, pair_losses, pair_metrics
 

@@ -8,7 +8,7 @@ import torch
 from datasets import Dataset
 
 from shardtune.data.batches import COUNTS
-from shardtune.data.loading import IGNORE_INDEX
+from shardtune.data.tokenize import IGNORE_INDEX
 
 PAIR_ID = "pair_id"  # a pair's row in its split: the key of its precomputed reference log-probs
 

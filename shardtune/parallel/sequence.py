@@ -125,7 +125,7 @@ def padded_to(batch: dict, length: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from shardtune.data.loading import IGNORE_INDEX
+    from shardtune.data.tokenize import IGNORE_INDEX
 
     missing = length - batch["input_ids"].shape[1]
     if missing == 0:

@@ -39,7 +39,8 @@ from pathlib import Path
 import pytest
 
 from shardtune.config import Recipe
-from shardtune.data.loading import IGNORE_INDEX, load_splits
+from shardtune.data.loading import load_splits
+from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.model import load_tokenizer
 from shardtune.models.tiny_assets import TASK_LETTERS, reversal_examples
 from tests.conftest import launch_env, popen, read_metrics, start_recipe

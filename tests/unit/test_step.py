@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_sc
 from shardtune.checks.values import check_attention
 from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.data.batches import COUNT_KEYS, COUNTS, StepBatch, counted_steps, make_collator, take_counts
-from shardtune.data.loading import IGNORE_INDEX
+from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.evaluation import head_statistics, row_statistics
 from shardtune.levers.optimizers import make_optimizer
 from shardtune.levers.tiled_loss import shifted_labels

@@ -14,9 +14,10 @@ import huggingface_hub.constants
 import pytest
 
 from shardtune import hub
+from shardtune.checks.launch_config import accelerate_config_problems
 from shardtune.cli import checked_launch, main
 from shardtune.config import ConfigError, Recipe
-from shardtune.launch import accelerate_config_problems, launch_environment, planned_launch_environment
+from shardtune.parallel.planned_launch import launch_environment, planned_launch_environment
 from shardtune.plan import search
 from shardtune.plan.__main__ import main as plan_main
 from tests.conftest import REPO
@@ -127,7 +128,7 @@ def test_a_launched_rank_finds_its_launchers_config(tmp_path):
     command line (here a real parent process whose command line is accelerate's), relative to its directory."""
     (tmp_path / "typo.yaml").write_text((CONFIGS / "fsdp_full_shard.yaml").read_text().replace(
         "fsdp_offload_params:", "fsdp_ofload_params:"))
-    rank = ("from shardtune.launch import accelerate_config_problems\n"
+    rank = ("from shardtune.checks.launch_config import accelerate_config_problems\n"
             "from shardtune.parallel.launcher_args import this_launcher\n"
             "path = this_launcher().config_path\nprint(path)\nprint(accelerate_config_problems(path))\n")
     launcher = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {rank!r}], check=True)\n"

@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from shardtune.checkpoint.run_settings import check_resume_settings, run_settings
+from shardtune.checks.launch_config import accelerate_config_problems
 from shardtune.checks.model import check_model
 from shardtune.checks.outputs import check_output_dir
 from shardtune.checks.startup import batch_sizes
@@ -22,7 +23,7 @@ from shardtune.config import BatchSizes, ConfigError, Recipe
 from shardtune.data.loading import load_splits
 from shardtune.data.sources import check_dataset_path
 from shardtune.flags import parse_flags
-from shardtune.launch import LaunchDescription, accelerate_config_problems
+from shardtune.launch import LaunchDescription
 from tests.conftest import CONFIGS
 
 
@@ -199,7 +200,7 @@ def test_a_chat_template_that_no_row_goes_through_is_said(tiny_assets, tmp_path,
     data.write_text("".join(Path(tiny_assets[1]).read_text().splitlines(keepends=True)[:64]))
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets[0])
     recipe = Recipe(model_name_or_path=tiny_assets[0], dataset=str(data), max_seq_length=64, chat_template="chatml")
-    with caplog.at_level(logging.WARNING, logger="shardtune.data.loading"):
+    with caplog.at_level(logging.WARNING, logger="shardtune.data.tokenize"):
         load_splits(recipe, tokenizer)
     assert f"--chat_template chatml is not applied to the `prompt_completion` rows of {data}" in caplog.text
 

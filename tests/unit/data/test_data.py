@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardtune.config import ConfigError, Recipe
 from shardtune.data.batches import COUNTS, make_collator
-from shardtune.data.loading import IGNORE_INDEX, load_splits
+from shardtune.data.loading import load_splits
+from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.models.tiny_assets import reversal_examples
 from tests.conftest import REPO
 

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from shardtune.config import ConfigError, Recipe
-from shardtune.data.loading import IGNORE_INDEX, load_splits
+from shardtune.data.loading import load_splits
 from shardtune.data.sources import (
     CHAT_TEMPLATES_DIR,
     check_chat_template,
@@ -22,6 +22,7 @@ from shardtune.data.sources import (
     check_dataset_weights,
 )
 from shardtune.data.templates import apply_chat_template_flag
+from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.models.tiny_assets import CHAT_TEMPLATE
 from tests.conftest import load_script
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from scripts import plot_metrics
 from shardtune.config import Recipe
-from shardtune.data.loading import IGNORE_INDEX
+from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.export.model import add_model_files
 from shardtune.generation import generate_samples, held_out_prompts
 from shardtune.launch import LaunchDescription

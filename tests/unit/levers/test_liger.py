@@ -23,7 +23,7 @@ from transformers.models.llama import modeling_llama
 
 from shardtune.checks.values import check_lora
 from shardtune.config import LIGER_MODEL_TYPES, ConfigError, Recipe
-from shardtune.data.loading import IGNORE_INDEX
+from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.levers.liger import apply_liger_kernels, check_liger_device, check_liger_kernel, check_liger_model
 from shardtune.levers.tiled_loss import chunked_token_loss, fused_linear_cross_entropy
 from shardtune.models.flops import builtin_configs, shape_from_config

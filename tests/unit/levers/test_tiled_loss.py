@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from shardtune.checks.values import check_lora
 from shardtune.config import ConfigError, Recipe
-from shardtune.data.loading import IGNORE_INDEX
+from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.levers.tiled_loss import chunked_token_loss, shifted_labels
 from shardtune.models.flops import shape_from_config
 from shardtune.models.tiny_assets import tiny_llama_config

@@ -19,7 +19,8 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from shardtune.config import ConfigError, Recipe
-from shardtune.data.loading import IGNORE_INDEX, load_splits, tokenize
+from shardtune.data.loading import load_splits
+from shardtune.data.tokenize import IGNORE_INDEX, tokenize
 from shardtune.methods.pair_batches import PreferenceCollator
 from shardtune.methods.preference import PAIR_COLUMNS
 from tests.conftest import launch_env, load_script

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, MistralConfig
 
 from shardtune.checks.startup import batch_sizes
 from shardtune.config import ConfigError, Recipe
-from shardtune.data.loading import IGNORE_INDEX
+from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.launch import LaunchDescription
 from shardtune.models.flops import resolve_model
 from shardtune.parallel.context import (

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, LlamaConfig
 from shardtune.cli import main
 from shardtune.config import ConfigError, Recipe
 from shardtune.data.batches import make_collator
-from shardtune.data.loading import IGNORE_INDEX
+from shardtune.data.tokenize import IGNORE_INDEX
 from shardtune.launch import LaunchDescription
 from shardtune.models.flops import resolve_model
 from shardtune.parallel.sequence import (

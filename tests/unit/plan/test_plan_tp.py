@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.launch import LaunchDescription, planned_launch_environment
+from shardtune.launch import LaunchDescription
 from shardtune.models.flops import resolve_model, shape_from_config
 from shardtune.models.tiny_assets import tiny_llama_config
+from shardtune.parallel.planned_launch import planned_launch_environment
 from shardtune.plan.activations import (
     activation_bytes,
     layer_backward_bytes,
