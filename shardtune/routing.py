@@ -45,8 +45,9 @@ def routers_recorded(model: torch.nn.Module) -> Iterator[list[torch.Tensor] | No
 
 def load_balancing_loss(model: torch.nn.Module, logits: list[torch.Tensor], attention_mask: torch.Tensor | None
                         ) -> torch.Tensor:
-    """transformers' own load-balancing loss of the model's family over the recorded logits."""
-    modeling = sys.modules[type(model).__module__]
+    """transformers' own load-balancing loss of the model's family over the recorded logits (read from the router's
+    module: FSDP2 makes the model's class one of its own)."""
+    modeling = sys.modules[router_class(model).__module__]
     config = model.config
     return modeling.load_balancing_loss_func(tuple(logits), config.num_experts, config.num_experts_per_tok,
                                              attention_mask)

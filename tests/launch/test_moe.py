@@ -1,0 +1,93 @@
+"""The mixtures of experts' tiny random configs (shardtune.models.tiny: 4 experts, 2 routed per token, a router
+loss weight of 0.1) train through the same from_pretrained path as real runs, with gradient checkpointing, and 2
+real processes under FSDP2, ZeRO-3 and DDP follow one process's losses (the router's load-balancing loss
+included), gradient norms and load-balancing losses in fp32, routing every token to the same experts; a run
+killed mid-step and resumed is bitwise the uninterrupted one, and its export holds the experts per expert, as the
+published checkpoints do."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from safetensors.torch import load_file
+
+from shardtune.checkpoint.preemption import FAULT_ENV
+from shardtune.models.tiny_assets import write_tiny_assets
+from tests.conftest import grad_norms, made_once, read_metrics, run_recipe, start_recipe, train_losses
+from tests.launch.test_families import ARGS
+from tests.launch.test_strategies import FP32_RTOL
+
+# Each family under a strategy, the three strategies taken once: Qwen3-MoE (q/k norms, normalised top-k weights)
+# under FSDP2 and ZeRO-3, Mixtral under DDP. The launches cost the suite's time (about 35 s each on 2 cores).
+CASES = [("qwen3_moe", "fsdp_full_shard"), ("qwen3_moe", "ds_zero3"), ("mixtral", "ddp")]
+# A written expert's weight, named as the family's published checkpoints name it (Mixtral's w1, w2, w3).
+EXPERT_KEYS = {"qwen3_moe": "model.layers.1.mlp.experts.3.down_proj.weight",
+               "mixtral": "model.layers.1.block_sparse_moe.experts.3.w2.weight"}
+
+
+@pytest.fixture(scope="session")
+def moe_assets(tmp_path_factory):
+    def assets(family: str) -> tuple[str, str]:
+        folder = made_once(tmp_path_factory, f"assets-{family}", lambda root: write_tiny_assets(
+            str(root / "tiny"), num_examples=512, model_type=family))
+        return str(folder / "tiny" / "model"), str(folder / "tiny" / "data.jsonl")
+
+    return assets
+
+
+@pytest.fixture(scope="session")
+def moe_run(tmp_path_factory, moe_assets):
+    """moe_run(family, config) -> output dir of that family's run under config (None: one process), once."""
+
+    def run(family: str, config: str | None):
+        def make(root):
+            run_recipe(root / "out", moe_assets(family), *ARGS, config=config, processes=2)
+        return made_once(tmp_path_factory, f"{family}-{config or 'single'}", make) / "out"
+
+    return run
+
+
+def routing(output_dir) -> tuple[list[float], list[list[int]]]:
+    rows = [row for row in read_metrics(output_dir) if "loss" in row]
+    return [row["aux_loss"] for row in rows], [row["routed_tokens_per_expert"] for row in rows]
+
+
+@pytest.mark.parametrize("family,config", CASES)
+def test_moe_trains_equal_to_one_process(family, config, moe_run):
+    reference, run = moe_run(family, None), moe_run(family, config)
+    losses = train_losses(run)
+    assert len(losses) == 4 and losses[-1] < losses[0], f"{family} {config}: loss did not fall: {losses}"
+    assert losses == pytest.approx(train_losses(reference), rel=FP32_RTOL)
+    assert grad_norms(run) == pytest.approx(grad_norms(reference), rel=FP32_RTOL)
+    (aux, routed), (reference_aux, reference_routed) = routing(run), routing(reference)
+    assert aux == pytest.approx(reference_aux, rel=FP32_RTOL)
+    # each token once: the ranks' counts add up to one process's, 2 experts per token and layer
+    assert routed == reference_routed
+    tokens = [row["tokens_per_step"] for row in read_metrics(run) if "loss" in row]
+    assert [sum(step) for step in routed] == [2 * 2 * count for count in tokens]
+    # a balanced router's loss is top-k (2 here): the tiny run's starts near it
+    assert all(1.5 < value < 3.0 for value in aux)
+    exported, reference_export = load_file(run / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert exported.keys() == reference_export.keys()
+    assert EXPERT_KEYS[family] in exported  # per expert, as the published checkpoints hold them
+
+
+def test_moe_kill_and_resume_is_bitwise(moe_run, moe_assets, tmp_path):
+    """One process killed (SIGKILL) inside step 3's accumulation cycle resumes from checkpoint-2 and ends as the
+    uninterrupted run: losses, gradient norms, load-balancing losses, routing and exported weights bitwise."""
+    reference = moe_run("qwen3_moe", None)
+    killed = tmp_path / "killed"
+    saving = ("--save_steps", "2", "--save_total_limit", "0")
+    fault = "rank=0,step=3,micro_batch=1,signal=SIGKILL"
+    process = start_recipe(killed, moe_assets("qwen3_moe"), *ARGS, *saving, env={FAULT_ENV: fault})
+    assert process.wait(timeout=300) == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-4000:]
+    assert max(row["step"] for row in read_metrics(killed) if "loss" in row) == 2
+    result = run_recipe(killed, moe_assets("qwen3_moe"), *ARGS, *saving, "--resume_from_checkpoint", "auto")
+    assert f"resumed from {killed}/checkpoint-2 at step 2" in result.stdout + result.stderr
+    assert [row["step"] for row in read_metrics(killed) if "loss" in row] == [1, 2, 3, 4]
+    assert train_losses(killed) == train_losses(reference)
+    assert grad_norms(killed) == grad_norms(reference)
+    assert routing(killed) == routing(reference)
+    ours, theirs = load_file(killed / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(ours[key].equal(theirs[key]) for key in ours)
