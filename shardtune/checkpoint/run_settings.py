@@ -203,25 +203,31 @@ class ResumePoint:
     universal: bool = False  # a DeepSpeed checkpoint of another world size: loaded as DeepSpeed's universal form
 
 
-# DeepSpeed launches that resume on another number of processes through the universal checkpoint: ZeRO-1, 2 and 3
-# without offload, the sequence split or ZeRO++'s hpZ, measured equal to the uninterrupted run
-# (tests/launch/test_resume_resized.py).
+# DeepSpeed launches that resume on another number of processes through the universal checkpoint: ZeRO-1, 2 and 3,
+# ZeRO-3 with its optimizer (and parameters) in CPU RAM, measured equal to the uninterrupted run
+# (tests/launch/test_resume_resized.py); not NVMe offload, the sequence split or ZeRO++'s hpZ.
 UNIVERSAL_STAGES = (1, 2, 3)
+# Why NVMe offload cannot: DeepSpeed 0.19's load_checkpoint (runtime/engine.py) skips the ZeRO optimizer files, the
+# universal ones included, when the optimizer is on NVMe, and copies back each rank's own swap files instead.
+NVME_REASON = ("DeepSpeed 0.19 restores NVMe-offloaded optimizer states from each rank's own swap files "
+               "(offloaded_tensors/rank<N>, cut for the ranks that saved them), never from the universal checkpoint")
 
 
 def deepspeed_resize_problem(checkpoint: str, saved_world: int, launch: LaunchDescription) -> str | None:
     """Why this DeepSpeed launch cannot resume a checkpoint of `saved_world` processes, or None."""
     settings = launch.deepspeed_settings
+    nvme = "nvme" in (settings.get("offload_optimizer"), settings.get("offload_param"))
     unsupported = [what for what, applies in (
         (f"under ZeRO-{settings.get('stage')}", settings.get("stage") not in UNIVERSAL_STAGES),
-        ("with states offloaded to NVMe", "nvme" in (settings.get("offload_optimizer"), settings.get("offload_param"))),
         ("with the sequence split", launch.sp_size > 1),
         ("with ZeRO++'s hpZ", settings.get("hpz_partition", 1) > 1)) if applies]
-    if not unsupported:
+    if not unsupported and not nvme:
         return None
+    why = f"with states offloaded to NVMe is not supported: {NVME_REASON}" if nvme else (
+        f"{' and '.join(unsupported)} is not supported yet (not measured; ZeRO-1, 2 and 3, with or without CPU "
+        "offload, resume through DeepSpeed's universal checkpoint)")
     return (f"{checkpoint} was saved by {saved_world} processes and this DeepSpeed launch has {launch.world_size}: "
-            f"a resume on another number of processes {' and '.join(unsupported)} is not supported yet (ZeRO-1, 2 "
-            f"and 3 without them resume through DeepSpeed's universal checkpoint). Resume with --num_processes "
+            f"a resume on another number of processes {why}. Resume with --num_processes "
             f"{saved_world}, or start a new run from its weights (scripts/export_hf.py {checkpoint}).")
 
 

@@ -62,7 +62,7 @@ def converted_from(target: str, checkpoint: str) -> bool:
 def universal_checkpoint(accelerator: Accelerator, checkpoint: str, output_dir: str) -> str:
     """The universal form of `checkpoint`, converted by rank 0 if it is not yet; every rank returns its path."""
     target = conversion_target(checkpoint, output_dir)
-    inside = os.path.dirname(target) == checkpoint
+    inside = os.path.basename(target) == UNIVERSAL_DIR  # the run's own checkpoint: converted inside it
     if accelerator.is_main_process and not (is_converted(checkpoint) if inside else converted_from(target, checkpoint)):
         marker = read_marker(checkpoint)
         zero_stage = (marker.get("run") or {}).get("zero_stage") or 3
