@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardtune.checks.command_line import OneLineParser
+
 REPO = Path(__file__).resolve().parents[1]
 LOG_EVERY = 5  # the trainer's figures are per logging window; the warm-up should be a multiple of it
 
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     recipe_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config_file", required=True, help="the accelerate config YAML to launch under")
     parser.add_argument("--recipe", required=True, help="the recipe file to benchmark, e.g. recipes/llama8b.py")
     parser.add_argument("--num_processes", type=int, default=8,
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--levers", action="store_true",
                         help="one table: the plain path, each lever alone and the recommended combination")
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # the worker side of the bare loop
-    args = parser.parse_args(argv)
+    args = parser.parse_or_exit(argv)
     args.recipe_args = recipe_args
     problems = input_problems(args)
     for problem in problems:

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 from shardtune.checks.command_line import OneLineParser
-from shardtune.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = ("ddp", "fsdp_full_shard", "ds_zero3")
@@ -190,11 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dd_megabytes", type=int, default=2048, help="size of the dd write that rates the disk")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
-    try:
-        args = parser.parse_args(argv)
-    except ConfigError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
+    args = parser.parse_or_exit(argv)
     if args.worker:
         worker(args)
         return 0

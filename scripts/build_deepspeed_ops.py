@@ -11,11 +11,11 @@ where all of them take minutes).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardtune.checks.command_line import OneLineParser
 from shardtune.parallel.deepspeed_ops import op_builders
 from shardtune.plan.strategy import CONFIGS_DIR, PlanError, read_accelerate_config
 
@@ -64,13 +64,13 @@ def config_problems(config_files: list[Path]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="build_deepspeed_ops.py", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="build_deepspeed_ops.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", type=Path, metavar="YAML",
                         help="build only the ops this accelerate config loads (repeatable); default: every shipped "
                              "config in accelerate_configs/")
     parser.add_argument("--dry_run", action="store_true",
                         help="name the ops that would be built and for which configs, and compile nothing")
-    args = parser.parse_args(argv)  # --help answers before anything compiles
+    args = parser.parse_or_exit(argv)  # --help answers before anything compiles
     config_files = args.config or sorted(Path(CONFIGS_DIR).glob("*.yaml"))
     problems = config_problems(config_files)
     for problem in problems:

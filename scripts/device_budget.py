@@ -11,13 +11,13 @@ measured time: put it here after a run on the device.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shardtune from this checkout
+from shardtune.checks.command_line import OneLineParser  # noqa: E402
 from shardtune.gpu_check.processes import KILL_GRACE_S  # noqa: E402
 
 # Seconds, estimated: one case of each kind (launch to exit), a probe of its exported model, writing the model and
@@ -114,13 +114,13 @@ def device_command(call: int, budget: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Print the device call's arguments (carry, command, timeout_s) as "
+    parser = OneLineParser(description="Print the device call's arguments (carry, command, timeout_s) as "
                                      "JSON: the first call's, or the second's for the device time left.")
     parser.add_argument("--call", type=int, choices=(1, 2), required=True,
                         help="the first call (its fixed budget) or the second (from --budget_left_s)")
     parser.add_argument("--budget_left_s", type=float, default=DEVICE_TIME_S,
                         help="the device tool's status budget_left_s before this call (default: %(default)s)")
-    args = parser.parse_args(argv)
+    args = parser.parse_or_exit(argv)
     budget = FIRST_CALL_S if args.call == 1 else second_call_budget(args.budget_left_s)
     if budget < INSTALL_S + ASSETS_S + CLOSING_S + 2 * KILL_GRACE_S + min(KIND_SECONDS.values()):
         print(f"device_budget: error: {args.budget_left_s:.0f} s of device time leave a {budget} s budget, too "

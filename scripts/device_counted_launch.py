@@ -19,6 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shardtune from this checkout, as the recipes have it
 
+from shardtune.checks.command_line import OneLineParser  # noqa: E402
+
 REPLACED_FILE = "SHARDTUNE_REPLACED_FILE"
 
 
@@ -45,10 +47,10 @@ def install_counters(path: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe", help="the recipe file to run (recipes/tiny.py)")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="the recipe's own flags, passed on as given")
-    args = parser.parse_args(argv)
+    args = parser.parse_or_exit(argv)
     install_counters(os.environ.get(REPLACED_FILE))
     sys.argv = [args.recipe, *args.flags]
     runpy.run_path(args.recipe, run_name="__main__")

@@ -19,7 +19,6 @@ multiprocess differ by build only), and torch 2.11.0 is PyPI's CUDA build, which
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check  # noqa: E402
 import gpu_wheels  # noqa: E402
 
+from shardtune.checks.command_line import OneLineParser  # noqa: E402
 from shardtune.gpu_check.processes import Stopped, run_killing_group, stopping_on_signals  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,12 +113,12 @@ def outcome(case: gpu_check.Case, returncode: int, log: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default=str(REPO / ".venv" / "device-rehearsal"),
                         help="the virtualenv, wheels and runs (default: %(default)s, ignored by git)")
     parser.add_argument("--cases", help="comma-separated cases (default: all): " +
                         ",".join(gpu_check.case_slug(case) for case in gpu_check.CASES))
-    args = parser.parse_args(argv)
+    args = parser.parse_or_exit(argv)
     try:
         cases = gpu_check.selected_cases(args.cases)
     except ValueError as error:

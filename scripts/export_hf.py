@@ -22,7 +22,6 @@ written as trained (fp32) unless --dtype names another.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -32,6 +31,7 @@ from pathlib import Path
 # The standard library only until the input is checked: a wrong path is answered before torch loads (seconds).
 from shardtune.checkpoint.durable import durable, fsync_path
 from shardtune.checkpoint.markers import MARKER, complete_checkpoints, damage
+from shardtune.checks.command_line import OneLineParser
 
 DTYPES = ("bf16", "fp16", "fp32")  # shardtune.export.model.EXPORT_DTYPES, named here without importing torch
 
@@ -106,7 +106,7 @@ def write(checkpoint: Path, scratch: Path, dtype_name: str, adapter: bool) -> st
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint-<step> directory")
     parser.add_argument("output", type=Path, help="new directory for the Hugging Face model")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapter", action="store_true",
                         help="a LoRA run's checkpoint: write its adapter alone (peft's format, loads with "
                              "PeftModel.from_pretrained on the base) instead of the merged model")
-    args = parser.parse_args(argv)
+    args = parser.parse_or_exit(argv)
     problem = input_problem(args.checkpoint, args.output)
     if problem:
         sys.exit(refusal(problem))

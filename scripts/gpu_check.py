@@ -54,6 +54,7 @@ from device_budget import (  # noqa: E402
 )
 from gpu_wheels import installed_problems  # noqa: E402
 
+from shardtune.checks.command_line import OneLineParser  # noqa: E402
 from shardtune.gpu_check.figures import (  # noqa: E402
     COMPARED,
     TOLERANCE,
@@ -376,7 +377,7 @@ def run_case(case: Case, root: Path, output_dir: Path, log_dir: Path, limit: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--call", type=int, choices=sorted(CALLS), help="the device tool's call: its cases (CALLS)")
     parser.add_argument("--cases", help="comma-separated cases to run, with the plain twins of the compared ones, in "
                         "CASES' order (default: all, or the call's): " + ",".join(case_slug(case) for case in CASES))
@@ -393,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="each case's launch output, kept after the run (default: %(default)s)")
     parser.add_argument("--write_assets", help=argparse.SUPPRESS)  # the child processes of run_cases
     parser.add_argument("--probe", nargs=4, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_or_exit(argv)
     if args.write_assets:
         write_assets(Path(args.write_assets))
         return 0

@@ -17,7 +17,6 @@ SET_RECORD (checked in: tests/unit/gpu_check/test_gpu_wheels.py holds the set to
 
 from __future__ import annotations
 
-import argparse
 import email.parser
 import importlib.metadata
 import json
@@ -31,6 +30,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.version import Version
+
+from shardtune.checks.command_line import OneLineParser
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE_LIST = REPO / "scripts" / "device_packages.txt"
@@ -237,11 +238,11 @@ def earlier_set(dest: Path) -> tuple[list[Path], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dest", default=str(REPO / ".whl"), help="the folder written (default: %(default)s)")
     parser.add_argument("--python_version", default=DEVICE_PYTHON, help="the Python the wheels are for (default: "
                         "%(default)s, the device's; another builds the same set for a rehearsal here)")
-    args = parser.parse_args(argv)
+    args = parser.parse_or_exit(argv)
     device = read_device_packages()
     try:
         pins = wheel_set(device, read_pins())

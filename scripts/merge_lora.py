@@ -22,8 +22,9 @@ import os
 import re
 import shutil
 import sys
-import typing
 from pathlib import Path
+
+from shardtune.checks.command_line import OneLineParser
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # A Hub id: "name" or "owner/name", no path syntax (huggingface_hub's rule, without importing it).
@@ -32,15 +33,6 @@ HUB_ID = re.compile(r"[\w][\w.\-]{0,95}(/[\w][\w.\-]{0,95})?")
 
 class Refused(Exception):
     """Bad input: the message names the problem and the fix."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse's own errors (a missing directory argument, an unknown --dtype) in one line, exit code 2, instead
-    of its usage block."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        print(f"merge_lora: error: {message}; see --help.", file=sys.stderr)
-        sys.exit(2)
 
 
 def base_model(adapter_dir: str, given: str, other_base: bool = False) -> str:
@@ -178,7 +170,8 @@ def first_line(error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="merge_lora.py",  # its refusals named so when main runs in another process's argv
+                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("adapter_dir", help="a --use_peft run's output_dir (holding adapter_config.json)")
     parser.add_argument("output_dir", help="new directory for the merged Hugging Face model")
     parser.add_argument("--base", default="", help="Base model (default: adapter_config.json's); where the "
@@ -188,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(a copy of the base elsewhere)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",
                         help="dtype of the merged weights (default: %(default)s)")
-    args = parser.parse_args(argv)
+    args = parser.parse_or_exit(argv)
     output_dir = args.output_dir.rstrip("/") or "/"
     scratch = os.path.join(os.path.dirname(output_dir), f".{os.path.basename(output_dir)}.tmp")
     made = ""

@@ -9,12 +9,10 @@ tests/unit/plan/test_plan_launch.py.
 from __future__ import annotations
 
 import re
-import sys
 import textwrap
 from pathlib import Path
 
 from shardtune.checks.command_line import OneLineParser
-from shardtune.config import ConfigError
 from shardtune.models.flops import resolve_config, resolve_model
 from shardtune.plan.hardware import parse_hardware
 from shardtune.plan.planned_run import HELD_OPTIMIZER, planned_recipe, recipe_search
@@ -148,11 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true",
                         help="Rewrite docs/plan-table.md's table and every recipe header's plan instead of "
                              "printing them")
-    try:
-        write = parser.parse_args(argv).write
-    except ConfigError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
+    write = parser.parse_or_exit(argv).write
     if write:
         TABLE_DOC.write_text(doc_with_table(TABLE_DOC.read_text()))
     else:

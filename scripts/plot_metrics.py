@@ -7,10 +7,11 @@ without W&B.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from shardtune.checks.command_line import OneLineParser
 
 # (metrics.jsonl key, panel title); a panel whose key no row holds says so instead of drawing nothing silently.
 PANELS = (("loss", "training loss"), ("eval_loss", "eval loss"), ("lr", "learning rate"),
@@ -59,10 +60,10 @@ def plot(rows: list[dict], output: Path, title: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path, help="a run's output directory (holding metrics.jsonl)")
     parser.add_argument("--output", type=Path, help="the PNG to write; default: output_dir/metrics.png")
-    args = parser.parse_args(argv)
+    args = parser.parse_or_exit(argv)
     metrics = args.output_dir / "metrics.jsonl"
     if not metrics.is_file():
         print(f"plot_metrics: error: {metrics} does not exist; give a run's output_dir.", file=sys.stderr)

@@ -5,6 +5,8 @@ instant."""
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from shardtune.config import ConfigError
@@ -21,3 +23,12 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"Bad command line: {message.rstrip('.')}; see {self.see}.")
+
+    def parse_or_exit(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+        """parse_args for a script that prints its own refusals: this one as they are, `<script>: error: <line>`
+        (the script's name without .py), exit code 2."""
+        try:
+            return self.parse_args(argv)
+        except ConfigError as error:
+            print(f"{self.prog.removesuffix('.py')}: error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None

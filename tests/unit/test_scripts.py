@@ -36,6 +36,23 @@ def test_help_prints_every_option_and_exits(script):
     assert "deepspeed op" not in result.stdout and "|---" not in result.stdout
 
 
+def test_every_script_refuses_a_bad_flag_in_one_line():
+    """argparse's own refusal (shardtune.checks.command_line) as a recipe's: one line on stderr naming the flag
+    (or the argument the script needs first), no usage block, exit code 2. All scripts at once: 2 cores."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "1000"}
+    started = {script: subprocess.Popen([sys.executable, f"scripts/{script}", "--no_such_flag"], cwd=REPO, env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for script in SCRIPTS}
+    wrong = {}
+    for script, process in started.items():
+        out, err = process.communicate(timeout=120)
+        named = "--no_such_flag" in err or "arguments are required" in err
+        one_line = len(err.splitlines()) == 1 and "error: Bad command line: " in err and "usage:" not in err
+        if process.returncode != 2 or out or not (one_line and named):
+            wrong[script] = (process.returncode, err[-300:])
+    assert not wrong, wrong
+
+
 def test_bench_refuses_a_missing_recipe_before_launching():
     result = run("scripts/bench.py", "--config_file", "accelerate_configs/ddp.yaml", "--recipe", "recipes/nothere.py")
     assert result.returncode == 2

@@ -396,8 +396,8 @@ def test_merge_lora_refuses_a_base_other_than_the_recorded_one(tiny_assets, tmp_
                             "that base).",
              ("--other_base",): "merge_lora: error: --other_base merges into a base other than the recorded one, "
                                 "which --base names: add --base, or drop --other_base.",
-             ("--dtype", "int8"): "merge_lora: error: argument --dtype: invalid choice: 'int8' (choose from 'bf16', "
-                                  "'fp16', 'fp32'); see --help."}
+             ("--dtype", "int8"): "merge_lora: error: Bad command line: argument --dtype: invalid choice: 'int8' "
+                                  "(choose from 'bf16', 'fp16', 'fp32'); see --help."}
     for extra, line in cases.items():
         argv = [str(adapter), str(tmp_path / "merged"), *(["--base", *extra] if extra[0][0] != "-" else extra)]
         with pytest.raises(SystemExit) if extra[0] == "--dtype" else contextlib.nullcontext() as exited:
