@@ -57,8 +57,9 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
     precision = compute_precision(recipe.mixed_precision)  # fp8: shardtune.levers.float8 converts the linears itself
     plugin = fsdp_plugin(precision, on_cpu, recipe.bf16_stochastic_round) if uses_fsdp else None
     # A mesh accelerate refuses to build on MULTI_CPU: set once the state is FSDP (enable_fsdp_on_cpu) or, for TP
-    # alone, by mesh_on_cpu.
-    mesh_on_cpu = on_cpu and (launch.tp_size > 1 or launch.cp_size > 1 or uses_fsdp and launch.hybrid_shard)
+    # alone, by mesh_on_cpu. Any data-parallel sizes under FSDP2, a replicate size of 1 included (the hybrid config
+    # launched on one node, as train.sbatch launches it on the one node a requeue got).
+    mesh_on_cpu = on_cpu and (launch.tp_size > 1 or launch.cp_size > 1 or uses_fsdp and launch.dp_shard_size > 0)
     if uses_deepspeed:
         deepspeed_launch_env(recipe, launch)
     if launch.deepspeed_offloads:

@@ -158,16 +158,19 @@ def test_fsdp_with_tensor_parallel_resumes_a_killed_run_bit_for_bit(fsdp_tp_run,
         assert torch.equal(ours[key], tensor), key
 
 
-def test_a_tensor_parallel_checkpoint_resumes_under_fsdp2_alone(fsdp_tp_run, tiny_assets, tmp_path):
-    """torch.distributed.checkpoint reshards: tp 2 x dp_shard 2's checkpoint-2 resumed under FSDP2 over the same 4
-    ranks without TP trains steps 3 and 4 as the TP run did (the Adam moments came along: step 4 follows from
-    them), to fp32 rounding."""
+def test_a_tensor_parallel_checkpoint_resumes_on_fewer_ranks_under_fsdp2_alone(fsdp_tp_run, tiny_assets, tmp_path):
+    """torch.distributed.checkpoint reshards: tp 2 x dp_shard 2's checkpoint-2 (4 ranks) resumed under FSDP2 alone
+    on 2 ranks trains steps 3 and 4 as the TP run did (the Adam moments came along: step 4 follows from them), the
+    global batch of 32 kept (8 x 2 accumulation x 2 data ranks), to fp32 rounding. (Under fsdp_tp.yaml, 2 ranks
+    would be tp 2 x dp_shard 1, which accelerate cannot shard: refused at start-up, checks of the launch.)"""
     reference, _ = fsdp_tp_run
     output_dir = tmp_path / "out"
     result = run_recipe(output_dir, tiny_assets, *FSDP_TP_ARGS, "--resume_from_checkpoint",
-                        str(reference / "checkpoint-2"), config="fsdp_full_shard", processes=4)
+                        str(reference / "checkpoint-2"), config="fsdp_full_shard", processes=2)
     assert ("tensor parallelism over 1 rank(s) where the checkpoint had 2: torch.distributed.checkpoint reshards"
             in result.stdout), result.stdout[-3000:]
+    assert ("2 processes where the checkpoint had 4: micro-batch 8 x 2 accumulation x 2 data ranks where it had "
+            "micro-batch 8 x 2 accumulation x 2 data ranks" in result.stdout), result.stdout[-3000:]
     assert [row["step"] for row in read_metrics(output_dir) if "loss" in row] == [3, 4]
     assert train_losses(output_dir) == pytest.approx(train_losses(reference)[2:], rel=FP32_RTOL)
     assert grad_norms(output_dir) == pytest.approx(grad_norms(reference)[2:], rel=FP32_RTOL)
