@@ -240,3 +240,25 @@ def remove_checkpoint(checkpoint: str) -> str | None:
     except OSError as error:
         return f"{checkpoint} could not be deleted ({error.strerror}): delete it yourself."
     return None
+
+
+def remove_conversions(output_dir: str, before_step: int) -> list[str]:
+    """Delete the universal forms of other directories' checkpoints (`universal-checkpoint-<step>`) converted
+    here for a resume, once the run has saved a checkpoint of its own past them (rotation keeps the run's last
+    --save_total_limit, and a conversion is 12 bytes per parameter). One that holds a stranger's file is kept;
+    the lines returned say why."""
+    import shutil
+
+    kept = []
+    for name in sorted(os.listdir(output_dir)):
+        match = CONVERTED_NAME.match(name)
+        if not match or int(match.group(1)) >= before_step:
+            continue
+        path = os.path.join(output_dir, name)
+        found = checkpoint_strangers(path)
+        if found:
+            kept.append(f"{path} holds {described(found)}, which its conversion did not write: kept.")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    return kept
+

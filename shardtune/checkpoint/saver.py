@@ -18,7 +18,7 @@ from accelerate.utils import broadcast_object_list
 from shardtune.checkpoint.durable import fsync_path
 from shardtune.checkpoint.markers import checkpoint_step, complete_checkpoints, describe_files, warn, write_marker
 from shardtune.checkpoint.pending import PendingSave
-from shardtune.checkpoint.run_files import remove_checkpoint
+from shardtune.checkpoint.run_files import remove_checkpoint, remove_conversions
 from shardtune.checkpoint.staging import (
     async_save_obstacle,
     dcp_save_count,
@@ -211,5 +211,7 @@ def publish(pending: PendingSave, recipe: Recipe, world_size: int, kind: str, se
         kept = remove_checkpoint(old)
         if kept:  # a stranger's file in it: the checkpoint stays, the run goes on
             warn(f"--save_total_limit {keep}: {kept}")
+    for kept in remove_conversions(output_dir, pending.step) if keep > 0 else []:  # a resume's, now behind the run
+        warn(f"--save_total_limit {keep}: {kept}")
     if keep > 0 and len(earlier) > keep:
         fsync_path(output_dir)

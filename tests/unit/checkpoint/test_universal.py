@@ -13,7 +13,7 @@ import torch
 from shardtune.checkpoint.conversion_plan import FP32, plan_conversion
 from shardtune.checkpoint.markers import describe_files, write_marker
 from shardtune.checkpoint.output_dir import LOCK_FILE
-from shardtune.checkpoint.run_files import run_entry
+from shardtune.checkpoint.run_files import remove_conversions, run_entry
 from shardtune.checkpoint.universal import conversion_target, converted_from
 
 
@@ -86,3 +86,13 @@ def test_the_plan_holds_one_rank_s_optimizer_file_or_one_parameter_s_merge(tmp_p
     assert plan.line("ckpt").startswith("shardtune: planned conversion of ckpt (2 ranks' ZeRO files, ")
     with pytest.raises(FileNotFoundError, match="holds no DeepSpeed ZeRO files"):
         plan_conversion(str(tmp_path), stage, interpreter=(1, 1.0))
+
+
+def test_rotation_deletes_a_conversion_once_the_run_saved_past_it(tmp_path):
+    run = tmp_path / "run"
+    target = converted(run, marked_checkpoint(tmp_path / "other"))
+    assert remove_conversions(str(run), before_step=4) == [] and target.is_dir()  # the run is not past it yet
+    assert remove_conversions(str(run), before_step=6) == [] and not target.exists()
+    target = converted(run, marked_checkpoint(tmp_path / "third"), extra="notes.txt")
+    (line,) = remove_conversions(str(run), before_step=6)
+    assert "notes.txt" in line and "kept" in line and target.is_dir()
