@@ -28,6 +28,8 @@ MOE_REFUSALS = {
              "load-balancing loss here does not see: drop --use_liger_kernel.",
     "fp8": "torchao's float8 training converts nn.Linear layers, and the experts (most of the weights) are packed "
            "3-D parameters it leaves in 16 bits, which the planner does not count: use --mixed_precision bf16.",
+    "peft": "peft's all-linear adapts the router and the packed experts (its ParamWrapper over gate_up_proj and "
+            "down_proj), adapters the planner does not count: train all the weights (drop --use_peft).",
     "dpo": "DPO's loss here leaves out the router's load-balancing loss that transformers adds to a mixture of "
            "experts' loss: train it with --method sft.",
 }

@@ -248,8 +248,9 @@ def family_allows(strategy: Strategy, search: Search, shape: ModelShape | None) 
         return True
     if strategy.tensor_parallel > 1 and FAMILIES[shape.family].tensor_parallel_refusal:
         return False
-    if shape.experts and (strategy.sequence_split > 1 or strategy.context_parallel > 1 or strategy.float8):
-        return False  # a slice of the rows cannot compute the router's loss; float8 leaves the experts (experts.py)
+    if shape.experts and (strategy.sequence_split > 1 or strategy.context_parallel > 1 or strategy.float8
+                          or search.peft is not None):
+        return False  # a slice of the rows cannot compute the router's loss; float8, LoRA miss experts (experts.py)
     if strategy.context_parallel > 1 and shape.sliding_layers:
         return False
     windowed = shape.sliding_layers and 0 < shape.sliding_window < search.seq

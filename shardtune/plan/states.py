@@ -38,9 +38,7 @@ class Peft:
         h, inter = shape.hidden, shape.intermediate
         shapes = {"q_proj": (h, q_dim), "k_proj": (h, kv_dim), "v_proj": (h, kv_dim), "o_proj": (q_dim, h),
                   "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-        if shape.experts:  # a mixture of experts' MLP holds no linear layer (its router is an F.linear of its own)
-            shapes = {name: shapes[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
-        names = [name for name in self.target_names() if name in shapes or self.targets != "all-linear"]
+        names = self.target_names()
         unknown = [name for name in names if name not in shapes]
         if unknown:
             raise PlanError(f"LoRA target(s) {unknown} are not linear layers of {shape.name}; use {LORA_TARGETS}.")
