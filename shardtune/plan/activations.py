@@ -66,8 +66,33 @@ def layer_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, a
         attention = compute * n * (2 * q_dim + key + value) + 4 * n * shape.heads
         if masked:  # each layer's SDPA call saves its own converted copy of the additive mask
             attention += batch * seq * seq * compute
-    return norms + attention + (3 if liger else 4) * compute * n * inter + family_norm_bytes(shape, n, mode, frozen,
-                                                                                             liger)
+    mlp = expert_saved_bytes(shape, n, mode) if shape.experts else (3 if liger else 4) * compute * n * inter
+    return norms + attention + mlp + family_norm_bytes(shape, n, mode, frozen, liger)
+
+
+def expert_saved_bytes(shape: ModelShape, n: int, mode: str) -> int:
+    """What a mixture of experts' MLP saves (transformers 5.24's grouped_mm experts over S = n x top-k routed
+    tokens, c = the experts' bytes: grouped_mm is not autocast, it casts its input to the weights' dtype, so under
+    autocast the experts run in fp32): the routed copies of the hidden states (c·S·h), gate_up's output (c·S·2·inter),
+    SiLU's output and the product (2·c·S·inter), down's output for the routing weights' product (c·S·h), the sort
+    and gather indices (int64, 3 x 8·S); the router's fp32 softmax (4·n·experts) and the logits recorded for the
+    load-balancing loss (router_held_bytes)."""
+    compute = expert_bytes(mode)
+    routed = n * shape.experts_per_token
+    experts = compute * routed * (2 * shape.hidden + 4 * shape.intermediate) + 24 * routed
+    return experts + 4 * n * shape.experts + router_held_bytes(shape, n, dtype_bytes(mode)[0])
+
+
+def expert_bytes(mode: str) -> int:
+    """Bytes per element of the experts' activations: the weights' dtype (fp32 under autocast)."""
+    return dtype_bytes(mode)[1]
+
+
+def router_held_bytes(shape: ModelShape, n: int, compute: int) -> int:
+    """Per MoE layer, held from its forward to the backward whatever is recomputed (shardtune.routing): the
+    router's logits, recorded for the load-balancing loss (c·n·experts), and that loss's fp32 softmax of them,
+    saved for its backward (4·n·experts)."""
+    return (compute + 4) * n * shape.experts
 
 
 def family_norm_bytes(shape: ModelShape, n: int, mode: str, frozen: bool = False, liger: bool = False) -> int:
@@ -240,7 +265,8 @@ def saved_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, c
     if checkpointing:
         recomputed = shape.layers if recomputed is None else recomputed
         kept = selective_layer_bytes(shape, batch, seq, mode, attn, lora_rank, lora_targets) if selective else 0
-        return recomputed * (residual * batch * seq * shape.hidden + kept) + \
+        held = router_held_bytes(shape, batch * seq, dtype_bytes(mode)[0]) if shape.experts else 0
+        return recomputed * (residual * batch * seq * shape.hidden + kept + held) + \
             (shape.layers - recomputed) * per_layer + head
     return shape.layers * per_layer + shared_activation_bytes(shape, batch, seq, mode, attn, masked) + head
 
@@ -295,6 +321,8 @@ def layer_backward_bytes(shape: ModelShape, batch: int, seq: int, mode: str, che
         recompute = layer_activation_bytes(shape, batch, seq, mode, attn, masked, frozen, liger)
         if selective:
             recompute -= selective_layer_bytes(shape, batch, seq, mode, attn, lora_rank, lora_targets)
+    if shape.experts:  # one routed-width gradient at a time over the recompute (measured: tests/unit/plan)
+        return recompute + expert_bytes(mode) * batch * seq * shape.experts_per_token * shape.intermediate
     return recompute + (1 if liger else 2) * compute * batch * seq * shape.intermediate
 
 
@@ -349,4 +377,7 @@ def eval_activation_bytes(shape: ModelShape, batch: int, seq: int, mode: str, ma
     upcasts = 2 if compute != 4 else 1  # the chunk's fp32 copy (none when fp32 already) and its log-softmax
     chunk = head_positions or min(seq, EVAL_CHUNK_POSITIONS)
     head = compute * chunk * shape.vocab + 4 * chunk * shape.vocab * upcasts
-    return float(stream + max(head, (4 if adapted_up else 3) * compute * n * shape.intermediate))
+    mlp = (4 if adapted_up else 3) * compute * n * shape.intermediate
+    if shape.experts:  # the routed copies, gate_up's output, SiLU's and the product (expert_saved_bytes)
+        mlp = expert_bytes(mode) * n * shape.experts_per_token * (shape.hidden + 4 * shape.intermediate)
+    return float(stream + max(head, mlp))
