@@ -44,6 +44,10 @@ def load_state(accelerator: Accelerator, path: str, universal: bool = False) -> 
             accelerator.load_state(path)
     finally:
         restore_engines(engines)
+    # accelerate restores its micro-batch count (Accelerator.step), which decides at which micro-batch gradients
+    # sync: counted under the saved accumulation, it is misaligned under another (3 steps of 2 micro-batches resumed
+    # at 4 per step synced after 2, measured: half the step's gradient). A checkpoint is at a step's boundary: 0.
+    accelerator.step = 0
     repair_zero3_universal_load(engines, path)
     detach_from_files(accelerator, mapped)
     optimizers = nvme_optimizers(accelerator)
