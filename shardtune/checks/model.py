@@ -50,7 +50,8 @@ def check_family_levers(recipe: Recipe, config: PretrainedConfig, sp_size: int, 
     planned or proven; Ulysses over sliding-window layers under a kernel that takes the window from the mask
     Ulysses drops (flash attention reads it from the module instead); DPO's log-probs, which read the LM head's
     output as it comes, on a model that scales or soft-caps its logits; on a mixture of experts, what cannot carry
-    its router's loss (a split of the rows, DPO's loss) or leaves its experts unplanned (float8, LoRA)."""
+    its router's loss (a split of the rows, DPO's loss) or leaves its experts unplanned (float8, LoRA, selective
+    recomputation)."""
     from shardtune.levers.tiled_loss import logits_after_head
     from shardtune.models.experts import MOE_REFUSALS, is_mixture_of_experts
     from shardtune.models.families import FAMILIES, layer_types
@@ -74,7 +75,8 @@ def check_family_levers(recipe: Recipe, config: PretrainedConfig, sp_size: int, 
                      "final_logit_softcapping), which those log-probs would leave out: train it with --method sft.")
     if is_mixture_of_experts(text):
         asked = {"sequence_split": sp_size > 1, "context_parallel": cp_size > 1,
-                 "fp8": recipe.mixed_precision == "fp8", "dpo": recipe.method == "dpo", "peft": recipe.use_peft}
+                 "fp8": recipe.mixed_precision == "fp8", "dpo": recipe.method == "dpo", "peft": recipe.use_peft,
+                 "selective": recipe.gradient_checkpointing and recipe.gradient_checkpointing_mode == "selective"}
         problems += [f"A {text.model_type} model (a mixture of experts): {MOE_REFUSALS[lever]}"
                      for lever, wanted in asked.items() if wanted]
     if problems:

@@ -30,6 +30,9 @@ MOE_REFUSALS = {
            "3-D parameters it leaves in 16 bits, which the planner does not count: use --mixed_precision bf16.",
     "peft": "peft's all-linear adapts the router and the packed experts (its ParamWrapper over gate_up_proj and "
             "down_proj), adapters the planner does not count: train all the weights (drop --use_peft).",
+    "selective": "--gradient_checkpointing_mode selective keeps a Llama layer's q, v, gate and down outputs by the "
+                 "order of its matmuls, which a MoE layer's router and grouped expert matmuls do not follow: use "
+                 "--gradient_checkpointing_mode full.",
     "dpo": "DPO's loss here leaves out the router's load-balancing loss that transformers adds to a mixture of "
            "experts' loss: train it with --method sft.",
 }

@@ -189,6 +189,8 @@ def planned_group(shape: ModelShape, hardware: Hardware, search: Search, group: 
     the configs in SPEED_ORDER, the largest micro-batch that keeps the global batch over the data-parallel ranks
     first."""
     for checkpointing, mode in search.recomputations():
+        if checkpointing and mode == "selective" and shape.experts:
+            continue  # refused on a mixture of experts (shardtune.models.experts)
         for strategy in group:
             if not runs_under(strategy, hardware, search, optim, stochastic, shape):
                 continue

@@ -20,7 +20,7 @@ RECIPES = sorted(path for path in (REPO / "recipes").glob("*.py") if path.stem !
 EXPECTED = {"llama1b", "llama3b", "llama8b", "llama70b", "llama70b_no_offload", "llama405b", "llama405b_tp",
             "mistral7b", "qwen2_5_7b", "qwen3_8b", "qwen3_32b", "gemma3_12b", "olmo2_7b",
             "llama8b_lora", "llama70b_lora", "llama70b_qlora", "llama8b_128k", "llama70b_long", "llama8b_dpo",
-            "llama70b_dpo_lora"}
+            "llama70b_dpo_lora", "qwen3_30b_a3b", "mixtral_8x7b"}
 
 
 # The plan a header states (scripts/plan_table.py writes it), each figure as the header rounds it.

@@ -110,7 +110,9 @@ def test_levers_refused_on_experts_each_in_one_line(model_type):
         assert MOE_REFUSALS[lever] in message
     for recipe, lever in ((Recipe(max_seq_length=64, mixed_precision="fp8"), "fp8"),
                           (Recipe(max_seq_length=64, method="dpo"), "dpo"),
-                          (Recipe(max_seq_length=64, use_peft=True), "peft")):
+                          (Recipe(max_seq_length=64, use_peft=True), "peft"),
+                          (Recipe(max_seq_length=64, gradient_checkpointing=True,
+                                  gradient_checkpointing_mode="selective"), "selective")):
         (message,) = refusals(recipe, model_type)
         assert MOE_REFUSALS[lever] in message and "\n" not in message and message.endswith(".")
     config = AutoConfig.for_model(model_type, **tiny_config_values(model_type, 40))
@@ -137,3 +139,29 @@ def test_search_plans_no_layout_refused_on_experts():
     assert allowed("fsdp_full_shard") and allowed("ds_zero3")
     assert not allowed("ds_zero3_ulysses") and not allowed("fsdp_cp") and not allowed("fsdp_tp")
     assert not allowed("fsdp_full_shard", peft=Peft(16))
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_30b_a3b", "mixtral_8x7b"])
+def test_recipes_dry_run_prints_the_meta_device_count(recipe, tmp_path, monkeypatch):
+    """Each MoE recipe's --dry_run (its header's launch) plans the model built on the meta device, and fits."""
+    from shardtune.models.flops import BUILTIN_CONFIG_VALUES, builtin_name, recipe_fields
+    from tests.unit.documented_commands import outside_a_launch, run
+
+    outside_a_launch(monkeypatch)
+    values = dict(BUILTIN_CONFIG_VALUES[builtin_name(recipe_fields(f"recipes/{recipe}.py")["model_name_or_path"])])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
+    code, printed = run([f"recipes/{recipe}.py", "--dry_run", "--hardware", "8xh100-80gb"], tmp_path)
+    assert code == 0, printed
+    assert f"({sum(parameter.numel() for parameter in model.parameters()):,} params)" in printed
+    assert "-> fits" in printed
+
+
+def test_models_page_quotes_the_counted_parameters():
+    """docs/models.md's row of each mixture of experts gives the built-in shape's count."""
+    from tests.conftest import REPO
+
+    page = (REPO / "docs" / "models.md").read_text()
+    for model_type, name in (("qwen3_moe", "qwen3-30b-a3b"), ("mixtral", "mixtral-8x7b")):
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{model_type}` |"))
+        assert f"{name} ({resolve_model(name).params:,})" in row
