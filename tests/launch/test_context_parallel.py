@@ -5,7 +5,8 @@ path (accelerate's CP mesh and maybe_context_parallel, FSDP2 over dp_shard x cp,
 scale and counts, eval under the split). The config's reference run (conftest.reference_run: every sequence cut
 over both ranks, one data rank of 8 x 4 as the one process) trains as one process in
 tests/launch/test_strategies.py and its phases match the plan in tests/launch/test_memory_phases.py; here, each
-token counted once in the logs and the eval, and its checkpoint resumed under FSDP2 without the split."""
+token counted once in the logs and the eval, and its checkpoint resumed on 1 process under FSDP2 without the
+split and on 4 under the split (cp 2 x dp_shard 2)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardtune.generation import MAX_NEW_TOKENS
 from tests.conftest import (
+    CONTEXT_PARALLEL_PROBE,
     CP_SAMPLES,
     REFERENCE_ARGS,
     TINY_RECIPE,
@@ -43,15 +45,26 @@ def test_context_parallel_counts_each_token_once(reference_run):
     assert final_eval(split) == pytest.approx(final_eval(single), rel=FP32_RTOL)
 
 
-def test_a_context_parallel_checkpoint_resumes_under_fsdp2_alone(reference_run, tiny_assets, tmp_path):
-    """torch.distributed.checkpoint reshards: checkpoint-4 of cp 2 resumed under FSDP2 over the same 2 ranks without
-    the split (2 data ranks of 8 x 2) trains steps 5 to 8 as the split run did, to fp32 rounding."""
+@pytest.mark.parametrize("context_parallel", [False, True], ids=["fsdp2-alone-1-process", "cp-kept-4-processes"])
+def test_a_context_parallel_checkpoint_resumes_on_another_number_of_ranks(context_parallel, reference_run,
+                                                                         tiny_assets, tmp_path):
+    """torch.distributed.checkpoint reshards: checkpoint-4 of cp 2 (2 ranks) resumed on 1 process under FSDP2
+    without the split (8 x 4), or on 4 under the same config at cp 2 x dp_shard 2 (as on two nodes: 8 x 2 x 2 data
+    ranks), trains steps 5 to 8 as the split run did, to fp32 rounding."""
     reference = reference_run("fsdp_cp")
     output_dir = tmp_path / "out"
+    launch = dict(config="fsdp_cp", processes=4, recipe=CONTEXT_PARALLEL_PROBE,
+                  launch_args=("--parallelism_config_cp_size", "2", "--parallelism_config_dp_shard_size", "2")) \
+        if context_parallel else dict(config="fsdp_full_shard", processes=1)
     result = run_recipe(output_dir, tiny_assets, *REFERENCE_ARGS, "--resume_from_checkpoint",
-                        str(reference / "checkpoint-4"), config="fsdp_full_shard", processes=2)
-    assert ("each sequence split over 1 rank(s) (context parallel) where the checkpoint had 2: "
-            "torch.distributed.checkpoint reshards" in result.stdout), result.stdout[-3000:]
+                        str(reference / "checkpoint-4"), **launch)
+    assert (("each sequence split over 1 rank(s) (context parallel) where the checkpoint had 2: "
+             "torch.distributed.checkpoint reshards" in result.stdout) != context_parallel), result.stdout[-3000:]
+    changed = ("4 processes where the checkpoint had 2: micro-batch 8 x 2 accumulation x 2 data ranks"
+               if context_parallel else "1 process where the checkpoint had 2: micro-batch 8 x 4 accumulation x 1 "
+               "data ranks")
+    assert f"{changed} where it had micro-batch 8 x 4 accumulation x 1 data ranks" in result.stdout, \
+        result.stdout[-3000:]
     assert [row["step"] for row in read_metrics(output_dir) if "loss" in row] == [5, 6, 7, 8]
     assert train_losses(output_dir) == pytest.approx(train_losses(reference)[4:], rel=FP32_RTOL)
     assert grad_norms(output_dir) == pytest.approx(grad_norms(reference)[4:], rel=FP32_RTOL)

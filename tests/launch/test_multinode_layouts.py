@@ -36,9 +36,11 @@ from tests.launch.test_memory_measured import EXACT_RTOL, GRADIENT_RTOL, held
 from tests.launch.test_strategies import FP32_RTOL
 
 MACHINES, PROCESSES_PER_MACHINE = 2, 2
-# The reference run's arguments (global batch 32: micro-batch 8 on each of the 4 ranks, no accumulation), one
-# checkpoint at step 4 (resumed on one machine below) and the final export, gathered from the layout's shards.
-RESUMED_AT = 4
+# The reference run's arguments (global batch 32: micro-batch 8 on each of the 4 ranks, no accumulation), a
+# checkpoint every 3 steps (checkpoint-3 resumed on one machine below: after 3 micro-batches, at 2 per step on one
+# machine, so a micro-batch count carried over from the checkpoint would sync mid-step) and the final export,
+# gathered from the layout's shards.
+RESUMED_AT = 3
 LAYOUT_ARGS = (*REFERENCE_ARGS, "--save_steps", str(RESUMED_AT))
 RESIZED_TOLERANCE = 1e-5  # the same global batches on 2 ranks instead of 4: rounding only
 # accelerate launch's sizes for 2 x 2: the YAML's dp_replicate_size is 2 (nodes), its dp_shard_size 8 (a node).
@@ -124,10 +126,10 @@ def test_each_rank_holds_the_planned_states_of_its_layout(config, layout_run, on
 
 
 def test_two_machines_resumed_on_one(layout_run, tiny_assets, tmp_path):
-    """The 2 x 2 hybrid-sharded run's checkpoint-4 resumed on one machine of 2 processes, under the same config as
+    """The 2 x 2 hybrid-sharded run's checkpoint-3 resumed on one machine of 2 processes, under the same config as
     train.sbatch launches it on the one node a requeue got (replicate 1 x shard 2): torch.distributed.checkpoint
     reshards the (replicate 2, shard 2) states onto the (1, 2) mesh, the global batch of 32 is kept (8 x 2
-    accumulation x 2 ranks) and steps 5 to 8 are the two machines' own, within 1e-5."""
+    accumulation x 2 ranks) and steps 4 to 8 are the two machines' own, within 1e-5."""
     two_machines = layout_run("fsdp_hybrid_shard")
     output_dir = tmp_path / "one-machine"
     result = run_recipe(output_dir, tiny_assets, *LAYOUT_ARGS, "--resume_from_checkpoint",
@@ -135,7 +137,8 @@ def test_two_machines_resumed_on_one(layout_run, tiny_assets, tmp_path):
                         launch_args=("--parallelism_config_dp_replicate_size", "1",
                                      "--parallelism_config_dp_shard_size", "2"))
     assert ("2 processes where the checkpoint had 4: micro-batch 8 x 2 accumulation x 2 data ranks where it had "
-            "micro-batch 8 x 1 accumulation x 4 data ranks; kept: the global batch of 32") in result.stdout, \
+            "micro-batch 8 x 1 accumulation x 4 data ranks; kept: the global batch of 32, the data order after the "
+            "96 rows of its 3 steps") in result.stdout, \
         result.stdout[-3000:]
     assert [row["step"] for row in read_metrics(output_dir) if "loss" in row] == list(range(RESUMED_AT + 1, 9))
     assert train_losses(output_dir) == pytest.approx(train_losses(two_machines)[RESUMED_AT:],
