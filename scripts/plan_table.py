@@ -26,7 +26,7 @@ TABLE_DOC = REPO / "docs" / "plan-table.md"
 MODELS = {  # built-in name -> the global batch of its recipe
     "llama-3.2-1b": 64, "llama-3.2-3b": 64, "llama-3.1-8b": 64, "mistral-7b": 64, "qwen2.5-7b": 64,
     "llama-3.1-70b": 64, "llama-3.1-405b": 128, "qwen3-8b": 64, "qwen3-32b": 64, "gemma-3-12b": 64, "olmo-2-7b": 64,
-    "smollm3-3b": 64, "granite-3.3-8b": 64,
+    "smollm3-3b": 64, "granite-3.3-8b": 64, "qwen3-30b-a3b": 64, "mixtral-8x7b": 64,
 }
 HARDWARE = ("1xh100-80gb", "8xa100-40gb", "8xa100-80gb", "8xh100-80gb", "8xh200-141gb", "2x8xh100-80gb")
 SEQ = 4096

@@ -165,3 +165,14 @@ def test_models_page_quotes_the_counted_parameters():
     for model_type, name in (("qwen3_moe", "qwen3-30b-a3b"), ("mixtral", "mixtral-8x7b")):
         row = next(line for line in page.splitlines() if line.startswith(f"| `{model_type}` |"))
         assert f"{name} ({resolve_model(name).params:,})" in row
+
+
+def test_readme_rows_give_the_experts_counted():
+    """The README's recipe rows: each mixture of experts' experts and experts per token, as the shape reads them."""
+    from tests.conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    for recipe, name in (("qwen3_30b_a3b", "qwen3-30b-a3b"), ("mixtral_8x7b", "mixtral-8x7b")):
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `recipes/{recipe}.py` |"))
+        shape = resolve_model(name)
+        assert f"a mixture of experts ({shape.experts}, {shape.experts_per_token} per token)" in row
