@@ -4,9 +4,10 @@ per-step losses and gradient norms within 1e-5, and every step the same rows, ro
 is kept (micro-batch 8 x 2 accumulation x 2 ranks, then 8 x 1 x 4), the data order continues from the same row,
 and the schedule and Adam's step count continue (a restarted schedule or bias correction shows in the losses).
 ZeRO-1, 2 and 3 the same, through DeepSpeed's universal checkpoint, converted once into the resuming run's output
-directory (the source checkpoint, another run's, left as it was), its host RAM planned before it starts and its
-measured peak within 10% of the plan; ZeRO-3 with the optimizer in CPU RAM too (grown only, for the suite's time).
-NVMe offload is refused at another size (tests/unit/checkpoint/test_resume_resized.py)."""
+directory (the 2-process checkpoint, another run's, left as it was; the 4-process one, the run's own, inside it),
+its host RAM planned before it starts and its measured peak within 10% of the plan; ZeRO-3 with the optimizer in
+CPU RAM too (grown only, for the suite's time). NVMe offload is refused at another size
+(tests/unit/checkpoint/test_resume_resized.py)."""
 
 from __future__ import annotations
 
@@ -60,21 +61,24 @@ def source_state(checkpoint: Path) -> dict[str, tuple[int, int]]:
 
 
 def check_conversion(stdout: str, source: Path, output_dir: Path) -> None:
-    """Converted into `output_dir` (not beside `source`, another run's), planned before it started, marked with
-    its files, within PLANNED_RAM of its planned peak host RAM."""
+    """Converted into `output_dir`: beside `source` where it is that run's own checkpoint (listed in its marker),
+    else into `universal-checkpoint-<step>` with a marker of its own, the source left alone; planned before it
+    started, within PLANNED_RAM of its planned peak host RAM."""
     lines = stdout.splitlines()
     converting = next(index for index, line in enumerate(lines) if "converting" in line)
     planned = lines[converting - 1]
-    assert planned.startswith(f"shardtune: planned conversion of {source} (2 ranks' ZeRO files") or \
-        planned.startswith(f"shardtune: planned conversion of {source} (4 ranks' ZeRO files"), planned
-    assert "peak host RAM" in planned and "about" in planned, planned
-    target = output_dir / f"universal-checkpoint-{int(source.name.split('-')[1])}"
+    assert re.match(rf"shardtune: planned conversion of {re.escape(str(source))} \([24] ranks' ZeRO files, .*\): "
+                    r"peak host RAM .* in one process \(interpreter .*\), about \d+s$", planned), planned
+    inside = source.parent == output_dir
+    target = source / "universal" if inside else output_dir / f"universal-checkpoint-{source.name.split('-')[1]}"
     assert f"converting {source} to DeepSpeed's universal checkpoint ({target})" in lines[converting]
-    assert (target / "pytorch_model" / "zero").is_dir() and not (source / "universal").exists()
-    marker = json.loads((target / "checkpoint_complete.json").read_text())
-    assert marker["converted_from"] == str(source.resolve())
-    assert set(marker["files"]) == {str(path.relative_to(target)) for path in target.rglob("*")
-                                    if path.is_file() and path.name != "checkpoint_complete.json"}
+    assert (target / "pytorch_model" / "zero").is_dir() and (source / "universal").exists() == inside
+    marked = source if inside else target
+    marker = json.loads((marked / "checkpoint_complete.json").read_text())
+    assert marker.get("converted_from") == (None if inside else str(source.resolve()))
+    assert {name for name in marker["files"] if not inside or name.startswith("universal/")} == {
+        str(path.relative_to(marked)) for path in target.rglob("*")
+        if path.is_file() and path.name != "checkpoint_complete.json"}
     done = next(line for line in lines if line.startswith("shardtune: converted in"))
     measured, plan = (float(value) * {"MB": 1e6, "GB": 1e9}[unit] for value, unit in
                       re.findall(r"([\d.]+) (MB|GB)", done.split("peak host RAM", 1)[1]))
@@ -114,16 +118,18 @@ def test_resume_on_other_world_sizes_continues_the_run(config, reference_run, un
     if config in GROWN_ONLY:
         return
 
-    # 4 -> 2 processes at step 6, from the 4-process run's own checkpoint: steps 7 and 8.
-    shrunk = tmp_path / "shrunk"
-    result = run_recipe(shrunk, tiny_assets, *REFERENCE_ARGS, "--resume_from_checkpoint",
+    # 4 -> 2 processes at step 6, the 4-process run's own checkpoint resumed in its own directory (a DeepSpeed one
+    # converted inside it): steps 7 and 8 again.
+    result = run_recipe(grown, tiny_assets, *REFERENCE_ARGS, "--resume_from_checkpoint",
                         str(grown / f"checkpoint-{SHRUNK_FROM}"), config=config, processes=2,
                         env={TRACE_ROWS_ENV: str(tmp_path / "rows-shrunk")})
     assert "2 processes where the checkpoint had 4: micro-batch 8 x 2 accumulation x 2 data ranks" in result.stdout
     if deepspeed:
-        check_conversion(result.stdout, grown / f"checkpoint-{SHRUNK_FROM}", shrunk)
-    assert steps_from(shrunk) == list(range(SHRUNK_FROM + 1, STEPS + 1))
-    assert train_losses(shrunk) == pytest.approx(reference_losses[SHRUNK_FROM:], rel=TOLERANCE, abs=TOLERANCE)
-    assert grad_norms(shrunk) == pytest.approx(reference_norms[SHRUNK_FROM:], rel=TOLERANCE, abs=TOLERANCE)
+        check_conversion(result.stdout, grown / f"checkpoint-{SHRUNK_FROM}", grown)
+    assert steps_from(grown) == list(range(GROWN_FROM + 1, STEPS + 1))
+    resumed = SHRUNK_FROM - GROWN_FROM  # the rows of steps 7 and 8, logged again after the truncation
+    shrunk_losses, shrunk_norms = train_losses(grown)[resumed:], grad_norms(grown)[resumed:]
+    assert shrunk_losses == pytest.approx(reference_losses[SHRUNK_FROM:], rel=TOLERANCE, abs=TOLERANCE)
+    assert shrunk_norms == pytest.approx(reference_norms[SHRUNK_FROM:], rel=TOLERANCE, abs=TOLERANCE)
     assert rows_by_step(tmp_path / "rows-shrunk") == {step: uninterrupted_rows[step]
                                                       for step in range(SHRUNK_FROM + 1, STEPS + 1)}
