@@ -20,6 +20,9 @@ standard library only, so that the command line resolves a resume before torch l
 `tensor_files` (torch and safetensors files, streamed), `pending` (a save in flight), `mmap_load` (DeepSpeed's
 checkpoint loads memory-mapped), `nvme_resume` (the resume's load_state, and what DeepSpeed's load leaves out
 when the optimizer is on NVMe), `universal` (a ZeRO checkpoint converted to DeepSpeed's universal form for a resume
-on another number of processes), `output_dir` (the lock that makes an output directory one live run's),
-`run_files` (what a run writes there, and deleting only that), `preemption` (a stop signal: save, then exit 75).
+on another number of processes, into the resuming run's output directory), `conversion_plan` (that conversion's
+host RAM and time, planned before it starts, and its peak measured), `run_settings` (what a checkpoint was trained
+with, and whether a resume, on this or another number of processes, trains the same run), `output_dir` (the lock
+that makes an output directory one live run's), `run_files` (what a run writes there, and deleting only that),
+`preemption` (a stop signal: save, then exit 75).
 """
