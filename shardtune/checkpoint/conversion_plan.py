@@ -56,6 +56,16 @@ class ConversionPlan:
                 f"+ {size(self.data_bytes)} of states held at once), about {self.seconds:.0f}s")
 
 
+    def shortfall(self, available: int) -> str | None:
+        """A warning line where the planned peak exceeds the host RAM `available` now (the training ranks' states
+        are already there), else None."""
+        if self.peak_bytes <= available:
+            return None
+        return (f"shardtune: warning: the conversion's planned peak host RAM, {size(self.peak_bytes)}, exceeds the "
+                f"{size(available)} available now: the kernel may kill it for memory. Free host RAM on this node "
+                "(fewer ranks, no CPU offload), or resume on the number of processes that saved the checkpoint.")
+
+
 def size(count: float) -> str:
     return f"{count / 1e9:.2f} GB" if count >= 1e9 else f"{count / 1e6:.1f} MB"
 

@@ -24,6 +24,7 @@ import shutil
 import sys
 import time
 
+import psutil
 from accelerate import Accelerator
 
 from shardtune.checkpoint.conversion_plan import plan_conversion, run_measured, size
@@ -68,6 +69,8 @@ def universal_checkpoint(accelerator: Accelerator, checkpoint: str, output_dir: 
         zero_stage = (marker.get("run") or {}).get("zero_stage") or 3
         plan = plan_conversion(os.path.join(checkpoint, TAG), zero_stage)
         accelerator.print(plan.line(checkpoint), flush=True)
+        if warning := plan.shortfall(psutil.virtual_memory().available):
+            print(warning, file=sys.stderr, flush=True)
         accelerator.print(f"shardtune: converting {checkpoint} to DeepSpeed's universal checkpoint ({target}) with "
                           "deepspeed.checkpoint.ds_to_universal, once", flush=True)
         started = time.perf_counter()

@@ -84,6 +84,9 @@ def test_the_plan_holds_one_rank_s_optimizer_file_or_one_parameter_s_merge(tmp_p
     assert plan.peak_bytes == 300_000_000 + plan.data_bytes and plan.ranks == 2
     assert plan.source_bytes == 80_000 + model_bytes and plan.seconds > 2.0
     assert plan.line("ckpt").startswith("shardtune: planned conversion of ckpt (2 ranks' ZeRO files, ")
+    assert plan.shortfall(plan.peak_bytes) is None
+    assert plan.shortfall(plan.peak_bytes - 1).startswith("shardtune: warning: the conversion's planned peak host "
+                                                          "RAM, 300.1 MB, exceeds the 300.1 MB available now")
     with pytest.raises(FileNotFoundError, match="holds no DeepSpeed ZeRO files"):
         plan_conversion(str(tmp_path), stage, interpreter=(1, 1.0))
 
