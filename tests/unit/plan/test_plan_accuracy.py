@@ -47,6 +47,18 @@ CASES += [("h512", precision, False, True, 1) for precision in ("fp32", "bf16")]
 # where the activations decide the peak (planned as every layer recomputed, it was 24% under).
 SHAPES["h512 x 8 rows"] = (SHAPES["h512"][0], 8, 256)
 CASES += [("h512 x 8 rows", precision, True, False, 2) for precision in ("fp32", "bf16")]
+# Where this processor has no bf16 matmul (no AVX512-BF16 or AMX: oneDNN emulates it, measured 10x fp32's time with
+# ONEDNN_MAX_CPU_ISA=AVX2, 78 s for the 8-row case alone), the bf16 cases of the h512 shapes run at half the width
+# and a smaller vocabulary: what they check, autocast's bf16 copies beside the fp32 weights, is there at any width.
+NATIVE_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+NARROW = dict(hidden_size=256, num_attention_heads=4, vocab_size=4000)
+
+
+def case_shape(shape_name: str, precision: str) -> tuple[dict, int, int]:
+    overrides, rows, positions = SHAPES[shape_name]
+    if precision == "bf16" and not NATIVE_BF16 and overrides["hidden_size"] > NARROW["hidden_size"]:
+        overrides = overrides | NARROW
+    return overrides, rows, positions
 
 
 def llama(overrides: dict) -> LlamaForCausalLM:
@@ -99,7 +111,7 @@ def measured_step(model: LlamaForCausalLM, batch: dict, precision: str, tiled: b
 @pytest.mark.parametrize("shape_name,precision,checkpointing,tiled,interval", CASES)
 def test_a_plain_loop_step_is_planned_within_the_band(shape_name, precision, checkpointing, tiled, interval):
     torch.set_num_threads(1)
-    overrides, rows, positions = SHAPES[shape_name]
+    overrides, rows, positions = case_shape(shape_name, precision)
     model = llama(overrides)
     if checkpointing:
         assert enable_gradient_checkpointing(model, interval) == list(range(0, overrides["num_hidden_layers"],
@@ -112,7 +124,8 @@ def test_a_plain_loop_step_is_planned_within_the_band(shape_name, precision, che
     ratios = {name: planned.phases[name]["total"] / measured[name] for name in ("forward_backward", "optimizer")}
     step = max(planned.phases[name]["total"] for name in ratios) / max(measured.values())
     parts = {name: f"{value / 1e6:.2f} MB" for name, value in planned.phases["forward_backward"].items()}
-    print(f"{shape_name} {precision} checkpointing={checkpointing} interval={interval} tiled={tiled}: step "
+    print(f"{shape_name} (hidden {overrides['hidden_size']}) {precision} checkpointing={checkpointing} "
+          f"interval={interval} tiled={tiled}: step "
           f"planned/measured {step:.3f}; per phase {ratios}; planned forward/backward {parts}; measured {measured}")
     for ratio in (step, *ratios.values()):
         assert BAND[0] <= ratio <= BAND[1], (ratios, step)
