@@ -9,7 +9,7 @@ planned below):
         recipes/qwen3_30b_a3b.py --dataset data/train.jsonl
 Plan on 8xh100-80gb, from python -m shardtune.plan --model recipes/qwen3_30b_a3b.py --hardware 8xh100-80gb
     (scripts/plan_table.py --write keeps this current): ds_zero3_offload_optimizer, micro-batch 1 x accumulation 8,
-    gradient checkpointing off: 55.3 GB of 69.9 GB usable per GPU, 616 GB of 1,800 GB usable host RAM per node.
+    gradient checkpointing off: 55.7 GB of 69.9 GB usable per GPU, 616 GB of 1,800 GB usable host RAM per node.
 Tested: the trainer, configs, router loss and launch path on CPU with the family's tiny model
 (tests/launch/test_moe.py); not yet run on this hardware.
 The router's load-balancing loss is trained as transformers adds it (router_aux_loss_coef from config.json) and

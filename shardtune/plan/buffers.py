@@ -6,7 +6,7 @@ from __future__ import annotations
 from shardtune.config import FP8_DIM_MULTIPLE
 from shardtune.models.flops import ModelShape
 from shardtune.plan.activations import layer_activation_bytes
-from shardtune.plan.states import Peft, deepspeed_sizes, largest_parameter, persistent_elements
+from shardtune.plan.states import Peft, deepspeed_sizes, largest_module, persistent_elements
 from shardtune.plan.strategy import Strategy
 
 
@@ -111,7 +111,7 @@ def deepspeed_buffers(strategy: Strategy, shape: ModelShape, params: int, peft: 
     if strategy.shard < 3:
         bucket_bytes = 4 if strategy.shard == 2 else low
         return (2 if strategy.overlap_comm else 1) * sizes["reduce_bucket"] * bucket_bytes
-    largest = largest_parameter(shape)
+    largest = largest_module(shape)
     gathered = min(max(sizes["max_live_parameters"], largest), largest + min(sizes["prefetch_bucket"], params))
     return (gathered + persistent_elements(strategy, shape, peft) + sizes["reduce_bucket"]) * low
 

@@ -16,6 +16,7 @@ from shardtune.plan.states import (
     Peft,
     decay_tensors,
     deepspeed_sizes,
+    largest_module,
     largest_parameter,
     persistent_elements,
 )
@@ -90,7 +91,7 @@ def eval_gather_bytes(strategy: Strategy, shape: ModelShape) -> float:
         layers = 2 if strategy.shard >= 3 else shape.layers
         return float(root * low + layers * gathered_layer_bytes(strategy, shape))
     if strategy.kind == "deepspeed" and strategy.shard >= 3:
-        largest = largest_parameter(shape)
+        largest = largest_module(shape)
         return float(2 * (largest + min(deepspeed_sizes(strategy, shape)["prefetch_bucket"], shape.params)) * low)
     return 0.0
 

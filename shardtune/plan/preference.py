@@ -16,7 +16,7 @@ from shardtune.plan.activations import activation_mode, batch_tensor_bytes, eval
 from shardtune.plan.buffers import persistent_buffer_bytes, resharded_after_forward
 from shardtune.plan.layouts import hpz_secondary_bytes
 from shardtune.plan.phases import eval_gather_bytes
-from shardtune.plan.states import deepspeed_sizes, largest_parameter, persistent_elements
+from shardtune.plan.states import deepspeed_sizes, largest_module, persistent_elements
 from shardtune.plan.strategy import Strategy
 
 PAIR_SEQUENCES = 2  # a pair's chosen and rejected rows, run in one forward (shardtune.methods.dpo)
@@ -84,7 +84,7 @@ def reference_gather_bytes(strategy: Strategy, shape: ModelShape, mode: str) -> 
         return 0.0
     if strategy.kind == "deepspeed":
         prefetch = min(deepspeed_sizes(strategy, shape)["prefetch_bucket"], shape.params)
-        return float(2 * (largest_parameter(shape) + prefetch) * low)
+        return float(2 * (largest_module(shape) + prefetch) * low)
     return float(low * (2 * shape.layer_params + resharded_after_forward(shape)))
 
 

@@ -110,6 +110,12 @@ def largest_parameter(shape: ModelShape) -> int:
     return max(numel for numel, _ in parameter_sizes(shape))
 
 
+def largest_module(shape: ModelShape) -> int:
+    """Elements of the largest leaf module, which ZeRO-3 gathers whole: the largest parameter, or a mixture of
+    experts' packed experts (gate_up_proj and down_proj, one module)."""
+    return max(largest_parameter(shape), shape.experts * 3 * shape.hidden * shape.intermediate)
+
+
 @lru_cache(maxsize=64)  # as parameter_sizes
 def decay_tensors(shape: ModelShape) -> list[tuple[int, int]]:
     """(rows, columns) of the matrices torch AdamW steps as one parameter group (the trainer's weight-decay group),

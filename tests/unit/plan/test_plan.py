@@ -33,7 +33,7 @@ MISSION_PARAMS = {
     "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248,
     "llama-3.1-70b": 70_553_706_496, "llama-3.1-405b": 405_853_388_800, "mistral-7b": 7_241_732_096,
     "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360, "gemma-3-12b": 11_766_034_176,
-    "olmo-2-7b": 7_298_617_344,
+    "olmo-2-7b": 7_298_617_344, "qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704,
     # Not in MISSION.md: the meta-device counts of their config.json (model cards: 32.8B, 3B, 8B).
     "qwen3-32b": 32_762_123_264, "smollm3-3b": 3_075_098_624, "granite-3.3-8b": 8_170_864_640,
 }
