@@ -176,3 +176,24 @@ def test_readme_rows_give_the_experts_counted():
         row = next(line for line in readme.splitlines() if line.startswith(f"| `recipes/{recipe}.py` |"))
         shape = resolve_model(name)
         assert f"a mixture of experts ({shape.experts}, {shape.experts_per_token} per token)" in row
+
+
+@pytest.fixture(scope="module")
+def moe_assets(tmp_path_factory) -> tuple[str, str]:
+    from shardtune.models.tiny_assets import write_tiny_assets
+
+    root = tmp_path_factory.mktemp("moe") / "tiny"
+    write_tiny_assets(str(root), num_examples=64, model_type="mixtral")
+    return str(root / "model"), str(root / "data.jsonl")
+
+
+@pytest.mark.parametrize("args,lever", [(("--use_liger_kernel", "true"), "liger"),
+                                        (("--use_peft", "true"), "peft"),
+                                        (("--gradient_checkpointing_mode", "selective"), "selective")])
+def test_a_refused_lever_stops_the_recipe_in_one_line(args, lever, moe_assets, tmp_path, capsys, monkeypatch):
+    """The recipe's own start-up: exit code 2, the refusal on a line of its own, nothing loaded or written
+    (tests/unit/checks/test_bad_input.py; on this CPU Liger's missing GPU is a second line)."""
+    from tests.unit.checks.test_bad_input import Case, refused
+
+    lines, stderr = refused(Case(args, MOE_REFUSALS[lever]), moe_assets, tmp_path, capsys, monkeypatch)
+    assert any(line.endswith(MOE_REFUSALS[lever]) for line in lines), stderr[-2000:]
