@@ -66,6 +66,8 @@ def test_moe_trains_equal_to_one_process(family, config, moe_run):
     assert routed == reference_routed
     tokens = [row["tokens_per_step"] for row in read_metrics(run) if "loss" in row]
     assert [sum(step) for step in routed] == [2 * 2 * count for count in tokens]
+    loads = [row["expert_load_max_over_mean"] for row in read_metrics(run) if "loss" in row]
+    assert loads == pytest.approx([max(step) * len(step) / sum(step) for step in routed])
     # a balanced router's loss is top-k (2 here): the tiny run's starts near it
     assert all(1.5 < value < 3.0 for value in aux)
     exported, reference_export = load_file(run / "model.safetensors"), load_file(reference / "model.safetensors")
