@@ -53,7 +53,6 @@ def check_family_levers(recipe: Recipe, config: PretrainedConfig, sp_size: int, 
     its router's loss (a split of the rows, DPO's loss) or leaves its experts unplanned (float8, LoRA, selective
     recomputation)."""
     from shardtune.levers.tiled_loss import logits_after_head
-    from shardtune.models.experts import MOE_REFUSALS, is_mixture_of_experts
     from shardtune.models.families import FAMILIES, layer_types
 
     text = config.get_text_config()
@@ -73,14 +72,23 @@ def check_family_levers(recipe: Recipe, config: PretrainedConfig, sp_size: int, 
         problems.append(f"--method dpo computes log-probs from the LM head's output as it comes, and this "
                      f"{text.model_type} model scales or soft-caps its logits after the head (logits_scaling, "
                      "final_logit_softcapping), which those log-probs would leave out: train it with --method sft.")
-    if is_mixture_of_experts(text):
-        asked = {"sequence_split": sp_size > 1, "context_parallel": cp_size > 1,
-                 "fp8": recipe.mixed_precision == "fp8", "dpo": recipe.method == "dpo", "peft": recipe.use_peft,
-                 "selective": recipe.gradient_checkpointing and recipe.gradient_checkpointing_mode == "selective"}
-        problems += [f"A {text.model_type} model (a mixture of experts): {MOE_REFUSALS[lever]}"
-                     for lever, wanted in asked.items() if wanted]
+    problems += expert_refusals(recipe, text, sp_size, cp_size)
     if problems:
         raise ConfigError(problems)
+
+
+def expert_refusals(recipe: Recipe, config: object, sp_size: int = 1, cp_size: int = 1) -> list[str]:
+    """What a mixture of experts refuses of the recipe (shardtune.models.experts), a line each; [] for a dense
+    model. The planner asks it too (shardtune.plan.planned_run.check_planned)."""
+    from shardtune.models.experts import MOE_REFUSALS, is_mixture_of_experts
+
+    if not is_mixture_of_experts(config):
+        return []
+    asked = {"sequence_split": sp_size > 1, "context_parallel": cp_size > 1,
+             "fp8": recipe.mixed_precision == "fp8", "dpo": recipe.method == "dpo", "peft": recipe.use_peft,
+             "selective": recipe.gradient_checkpointing and recipe.gradient_checkpointing_mode == "selective"}
+    return [f"A {config.model_type} model (a mixture of experts): {MOE_REFUSALS[lever]}"
+            for lever, wanted in asked.items() if wanted]
 
 
 def read_model_config(name: str) -> PretrainedConfig:

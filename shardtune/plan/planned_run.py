@@ -8,7 +8,7 @@ import dataclasses
 import functools
 from collections.abc import Collection
 
-from shardtune.checks.model import check_context_length
+from shardtune.checks.model import check_context_length, expert_refusals
 from shardtune.checks.startup import batch_sizes
 from shardtune.checks.values import (
     check_activation_offloading,
@@ -46,8 +46,8 @@ def planned_recipe(model: str, flags: dict[str, object]) -> Recipe:
 def check_planned(recipe: Recipe, model_config: object) -> None:
     """The recipe's own refusals that concern the plan, by the recipe's rules (a plan is for GPUs): the model has
     room for --max_seq_length, a packed row gets a kernel without a dense mask, Liger's kernels run with the
-    rest, the padding multiple suits the precision, offloaded activations come from recomputed layers, and the
-    checkpointing mode and interval have checkpointing to act on.
+    rest, the padding multiple suits the precision, offloaded activations come from recomputed layers, the
+    checkpointing mode and interval have checkpointing to act on, and a mixture of experts takes the levers asked.
     Raises one ConfigError with every failure."""
     problems = Problems()
     problems.check(check_context_length, recipe, model_config)
@@ -56,6 +56,7 @@ def check_planned(recipe: Recipe, model_config: object) -> None:
     problems.check(check_pad_to_multiple_of, recipe)
     problems.check(check_activation_offloading, recipe, True)
     problems.check(check_checkpointing_mode, recipe)
+    problems.messages += expert_refusals(recipe, model_config)  # a mixture of experts' (shardtune.models.experts)
     problems.raise_any()
 
 

@@ -197,3 +197,13 @@ def test_a_refused_lever_stops_the_recipe_in_one_line(args, lever, moe_assets, t
 
     lines, stderr = refused(Case(args, MOE_REFUSALS[lever]), moe_assets, tmp_path, capsys, monkeypatch)
     assert any(line.endswith(MOE_REFUSALS[lever]) for line in lines), stderr[-2000:]
+
+
+def test_the_planner_refuses_them_in_one_line_too(tmp_path, monkeypatch):
+    from tests.unit.documented_commands import outside_a_launch, run
+
+    outside_a_launch(monkeypatch)
+    for args, lever in ((("--use_peft", "true"), "peft"), (("--mixed_precision", "fp8"), "fp8")):
+        code, printed = run(["-m", "shardtune.plan", "--model", "mixtral-8x7b", *args], tmp_path)
+        assert code == 2 and "Traceback" not in printed, printed
+        assert f"shardtune.plan: error: A mixtral model (a mixture of experts): {MOE_REFUSALS[lever]}" in printed
