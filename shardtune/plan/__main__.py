@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from shardtune.checks.command_line import OneLineParser
 from shardtune.checks.flag_hints import RENAMED
+from shardtune.checks.model import expert_refusals
 from shardtune.checks.startup import batch_sizes
 from shardtune.config import FIELD_CHOICES, ConfigError, Recipe, below_lowest
 from shardtune.flags import unknown_argument_problems
@@ -303,7 +304,11 @@ def _run(args: argparse.Namespace) -> int:
                   f"here: {refusals[split[0].name][0]})")
         return 0
     if args.config_file:
-        result = plan_recipe(shape, hardware, read_accelerate_config(args.config_file, precision), recipe)
+        strategy = read_accelerate_config(args.config_file, precision)
+        refused = expert_refusals(recipe, model_config, strategy.sequence_split, strategy.context_parallel)
+        if refused:  # the axes a mixture of experts refuses at launch (shardtune.models.experts)
+            raise ConfigError(refused)
+        result = plan_recipe(shape, hardware, strategy, recipe)
         print(json.dumps(result.to_json()) if args.json else format_plan(result))
         return 0 if result.fits else 1
     held = [flag for flag in SEARCHED_FLAGS if is_recipe(args.model) or getattr(args, flag) is not None]

@@ -203,7 +203,8 @@ def test_the_planner_refuses_them_in_one_line_too(tmp_path, monkeypatch):
     from tests.unit.documented_commands import outside_a_launch, run
 
     outside_a_launch(monkeypatch)
-    for args, lever in ((("--use_peft", "true"), "peft"), (("--mixed_precision", "fp8"), "fp8")):
+    for args, lever in ((("--use_peft", "true"), "peft"), (("--mixed_precision", "fp8"), "fp8"),
+                        (("--config_file", "accelerate_configs/ds_zero3_ulysses.yaml"), "sequence_split")):
         code, printed = run(["-m", "shardtune.plan", "--model", "mixtral-8x7b", *args], tmp_path)
         assert code == 2 and "Traceback" not in printed, printed
         assert f"shardtune.plan: error: A mixtral model (a mixture of experts): {MOE_REFUSALS[lever]}" in printed
