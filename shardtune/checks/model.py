@@ -86,7 +86,8 @@ def expert_refusals(recipe: Recipe, config: object, sp_size: int = 1, cp_size: i
         return []
     asked = {"sequence_split": sp_size > 1, "context_parallel": cp_size > 1,
              "fp8": recipe.mixed_precision == "fp8", "dpo": recipe.method == "dpo", "peft": recipe.use_peft,
-             "selective": recipe.gradient_checkpointing and recipe.gradient_checkpointing_mode == "selective"}
+             "selective": recipe.gradient_checkpointing and recipe.gradient_checkpointing_mode == "selective",
+             "compile": recipe.torch_compile}
     return [f"A {config.model_type} model (a mixture of experts): {MOE_REFUSALS[lever]}"
             for lever, wanted in asked.items() if wanted]
 

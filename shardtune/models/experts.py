@@ -33,6 +33,8 @@ MOE_REFUSALS = {
     "selective": "--gradient_checkpointing_mode selective keeps a Llama layer's q, v, gate and down outputs by the "
                  "order of its matmuls, which a MoE layer's router and grouped expert matmuls do not follow: use "
                  "--gradient_checkpointing_mode full.",
+    "compile": "the routers' logits are recorded by forward hooks around each micro-batch's forward "
+               "(shardtune.routing), which compiled layers are not proven to keep: drop --torch_compile.",
     "dpo": "DPO's loss here leaves out the router's load-balancing loss that transformers adds to a mixture of "
            "experts' loss: train it with --method sft.",
 }

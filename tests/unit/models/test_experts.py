@@ -111,6 +111,7 @@ def test_levers_refused_on_experts_each_in_one_line(model_type):
     for recipe, lever in ((Recipe(max_seq_length=64, mixed_precision="fp8"), "fp8"),
                           (Recipe(max_seq_length=64, method="dpo"), "dpo"),
                           (Recipe(max_seq_length=64, use_peft=True), "peft"),
+                          (Recipe(max_seq_length=64, torch_compile=True), "compile"),
                           (Recipe(max_seq_length=64, gradient_checkpointing=True,
                                   gradient_checkpointing_mode="selective"), "selective")):
         (message,) = refusals(recipe, model_type)
