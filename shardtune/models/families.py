@@ -1,7 +1,8 @@
-"""The dense decoder families shardtune plans and trains, each as data: which parameters its layers hold beyond
-Llama's (biases, q/k norms, extra norms), what its logits pass through after the LM head, and the levers it
-refuses, each in one line. Read from transformers 5.24's modeling_<family>.py and liger-kernel 0.8.5's
-monkey_patch.py; the counts are held to the model built on the meta device by tests/unit/models/test_models.py."""
+"""The decoder families shardtune plans and trains (dense, and the mixtures of experts of experts.py), each as data:
+which parameters its layers hold beyond Llama's (biases, q/k norms, extra norms), what its logits pass through after
+the LM head, and the levers it refuses, each in one line. Read from transformers 5.24's modeling_<family>.py and
+liger-kernel 0.8.5's monkey_patch.py; the counts are held to the model built on the meta device by
+tests/unit/models/test_models.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from shardtune.models.experts import MOE_REFUSALS
 @dataclass(frozen=True)
 class Family:
     """One model_type's layer layout. Every family here has q, k, v and o projections over grouped-query heads, a
-    gated MLP of three matrices, RMSNorms and no position table."""
+    gated MLP of three matrices (or a router and experts of them: shardtune.models.experts), RMSNorms and no position
+    table."""
 
     model_type: str
     # "head": one weight of head_dim each for q and k, shared by the heads (Qwen3, Gemma 3); "width": over all
