@@ -3,7 +3,9 @@ scripts/slurm/train.sbatch sets them, and as the recipes' launch lines do.
 
 The SLURM script runs without a cluster, as a job's batch shell would, with `srun` and `scontrol` on PATH replaced
 by stand-ins that record what the job's step would be started with (tests/launch/test_slurm.py runs it under a real
-SLURM). A recipe's launch line is run by bash up to `accelerate launch`."""
+SLURM). The script's plan of each attempt (the recipe's --dry_run on the nodes it got) is stood in for too: it is
+recorded, not run (its refusals are the planner's, tested with it; tests/launch/test_slurm.py runs it for real). A
+recipe's launch line is run by bash up to `accelerate launch`."""
 
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ SHIPPED = sorted(path.stem for path in CONFIGS.glob("*.yaml"))
 STAND_INS = {
     "srun": '#!/bin/sh\necho "step environment: OMP_NUM_THREADS=$OMP_NUM_THREADS"\necho "step command: $*"\n',
     "scontrol": "#!/bin/sh\necho node-a\necho node-b\n",
+    # The plan's --dry_run recorded; every other Python command (shardtune.parallel.cpu_threads) run.
+    "python": f'#!/bin/sh\ncase " $* " in *" --dry_run "*) echo "plan command: $*"; exit 0;; esac\n'
+              f'exec {sys.executable} "$@"\n',
 }
 
 
@@ -64,6 +69,7 @@ def test_threads_per_rank_follow_where_the_optimizer_steps(config, stand_ins, tm
     assert f"step environment: OMP_NUM_THREADS={threads}\n" in result.stdout, result.stdout
     assert f"OMP_NUM_THREADS={threads} per rank" in result.stdout
     assert "--num_processes 16" in result.stdout and "--main_process_ip node-a" in result.stdout
+    assert f"--dry_run --config_file {CONFIGS / config}.yaml --hardware 2x8xh100-80gb" in result.stdout
 
 
 def test_hybrid_sharding_replicates_across_the_jobs_nodes(stand_ins, tmp_path):
@@ -71,7 +77,7 @@ def test_hybrid_sharding_replicates_across_the_jobs_nodes(stand_ins, tmp_path):
     result = run_job(str(CONFIGS / "fsdp_hybrid_shard.yaml"), stand_ins, tmp_path, SLURM_NNODES="3",
                      SHARDTUNE_PROCS_PER_NODE="4")
     assert result.returncode == 0, result.stderr
-    assert "--num_processes 12" in result.stdout
+    assert "--num_processes 12" in result.stdout and "--hardware 3x4xh100-80gb" in result.stdout
     assert "--parallelism_config_dp_replicate_size 3 --parallelism_config_dp_shard_size 4" in result.stdout
     plain = run_job(str(CONFIGS / "fsdp_full_shard.yaml"), stand_ins, tmp_path)
     assert "parallelism_config" not in plain.stdout
