@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,18 @@ def test_context_parallelism_splits_sequences_within_each_node_and_data_across_n
     assert result.returncode == 0, result.stderr
     assert "--num_processes 12" in result.stdout
     assert "--parallelism_config_cp_size 4 --parallelism_config_dp_shard_size 3" in result.stdout
+
+
+def test_a_plan_that_refuses_the_nodes_stops_the_job_before_srun(stand_ins, tmp_path):
+    """The attempt's plan run for real (the stand-in Python removed): the tiny recipe's global batch of 32 cannot be
+    made by 2 nodes of 8 ranks at its micro-batch of 16, so the job ends with the planner's line and code 2."""
+    planned = tmp_path / "bin"
+    shutil.copytree(stand_ins, planned)
+    (planned / "python").unlink()
+    result = run_job(str(CONFIGS / "ddp.yaml"), planned, tmp_path)
+    assert result.returncode == 2 and "step command" not in result.stdout
+    assert "--global_batch_size 32 is not divisible by per_device_train_batch_size x processes" in result.stderr
+    assert "the plan on 2x8xh100-80gb refused this launch (above): not launched" in result.stderr
 
 
 def test_an_unreadable_config_stops_the_job_before_srun(stand_ins, tmp_path):
