@@ -96,9 +96,10 @@ def test_moe_kill_and_resume_is_bitwise(moe_run, moe_assets, tmp_path):
     assert ours.keys() == theirs.keys() and all(ours[key].equal(theirs[key]) for key in ours)
 
 
-# The one process and the sharded runs. Mixtral's DDP run measures its forward/backward 13% over the plan (3.49 MB
-# against 3.02 MB, about one more copy of its gradients; its one-process run is within 3%): not yet explained, so
-# not held here.
+# The one process and the sharded runs. Under DDP (2 ranks) both tiny MoE models measure their forward/backward 13%
+# over the plan (Mixtral 3.49 MB against 3.02 MB, Qwen3-MoE 4.05 MB against 3.53 MB: about one more copy of the
+# gradients, at the backward's end where Llama's activation-bound peak is not; their one-process runs are within
+# 3%): not yet explained, so not held here.
 PHASE_RUNS = [(None, "qwen3_moe-single"), ("fsdp_full_shard", "qwen3_moe-fsdp_full_shard"),
               ("ds_zero3", "qwen3_moe-ds_zero3")]
 
