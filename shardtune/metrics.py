@@ -45,8 +45,8 @@ class StepSummary:
 def step_vector(out: StepOutput, batch: StepBatch, stop_requested: bool, is_main_process: bool,
                 loss_scaled: bool = False, counted: bool = True, loss_counted: bool = True) -> torch.Tensor:
     """[non-finite, stop, skipped, loss share, gradient norm, *counts, *method sums, *routing (a mixture of experts'
-    load-balancing loss share and tokens per expert, shardtune.routing), next step's targets] on the loss's device,
-    to be summed over ranks. The norm is global (the same on every rank): only the main process adds it, so the
+    load-balancing loss share and tokens per expert, shardtune.models.routing), next step's targets] on the loss's
+    device, to be summed over ranks. The norm is global (the same on every rank): only the main process adds it, so the
     sum is exact; so are the counts (integers far below 2**53). With a dynamic loss scaler (`loss_scaled`, fp16)
     an infinite norm is an overflow the scaler skips the step for and lowers its scale after, as torch's
     GradScaler and DeepSpeed's do: counted as skipped, not as an error; a non-finite loss still is one. `counted`

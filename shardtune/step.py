@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from shardtune.config import BatchSizes
 from shardtune.levers.tiled_loss import LABEL_KEYS, chunked_token_loss
+from shardtune.models.routing import routers_recorded, with_router_loss
 from shardtune.parallel.context import context_parallel
 from shardtune.parallel.sequence import SequenceSplit, sequence_shards
-from shardtune.routing import routers_recorded, with_router_loss
 
 if TYPE_CHECKING:
     from shardtune.methods.dpo import DPOStep
@@ -71,7 +71,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
         micro_batches = sequence_shards(micro_batches, device)
     for index, whole in enumerate(micro_batches):
         with accelerator.accumulate(model), context_parallel(accelerator, whole, context_size) as batch:
-            with routers_recorded(unwrapped) as router_logits:  # a mixture of experts' (shardtune.routing)
+            with routers_recorded(unwrapped) as router_logits:  # a mixture of experts' (shardtune.models.routing)
                 if method is not None:
                     loss, sums = method.loss(model, unwrapped, batch, targets)
                     method_sums = sums if method_sums is None else method_sums + sums

@@ -4,7 +4,7 @@ transformers 5.24's modeling_qwen3_moe.py and modeling_mixtral.py: every MoE lay
 of experts x hidden, no bias) and the experts' gated MLPs as two packed 3-D parameters, gate_up_proj (experts x
 2·intermediate x hidden) and down_proj (experts x hidden x intermediate); each token runs its top-k experts; with
 output_router_logits the model adds router_aux_loss_coef x the load-balancing loss of the routers' logits to its
-loss (shardtune.routing trains and logs it)."""
+loss (shardtune.models.routing trains and logs it)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ MOE_REFUSALS = {
                  "order of its matmuls, which a MoE layer's router and grouped expert matmuls do not follow: use "
                  "--gradient_checkpointing_mode full.",
     "compile": "the routers' logits are recorded by forward hooks around each micro-batch's forward "
-               "(shardtune.routing), which compiled layers are not proven to keep: drop --torch_compile.",
+               "(shardtune.models.routing), which compiled layers are not proven to keep: drop --torch_compile.",
     "dpo": "DPO's loss here leaves out the router's load-balancing loss that transformers adds to a mixture of "
            "experts' loss: train it with --method sft.",
 }

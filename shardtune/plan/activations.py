@@ -89,7 +89,7 @@ def expert_bytes(mode: str) -> int:
 
 
 def router_held_bytes(shape: ModelShape, n: int, compute: int) -> int:
-    """Per MoE layer, held from its forward to the backward whatever is recomputed (shardtune.routing): the
+    """Per MoE layer, held from its forward to the backward whatever is recomputed (shardtune.models.routing): the
     router's logits, recorded for the load-balancing loss (c·n·experts), and that loss's fp32 softmax of them,
     saved for its backward (4·n·experts)."""
     return (compute + 4) * n * shape.experts

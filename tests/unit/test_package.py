@@ -1,5 +1,6 @@
-"""The package's shape: no import circle between its modules (imports inside functions counted), and no module
-that has grown past what one reader holds in mind."""
+"""The package's shape: no import circle between its modules (imports inside functions counted), no module that has
+grown past what one reader holds in mind, a top level that reads as the architecture (a few modules beside the
+packages, each package saying what lives in it), and unit tests in folders that mirror the packages."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "shardtune"
-MAX_MODULE_LINES = 500
+MAX_MODULE_LINES = 400
+MAX_TOP_MODULES = 15  # beside the packages and __init__
+UNIT_TESTS = PACKAGE.parent / "tests" / "unit"
 
 
 def module_name(path: Path) -> str:
@@ -68,3 +71,19 @@ def test_no_module_is_over_the_line_limit():
     long = {module_name(path): n for path in PACKAGE.rglob("*.py")
             if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, long
+
+
+def test_the_top_level_holds_few_modules_and_every_package_says_what_it_holds():
+    top = sorted(path.stem for path in PACKAGE.glob("*.py") if path.stem != "__init__")
+    assert len(top) <= MAX_TOP_MODULES, top
+    packages = [path.parent for path in PACKAGE.glob("*/__init__.py")]
+    assert len(packages) >= 9, packages
+    silent = [package.name for package in packages
+              if not (ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or "").strip()]
+    assert not silent, silent
+
+
+def test_unit_tests_mirror_the_packages():
+    folders = {path.parent.name for path in UNIT_TESTS.glob("*/__init__.py")}
+    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert folders and folders <= packages, folders - packages

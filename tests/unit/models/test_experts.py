@@ -1,4 +1,4 @@
-"""The mixtures of experts (shardtune.models.experts, shardtune.routing): their published counts and FLOPs by
+"""The mixtures of experts (shardtune.models.experts, shardtune.models.routing): their published counts and FLOPs by
 hand, the trained loss and its gradients equal to transformers' own (its cross-entropy plus router_aux_loss_coef x
 its load-balancing loss), the routed tokens counted once per layer and expert, and the refusals in one line."""
 
@@ -17,8 +17,8 @@ from shardtune.levers.liger import check_liger_model
 from shardtune.model import enable_gradient_checkpointing
 from shardtune.models.experts import MOE_MODEL_TYPES, MOE_REFUSALS
 from shardtune.models.flops import ModelError, flops_per_token, resolve_model, shape_from_config
+from shardtune.models.routing import routed_tokens, routers_recorded, with_router_loss
 from shardtune.models.tiny import tiny_config_values
-from shardtune.routing import routed_tokens, routers_recorded, with_router_loss
 from shardtune.step import token_loss
 
 
