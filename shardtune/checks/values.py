@@ -155,8 +155,8 @@ def check_activation_offloading(recipe: Recipe, on_gpu: bool, deepspeed_offloads
     """TRL's OffloadActivations copies to the host from a CUDA device (it reads the current accelerator, None on a
     CPU-only machine); on CPU the activations are in host memory already. And every decoder layer recomputed: a
     checkpointed layer's own hooks keep all but its input from TRL's (tests/unit/test_checkpointing_modes.py).
-    Not beside DeepSpeed's offload, whose pinned-cache limit (distributed.exact_pinned_host_memory) would make
-    TRL pin a new host block for every activation of every micro-batch."""
+    Not beside DeepSpeed's offload, whose pinned-cache limit (parallel.pinned_memory.exact_pinned_host_memory) would
+    make TRL pin a new host block for every activation of every micro-batch."""
     if not recipe.activation_offloading:
         return
     problems = []

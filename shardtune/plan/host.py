@@ -17,7 +17,7 @@ from shardtune.plan.states import (
 from shardtune.plan.strategy import Strategy
 
 CHECKPOINT_BYTES = 2  # bytes per parameter of a Hugging Face Llama-class checkpoint (bf16)
-# DeepSpeed runs set torch's pinned_max_cached_size_mb to this (parallel.distributed.exact_pinned_host_memory):
+# DeepSpeed runs set torch's pinned_max_cached_size_mb to this (parallel.pinned_memory.exact_pinned_host_memory):
 # a pinned block above it is allocated at its size, not the next power of two, and freed back to the system.
 PINNED_MAX_CACHED_MB = 1
 MB = 1024 * 1024  # the allocator config's "mb"

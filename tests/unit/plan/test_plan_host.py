@@ -99,7 +99,7 @@ def test_a_deepspeed_launch_sets_the_pinned_cache_limit_unless_the_environment_d
     env["PYTHONPATH"] = str(REPO)
     if environment:
         env["PYTORCH_ALLOC_CONF"] = environment
-    code = ("import torch; from shardtune.parallel.distributed import exact_pinned_host_memory; "
+    code = ("import torch; from shardtune.parallel.pinned_memory import exact_pinned_host_memory; "
             "exact_pinned_host_memory(); print(torch._C._accelerator_getAllocatorSettings())")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                             check=True)
