@@ -5,7 +5,7 @@ Launch (one node, 8xH100-80GB):
         recipes/llama1b.py --dataset data/train.jsonl
 Plan on 8xh100-80gb, from python -m shardtune.plan --model recipes/llama1b.py --hardware 8xh100-80gb
     (scripts/plan_table.py --write keeps this current): ddp, micro-batch 4 x accumulation 2, gradient checkpointing
-    off: 61.8 GB of 69.9 GB usable per GPU, 40 GB of 1,800 GB usable host RAM per node.
+    off: 66.8 GB of 69.9 GB usable per GPU, 40 GB of 1,800 GB usable host RAM per node.
 Tested: the trainer, configs and launch path on CPU with the tiny model (make test); not yet run on this hardware.
 Override any field from the command line, e.g. --learning_rate 5e-6 --max_steps 500.
 """

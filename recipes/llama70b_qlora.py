@@ -7,7 +7,7 @@ Launch (one node, 8xH100-80GB; data parallel, every GPU holds the whole 4-bit ba
 Needs CUDA GPUs: on a machine without one the recipe stops at start-up with a message, before loading anything.
 Plan on 8xh100-80gb, from python -m shardtune.plan --model recipes/llama70b_qlora.py --hardware 8xh100-80gb
     (scripts/plan_table.py --write keeps this current): ddp, micro-batch 2 x accumulation 4, gradient checkpointing
-    on: 66.1 GB of 69.9 GB usable per GPU, 331 GB of 1,800 GB usable host RAM per node.
+    on: 66.9 GB of 69.9 GB usable per GPU, 331 GB of 1,800 GB usable host RAM per node.
 Tested: the start-up refusal on CPU (make test); the 4-bit path has not run yet (no GPU was available).
 Override any field from the command line, e.g. --lora_r 64. Merge: scripts/merge_lora.py (into a 16-bit base).
 """

@@ -8,7 +8,7 @@ Data: rows with `messages` (rendered with the model's chat template, loss on ass
     attention isolated per sequence.
 Plan on 8xh100-80gb, from python -m shardtune.plan --model recipes/llama8b_lora.py --hardware 8xh100-80gb
     (scripts/plan_table.py --write keeps this current): ddp, micro-batch 1 x accumulation 8, gradient checkpointing
-    off: 45.9 GB of 69.9 GB usable per GPU, 128 GB of 1,800 GB usable host RAM per node.
+    off: 46.1 GB of 69.9 GB usable per GPU, 128 GB of 1,800 GB usable host RAM per node.
 Tested: the LoRA path on DDP, FSDP and ZeRO-3 on CPU with the tiny model (make test); not yet run on this hardware.
 Override any field from the command line, e.g. --lora_r 64 --learning_rate 1e-4. Merge: scripts/merge_lora.py.
 """

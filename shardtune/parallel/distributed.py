@@ -80,7 +80,9 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
             sync_with_dataloader=False,  # the trainer ends every cycle itself
             # FSDP2 under no_sync keeps every layer's unsharded gradient until the last micro-batch (2 bytes x P
             # per GPU in bf16): reduce-scatter each micro-batch into the sharded fp32 gradient instead, as
-            # torchtitan does. DDP holds full gradients either way, so it keeps no_sync and its saved traffic.
+            # torchtitan does. DDP keeps no_sync and its saved traffic, as accelerate and the Trainer do, at the
+            # cost of a second copy of the gradients beside its buckets while a step accumulates
+            # (plan.backward_moments).
             sync_each_batch=uses_fsdp,
         ),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.seed),
@@ -92,7 +94,8 @@ def make_accelerator(recipe: Recipe, batching: BatchSizes, launch: LaunchDescrip
                 backend="gloo" if on_cpu and uses_deepspeed else None,
                 timeout=timedelta(minutes=recipe.startup_timeout_minutes),  # lowered once the model is in place
             ),
-            # DDP's gradients as views into its all-reduce buckets: one full gradient copy (4 bytes x P) fewer.
+            # DDP's gradients as views into its all-reduce buckets: one full gradient copy (4 bytes x P) fewer once a
+            # step synchronises.
             DistributedDataParallelKwargs(gradient_as_bucket_view=True),
         ],
     )

@@ -5,7 +5,13 @@ A step's gradients exist before its backward where the step accumulates (the ear
 stay) or where a strategy keeps them allocated (DDP's buckets on several ranks). One process that steps after
 every micro-batch frees its gradients at each step (the trainer's and a plain loop's zero_grad set them to None):
 its backward then creates them while it frees the activations, lm_head's first and the embedding's last, so the
-full gradients never meet the full activations (measured in tests/unit/plan/test_plan_accuracy.py)."""
+full gradients never meet the full activations (measured in tests/unit/plan/test_plan_accuracy.py).
+
+DDP over several ranks that accumulates holds the gradients twice: its reducer's all-reduce buckets stay allocated
+(the gradients are views into them, gradient_as_bucket_view) while the step's zero_grad sets the views to None,
+and a micro-batch under accelerate's no_sync runs no reducer hook, so autograd accumulates its gradients into
+tensors of their own; only the synchronising micro-batch copies them into the buckets (reducer.cpp
+`mark_variable_ready_dense`) and frees them, as its backward goes (measured: tests/launch/test_moe.py)."""
 
 from __future__ import annotations
 
@@ -27,11 +33,18 @@ def gradients_fresh_each_micro_batch(kind: str, world: int, accumulation: int | 
     return kind == "ddp" and world == 1 and accumulation == 1
 
 
+def ddp_bucket_bytes(kind: str, world: int, accumulation: int | None, gradients: float) -> float:
+    """DDP's all-reduce buckets alive beside the accumulated gradients (module docstring): over several ranks
+    with more than one micro-batch per step (None: planned as accumulating); else 0 (one micro-batch's backward
+    copies each gradient into its bucket as it is made, and frees it)."""
+    return gradients if kind == "ddp" and world > 1 and accumulation != 1 else 0.0
+
+
 def forward_backward_parts(shape: ModelShape, batch: int, seq: int, mode: str, checkpointing: bool,
                            acts: dict[str, int], gradients: float, cache: float, other_buffers: float,
                            fresh: bool, attn: str = "sdpa", masked: bool = True, peft: Peft | None = None,
                            selective: bool = False, loss_tile: int | None = None, liger: bool = False,
-                           recomputed: int | None = None) -> dict[str, float]:
+                           recomputed: int | None = None, buckets: float = 0.0) -> dict[str, float]:
     """The parts ("gradients", "activations", "buffers") of the forward/backward's largest moment, from
     activation_bytes' `acts`, the step's `gradients` bytes, autocast's 16-bit weight copies (`cache`, DDP's
     buffers) and the strategy's `other_buffers`, alive throughout. The moments:
@@ -47,7 +60,8 @@ def forward_backward_parts(shape: ModelShape, batch: int, seq: int, mode: str, c
     Where gradients are not `fresh`, all of them are alive at every moment. With `liger` the loss is Liger's
     (liger_loss_transient_bytes), and the weight gradient it saved has been handed to lm_head before the layers'
     backward ("head_gradient": counted as a gradient from then on). With checkpointing of only `recomputed` layers
-    (default all), the others' graphs keep their weight copies to their backward, as without recomputation."""
+    (default all), the others' graphs keep their weight copies to their backward, as without recomputation.
+    `buckets` (ddp_bucket_bytes): DDP's buckets beside the gradients at every moment, counted with them."""
     compute, residual = dtype_bytes(mode)
     n, h = batch * seq, shape.hidden
     frozen = peft is not None
@@ -74,7 +88,7 @@ def forward_backward_parts(shape: ModelShape, batch: int, seq: int, mode: str, c
             loss_transient_bytes(shape, n, mode, loss_tile, moment)
 
     def moment(fresh_grads: float, activations: float, copies: float) -> dict[str, float]:
-        return {"gradients": gradients if not fresh else fresh_grads, "activations": float(activations),
+        return {"gradients": (gradients if not fresh else fresh_grads) + buckets, "activations": float(activations),
                 "buffers": copies + other_buffers}
 
     moments = [

@@ -16,7 +16,8 @@ def buffers(strategy: Strategy, shape: ModelShape, params: int, world: int, acti
     per case; DeepSpeed values are its defaults, see strategy.DS_REDUCE_BUCKET).
 
     - DDP: the trainer sets gradient_as_bucket_view, so the gradients are the all-reduce buckets (counted as
-      gradients). Autocast caches one 16-bit copy of every matmul weight for the whole forward.
+      gradients; beside the gradients a step accumulates, backward_moments.ddp_bucket_bytes). Autocast caches one
+      16-bit copy of every matmul weight for the whole forward.
     - DeepSpeed ZeRO-1/2: one reduce bucket of DS_REDUCE_BUCKET gradient elements (overlap_comm is off below
       stage 3). ZeRO-3: the module being computed plus the one prefetched (2 x the largest module, which for
       Llama 3 is the embedding or lm_head), the prefetch bucket and the reduce bucket.

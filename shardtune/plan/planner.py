@@ -14,7 +14,11 @@ from shardtune.plan.activations import (
     offloaded_host_bytes,
     recomputed_layers,
 )
-from shardtune.plan.backward_moments import forward_backward_parts, gradients_fresh_each_micro_batch
+from shardtune.plan.backward_moments import (
+    ddp_bucket_bytes,
+    forward_backward_parts,
+    gradients_fresh_each_micro_batch,
+)
 from shardtune.plan.buffers import buffers, freed_under_layer_gradients
 from shardtune.plan.context import context_length, ring_attention_bytes
 from shardtune.plan.hardware import Hardware
@@ -180,7 +184,8 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
     the full logits only where the recipe turns the tiled loss off. `optim`: the recipe's --optim, whose
     optimizer states model_states plans; `bf16_stochastic_round`: bf16 weights and gradients, no fp32 master.
     `gradient_accumulation_steps`: micro-batches per step; at 1 on one process no gradient exists when a backward
-    starts (backward_moments), unknown (None) is planned as accumulating. `torch_compile` is recorded and planned
+    starts (backward_moments), above 1 under DDP over several ranks its buckets hold a second copy of the gradients
+    (ddp_bucket_bytes), unknown (None) is planned as accumulating. `torch_compile` is recorded and planned
     as eager (MemoryPlan.torch_compile). `use_liger_kernel`: Liger's RMSNorm and SwiGLU in the layers and its fused
     linear cross-entropy in place of the tiles, which it needs (chunked_cross_entropy). `checkpointing_interval`:
     with `checkpointing`, every k-th layer recomputed (activations.recomputed_layers), the others saving all.
@@ -249,9 +254,11 @@ def plan(shape: ModelShape, hardware: Hardware, strategy: Strategy, micro_batch:
                "activations": float(acts["total"]), "buffers": float(buffer)}
     cache = buffer if strategy.kind == "ddp" else 0.0  # DDP's buffers are autocast's weight copies alone
     fresh = tp == 1 and gradients_fresh_each_micro_batch(strategy.kind, world, gradient_accumulation_steps)
+    buckets = ddp_bucket_bytes(strategy.kind, world, gradient_accumulation_steps, states.gradients) if tp == 1 \
+        else 0.0
     peak_moment = forward_backward_parts(seen, rows, length, mode, checkpointing, acts, states.gradients, cache,
                                          buffer - cache, fresh, attn, masked, peft, selective, loss_tile,
-                                         use_liger_kernel, recomputed)
+                                         use_liger_kernel, recomputed, buckets)
     # With recomputation peft makes the embedding output require grad (enable_input_require_grads): a leaf of the
     # loss's graph, which then holds it and its gradient; accelerate steps DeepSpeed's engine inside backward, while
     # that graph is alive (the trainer drops it before stepping any other strategy).
