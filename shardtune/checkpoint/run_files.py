@@ -227,7 +227,7 @@ def remove_checkpoint(checkpoint: str) -> str | None:
     if os.path.lexists(checkpoint):
         name = os.path.basename(os.path.normpath(checkpoint))
         if not os.path.isdir(checkpoint) or os.path.islink(checkpoint) or not (
-                CHECKPOINT_NAME.match(name) or SCRATCH_NAME.match(name)):
+                CHECKPOINT_NAME.match(name) or SCRATCH_NAME.match(name) or CONVERTED_NAME.match(name)):
             return f"{checkpoint} is not a checkpoint directory a save wrote: kept; move it out of --output_dir."
         found = checkpoint_strangers(checkpoint)
         if found:
@@ -245,20 +245,17 @@ def remove_checkpoint(checkpoint: str) -> str | None:
 def remove_conversions(output_dir: str, before_step: int) -> list[str]:
     """Delete the universal forms of other directories' checkpoints (`universal-checkpoint-<step>`) converted
     here for a resume, once the run has saved a checkpoint of its own past them (rotation keeps the run's last
-    --save_total_limit, and a conversion is 12 bytes per parameter). One that holds a stranger's file is kept;
-    the lines returned say why."""
-    import shutil
-
+    --save_total_limit, and a conversion is 12 bytes per parameter). Only a finished conversion (renamed into place
+    with its marker) is the run's; one without a marker, or holding a stranger's file, is kept: the lines returned
+    say why."""
     kept = []
     for name in sorted(os.listdir(output_dir)):
         match = CONVERTED_NAME.match(name)
         if not match or int(match.group(1)) >= before_step:
             continue
         path = os.path.join(output_dir, name)
-        found = checkpoint_strangers(path)
-        if found:
-            kept.append(f"{path} holds {described(found)}, which its conversion did not write: kept.")
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+        if not os.path.isfile(os.path.join(path, MARKER)):
+            kept.append(f"{path} has no {MARKER}, so no conversion of this run wrote it: kept.")
+        elif reason := remove_checkpoint(path):
+            kept.append(reason)
     return kept
-

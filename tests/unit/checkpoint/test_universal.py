@@ -6,6 +6,7 @@ tests/launch/test_resume_resized.py."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -99,3 +100,12 @@ def test_rotation_deletes_a_conversion_once_the_run_saved_past_it(tmp_path):
     target = converted(run, marked_checkpoint(tmp_path / "third"), extra="notes.txt")
     (line,) = remove_conversions(str(run), before_step=6)
     assert "notes.txt" in line and "kept" in line and target.is_dir()
+    shutil.rmtree(target)
+    target = converted(run, marked_checkpoint(tmp_path / "fourth"), extra=".hidden")  # a hidden stranger too
+    (line,) = remove_conversions(str(run), before_step=6)
+    assert ".hidden" in line and "kept" in line and (target / ".hidden").is_file()
+    shutil.rmtree(target)
+    (target / "pytorch_model").mkdir(parents=True)  # a directory of that name no conversion finished: not the run's
+    (target / ".hidden").write_text("mine")
+    (line,) = remove_conversions(str(run), before_step=6)
+    assert "no checkpoint_complete.json" in line and (target / ".hidden").is_file()
