@@ -591,7 +591,7 @@ def recipe_command(
     output_dir: Path, assets: tuple[str, str], *args: str, config: str | None = None, processes: int = 1,
     launch_args: tuple[str, ...] = (), recipe: Path = TINY_RECIPE, port: int | None = None,
 ) -> list[str]:
-    """The command that runs the tiny recipe on the given model and data; with `config`, `accelerate launch`
+    """The command that runs the tiny recipe on the given model and data; with `config`, accelerate's launcher
     (DeepSpeed configs with tiny_deepspeed_json unless `launch_args` names a JSON of its own)."""
     if config and config.startswith("ds_") and "--deepspeed_config_file" not in launch_args:
         launch_args = (*launch_args, "--deepspeed_config_file", str(tiny_deepspeed_json(config)))
@@ -609,10 +609,13 @@ def recipe_command(
     if config is None:
         command = [sys.executable, str(recipe), *recipe_args]
     else:
-        accelerate = str(Path(sys.executable).parent / "accelerate")
-        command = [accelerate, "launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
-                   "--num_processes", str(processes), "--main_process_port", str(port or free_port()), *launch_args,
-                   str(recipe), *recipe_args]
+        # accelerate's launcher alone (its `accelerate-launch` script: the same launch_command as `accelerate launch`),
+        # without the CLI's other commands, whose imports (transformers, for `estimate-memory`) cost each launch about
+        # a CPU-second. `accelerate launch` itself is run as users type it in tests/launch/test_bad_input.py and by
+        # scripts/slurm/train.sbatch (tests/launch/test_slurm.py).
+        launcher = str(Path(sys.executable).parent / "accelerate-launch")
+        command = [launcher, "--config_file", str(CONFIGS / f"{config}.yaml"), "--num_processes", str(processes),
+                   "--main_process_port", str(port or free_port()), *launch_args, str(recipe), *recipe_args]
     return command
 
 

@@ -6,8 +6,9 @@ and the schedule and Adam's step count continue (a restarted schedule or bias co
 ZeRO-1, 2 and 3 the same, through DeepSpeed's universal checkpoint, converted once into the resuming run's output
 directory (the 2-process checkpoint, another run's, left as it was; the 4-process one, the run's own, inside it),
 its host RAM planned before it starts and its measured peak within 10% of the plan; ZeRO-3 with the optimizer in
-CPU RAM too (grown only, for the suite's time). NVMe offload is refused at another size, in one line before
-anything loads."""
+CPU RAM too. ZeRO-1 and FSDP2's SHARD_GRAD_OP are grown only, for the suite's time: each loads as a config shrunk
+here does (ZeRO-2's optimizer and universal load, FULL_SHARD's resharding distributed checkpoint). NVMe offload is
+refused at another size, in one line before anything loads."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ from tests.conftest import (
 # The reference runs (tests/conftest.py): 2 processes, 8 steps of 32 rows, a checkpoint every 2 steps.
 GROWN_FROM, SHRUNK_FROM, STEPS = 4, 6, 8
 TOLERANCE = 1e-5  # the same global batches, reduced over other ranks and micro-batches: rounding only
-GROWN_ONLY = ("ds_zero3_offload_optimizer",)  # the shrink runs the same load: one launch fewer
+# Their shrink would load as ds_zero2's and fsdp_full_shard's does (DeepSpeedZeroOptimizer's universal load for
+# ZeRO-1 and 2; DCP's reshard for both FSDP2 configs): one launch fewer each.
+GROWN_ONLY = ("ds_zero1", "fsdp_shard_grad_op")
 PLANNED_RAM = 0.10  # the conversion's measured peak host RAM against its plan
 
 
@@ -146,17 +149,17 @@ def test_resume_on_other_world_sizes_continues_the_run(config, reference_run, un
 def test_an_nvme_offloaded_checkpoint_on_another_number_of_processes_is_refused(reference_run, tiny_assets,
                                                                                  tmp_path):
     """DeepSpeed 0.19 restores an NVMe-offloaded optimizer from each rank's own swap files, never from the universal
-    checkpoint: the 2-process checkpoint on 4 processes is refused in one line, before anything loads or is
-    written, exit 2."""
+    checkpoint: the 2-process checkpoint on one process (a DeepSpeed launch all the same) is refused in one line,
+    before anything loads or is written, exit 2."""
     config = "ds_zero3_nvme_offload"
     output_dir = tmp_path / "out"
     result = run_recipe(output_dir, tiny_assets, *REFERENCE_ARGS, *nvme_args(config, tmp_path),
                         "--resume_from_checkpoint", str(reference_run(config) / f"checkpoint-{GROWN_FROM}"),
-                        config=config, processes=4, check=False)
+                        config=config, processes=1, check=False)
     assert result.returncode != 0, result.stdout[-3000:]
     errors = {line for line in result.stderr.splitlines() if line.startswith("shardtune: error: ")}
     (line,) = errors
-    assert ("saved by 2 processes and this DeepSpeed launch has 4: a resume on another number of processes with "
+    assert ("saved by 2 processes and this DeepSpeed launch has 1: a resume on another number of processes with "
             "states offloaded to NVMe is not supported: DeepSpeed 0.19 restores NVMe-offloaded optimizer states "
             "from each rank's own swap files") in line and "--num_processes 2" in line, line
     assert not (output_dir / "metrics.jsonl").exists() and "converting" not in result.stdout
