@@ -204,8 +204,9 @@ def test_kill_during_async_save_resumes_uninterrupted(config, reference_run, tin
 
 
 def test_sigterm_during_async_save_ends_durable(tiny_assets, tmp_path, fsync_log, monkeypatch):
-    """SIGTERM to every rank while a save is in flight: the ranks finish it, save the stop step, wait until that
-    one is durable and marked, and exit 75."""
+    """SIGTERM to every rank of a ZeRO-3 `accelerate launch` (as SLURM signals every task of a job step) while a
+    save is in flight: the ranks finish it, save the stop step, wait until that one is durable and marked, and exit
+    75 (one process's synchronous stop: tests/launch/test_checkpoint.py)."""
     output_dir = tmp_path / "out"
     monkeypatch.setitem(harness.ENV, WRITE_DELAY_ENV, DELAY_S)
     process = start_recipe(output_dir, tiny_assets, *REFERENCE_ARGS, "--max_steps", "500", *ASYNC,
