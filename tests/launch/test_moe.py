@@ -18,9 +18,9 @@ from tests.conftest import grad_norms, made_once, read_metrics, run_recipe, star
 from tests.launch.test_families import ARGS
 from tests.launch.test_strategies import FP32_RTOL
 
-# Each family under a strategy, the three strategies taken once: Qwen3-MoE (q/k norms, normalised top-k weights)
-# under FSDP2 and ZeRO-3, Mixtral under DDP. The launches cost the suite's time (about 35 s each on 2 cores).
-CASES = [("qwen3_moe", "fsdp_full_shard"), ("qwen3_moe", "ds_zero3"), ("mixtral", "ddp")]
+# Each family under every strategy a mixture of experts takes (shardtune.models refuses TP, Ulysses and context
+# parallelism for them): Qwen3-MoE (q/k norms, normalised top-k weights) and Mixtral under DDP, FSDP2 and ZeRO-3.
+CASES = [(family, config) for family in ("qwen3_moe", "mixtral") for config in ("ddp", "fsdp_full_shard", "ds_zero3")]
 # A written expert's weight, named as the family's published checkpoints name it (Mixtral's w1, w2, w3).
 EXPERT_KEYS = {"qwen3_moe": "model.layers.1.mlp.experts.3.down_proj.weight",
                "mixtral": "model.layers.1.block_sparse_moe.experts.3.w2.weight"}
@@ -96,11 +96,11 @@ def test_moe_kill_and_resume_is_bitwise(moe_run, moe_assets, tmp_path):
     assert ours.keys() == theirs.keys() and all(ours[key].equal(theirs[key]) for key in ours)
 
 
-# Every launched run but Mixtral's one process. Mixtral's DDP run (2 ranks, 2 micro-batches a step) holds DDP's
-# all-reduce buckets beside the gradients its first micro-batch accumulates under no_sync
-# (shardtune.plan.backward_moments.ddp_bucket_bytes): planned without them its forward/backward measured 13% over
-# the plan, where the recomputed layers leave few activations to hide a copy of the gradients.
-PHASE_RUNS = [("qwen3_moe", None), ("qwen3_moe", "fsdp_full_shard"), ("qwen3_moe", "ds_zero3"), ("mixtral", "ddp")]
+# Every launched run but Mixtral's one process. A DDP run (2 ranks, 2 micro-batches a step) holds DDP's all-reduce
+# buckets beside the gradients its first micro-batch accumulates under no_sync
+# (shardtune.plan.backward_moments.ddp_bucket_bytes): planned without them Mixtral's forward/backward measured 13%
+# over the plan, where the recomputed layers leave few activations to hide a copy of the gradients.
+PHASE_RUNS = [("qwen3_moe", None), *CASES]
 
 
 @pytest.mark.parametrize("family,config", PHASE_RUNS, ids=[f"{family}-{config or 'single'}"
