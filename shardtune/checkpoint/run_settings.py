@@ -243,4 +243,11 @@ def resume_point(recipe: Recipe, launch: LaunchDescription, batching: BatchSizes
     universal = launch.uses_deepspeed and marker["world_size"] != launch.world_size
     if universal and (problem := deepspeed_resize_problem(path, marker["world_size"], launch)):
         raise ConfigError(problem)
+    if universal:  # what the conversion would delete first must be its own (DeepSpeed launches only: a heavy import)
+        from shardtune.checkpoint.universal import conversion_leftovers, leftover_problem
+
+        problems = [problem for leftover in conversion_leftovers(path, recipe.resolved_output_dir)
+                    if (problem := leftover_problem(leftover))]
+        if problems:
+            raise ConfigError(problems)
     return ResumePoint(path, step, saved, tuple(notes), universal)

@@ -29,10 +29,13 @@ from accelerate import Accelerator
 
 from shardtune.checkpoint.conversion_plan import plan_conversion, run_measured, size
 from shardtune.checkpoint.durable import fsync_path, fsync_tree
-from shardtune.checkpoint.markers import damage, describe_files, read_marker, write_marker
+from shardtune.checkpoint.markers import MARKER, damage, describe_files, read_marker, write_marker
+from shardtune.checkpoint.run_files import checkpoint_strangers, described
+from shardtune.config import ConfigError
 
 UNIVERSAL_DIR = "universal"
 SCRATCH_DIR = ".universal.tmp"  # a conversion that did not finish: this module's own, redone
+LATEST = "latest_universal"  # ds_to_universal's note beside its output folder
 TAG = "pytorch_model"  # accelerate's DeepSpeed checkpoint tag (its load_state passes it to load_checkpoint)
 # The checkpoint's own files that accelerate's load_state reads beside the model and optimizer.
 SMALL_STATES = re.compile(r"^(scheduler(_\d+)?\.bin|random_states_\d+\.pkl|sampler(_\d+)?\.bin|"
@@ -82,15 +85,58 @@ def universal_checkpoint(accelerator: Accelerator, checkpoint: str, output_dir: 
     return target
 
 
+def scratch_path(target: str, inside: bool) -> str:
+    return os.path.join(os.path.dirname(target), SCRATCH_DIR if inside else f".{os.path.basename(target)}.tmp")
+
+
+def conversion_leftovers(checkpoint: str, output_dir: str) -> list[str]:
+    """What a conversion of `checkpoint` for a run in `output_dir` deletes before it starts: its scratch folder (an
+    earlier conversion that did not finish) and a target it redoes (renamed but not marked, damaged, or another
+    source's). The start-up checks them (leftover_problem) before anything loads; `convert` deletes them."""
+    target = conversion_target(checkpoint, output_dir)
+    inside = os.path.basename(target) == UNIVERSAL_DIR
+    finished = is_converted(checkpoint) if inside else converted_from(target, checkpoint)
+    redone = os.path.lexists(target) and not finished
+    return [path for path in (scratch_path(target, inside), *([target] if redone else [])) if os.path.lexists(path)]
+
+
+def leftover_problem(path: str) -> str | None:
+    """Why `path` is not a conversion's to delete, or None: a link or a file, or a folder holding anything a
+    conversion does not write there (ds_to_universal's pytorch_model/ and latest_universal, the checkpoint's small
+    states, the marker; with a marker, only what it lists), hidden names included."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return f"{path} is not a folder a conversion wrote: kept; move it out of the way and resume again."
+    found = set(checkpoint_strangers(path)) if os.path.isfile(os.path.join(path, MARKER)) else set()
+    for directory, folders, names in os.walk(path):
+        for name in names + [folder for folder in folders if os.path.islink(os.path.join(directory, folder))]:
+            relative = os.path.relpath(os.path.join(directory, name), path)
+            top = directory == path
+            if os.path.islink(os.path.join(directory, name)) or not (
+                    relative.startswith(TAG + os.sep) or (top and (name in (LATEST, MARKER, MARKER + ".tmp")
+                                                                   or SMALL_STATES.match(name)))):
+                found.add(relative)
+    if found:
+        return (f"{path} holds {described(sorted(found))}, which a conversion does not write: kept whole; move "
+                f"{'it' if len(found) == 1 else 'them'} out (or the folder away) and resume again.")
+    return None
+
+
+def remove_leftover(path: str) -> None:
+    """Delete a conversion's leftover, checked again here (the start-up checked it before loading)."""
+    if problem := leftover_problem(path):
+        raise ConfigError(problem)
+    shutil.rmtree(path)
+
+
 def convert(checkpoint: str, target: str, inside: bool) -> int:
     """ds_to_universal into a scratch directory, the small states beside it, all durable, renamed into place,
     then marked (the checkpoint's marker lists them, or the target's own names its source). Returns the
     converter's peak host RAM (bytes, measured by the kernel)."""
     parent = os.path.dirname(target)
-    scratch = os.path.join(parent, SCRATCH_DIR if inside else f".{os.path.basename(target)}.tmp")
-    shutil.rmtree(scratch, ignore_errors=True)  # an earlier conversion of this module's that did not finish
-    if os.path.isdir(target):  # renamed, but not marked, or another source's: redone as a whole
-        shutil.rmtree(target)
+    scratch = scratch_path(target, inside)
+    for leftover in (scratch, target):  # an earlier conversion that did not finish; a target redone as a whole
+        if os.path.lexists(leftover):
+            remove_leftover(leftover)
     command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                os.path.join(checkpoint, TAG), "--output_folder", os.path.join(scratch, TAG), "--inject_missing_state",
                "--num_extract_workers", "1", "--num_merge_workers", "1"]  # one rank's file at a time (planned so)

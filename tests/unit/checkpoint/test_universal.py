@@ -15,7 +15,17 @@ from shardtune.checkpoint.conversion_plan import FP32, plan_conversion
 from shardtune.checkpoint.markers import describe_files, write_marker
 from shardtune.checkpoint.output_dir import LOCK_FILE
 from shardtune.checkpoint.run_files import remove_conversions, run_entry
-from shardtune.checkpoint.universal import conversion_target, converted_from
+from shardtune.checkpoint.run_settings import resume_point
+from shardtune.checkpoint.universal import (
+    conversion_leftovers,
+    conversion_target,
+    converted_from,
+    leftover_problem,
+    remove_leftover,
+)
+from shardtune.checks.startup import batch_sizes
+from shardtune.config import ConfigError, Recipe
+from shardtune.launch import LaunchDescription
 
 
 def marked_checkpoint(folder, step: int = 4):
@@ -109,3 +119,70 @@ def test_rotation_deletes_a_conversion_once_the_run_saved_past_it(tmp_path):
     (target / ".hidden").write_text("mine")
     (line,) = remove_conversions(str(run), before_step=6)
     assert "no checkpoint_complete.json" in line and (target / ".hidden").is_file()
+
+
+def partial_conversion(folder, *extra: str):
+    """What a conversion that did not finish leaves: ds_to_universal's output and its note, and `extra` files."""
+    (folder / "pytorch_model" / "zero" / "embed.weight").mkdir(parents=True)
+    (folder / "pytorch_model" / "zero" / "embed.weight" / "fp32.pt").write_bytes(bytes(8))
+    (folder / "latest_universal").write_text("pytorch_model")
+    (folder / "scheduler.bin").write_bytes(bytes(4))
+    for name in extra:
+        (folder / name).write_text("mine")
+    return folder
+
+
+def test_a_conversion_deletes_only_its_own_leftovers_and_the_start_up_says_what_it_keeps(tmp_path):
+    """An unfinished conversion's scratch and a target it redoes are deleted before it starts, only when they hold
+    nothing but a conversion's files (hidden names and links are someone's); else the resume is refused in one line
+    per folder before anything loads, and nothing is deleted."""
+    source, run = marked_checkpoint(tmp_path / "other"), tmp_path / "run"
+    scratch = partial_conversion(run / ".universal-checkpoint-4.tmp")
+    assert conversion_leftovers(str(source), str(run)) == [str(scratch)]
+    assert leftover_problem(str(scratch)) is None
+    remove_leftover(str(scratch))
+    assert not scratch.exists() and run.is_dir()
+
+    scratch = partial_conversion(run / ".universal-checkpoint-4.tmp", ".hidden")
+    target = partial_conversion(run / "universal-checkpoint-4", "notes.txt")  # no marker: no conversion finished it
+    (target / "pytorch_model" / "elsewhere").symlink_to(tmp_path)
+    assert conversion_leftovers(str(source), str(run)) == [str(scratch), str(target)]
+    assert ".hidden" in leftover_problem(str(scratch))
+    with pytest.raises(ConfigError, match=r"\.hidden, which a conversion does not write: kept whole"):
+        remove_leftover(str(scratch))
+    assert (scratch / ".hidden").is_file() and (scratch / "pytorch_model").is_dir()
+    assert "notes.txt" in leftover_problem(str(target)) and "pytorch_model/elsewhere" in leftover_problem(str(target))
+
+    stage = 3
+    run_settings_saved = {"world_size": 2, "strategy": "deepspeed"}
+    recipe = Recipe(max_steps=10, global_batch_size=32, per_device_train_batch_size=8, output_dir=str(run),
+                    resume_from_checkpoint=str(source))
+    write_marker(str(source), {"step": 4, "model_only": False, **run_settings_saved,
+                               "files": describe_files(str(source))})
+    launch = LaunchDescription(world_size=4, uses_deepspeed=True, deepspeed_settings={"stage": stage})
+    with pytest.raises(ConfigError) as error:
+        resume_point(recipe, launch, batch_sizes(recipe, 4))
+    assert len(error.value.messages) == 2 and all("\n" not in line for line in error.value.messages)
+    assert (scratch / ".hidden").is_file() and (target / "notes.txt").is_file()
+
+    # A finished conversion of the same source is reused, not a leftover; one of another source is redone.
+    shutil.rmtree(scratch)
+    shutil.rmtree(target)
+    converted(run, source)
+    assert conversion_leftovers(str(source), str(run)) == []
+    assert resume_point(recipe, launch, batch_sizes(recipe, 4)).universal
+    third = marked_checkpoint(tmp_path / "third")
+    assert conversion_leftovers(str(third), str(run)) == [str(run / "universal-checkpoint-4")]
+    assert leftover_problem(str(run / "universal-checkpoint-4")) is None
+
+
+def test_the_run_s_own_checkpoint_keeps_what_is_not_its_conversion_s(tmp_path):
+    own = marked_checkpoint(tmp_path / "run")
+    scratch = partial_conversion(own / ".universal.tmp")
+    (scratch / "pytorch_model" / "link").symlink_to(tmp_path)
+    assert conversion_leftovers(str(own), str(tmp_path / "run")) == [str(scratch)]
+    assert "pytorch_model/link" in leftover_problem(str(scratch))
+    (scratch / "pytorch_model" / "link").unlink()
+    unlisted = partial_conversion(own / "universal")  # renamed, the checkpoint's marker not yet rewritten: redone
+    assert conversion_leftovers(str(own), str(tmp_path / "run")) == [str(scratch), str(unlisted)]
+    assert leftover_problem(str(unlisted)) is None and leftover_problem(str(scratch)) is None
