@@ -39,21 +39,29 @@ EXTRAS = {
 CASES = [(family, "fp32", False, False) for family in EXTRAS] + [("gemma3_text", "bf16", True, True)]
 
 
-@pytest.mark.parametrize("family,precision,checkpointing,tiled", CASES)
-def test_each_family_is_planned_within_the_band(family, precision, checkpointing, tiled):
+def planned_and_measured(family: str, settings: dict, precision: str, checkpointing: bool, tiled: bool, rows: int,
+                         positions: int) -> tuple:
+    """The plan of one process's step of the family's model built from `settings`, and that step's peaks by phase
+    measured (tests/unit/plan/test_plan_accuracy.measured_step)."""
     torch.set_num_threads(1)
-    config = AutoConfig.for_model(family, **SIZES, **EXTRAS[family])
+    config = AutoConfig.for_model(family, **settings)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).train()
     if checkpointing:
         enable_gradient_checkpointing(model, 1)
-    rows, positions = 2, 256
-    measured = measured_step(model, padded_batch(SIZES["vocab_size"], rows, positions), precision, tiled)
+    measured = measured_step(model, padded_batch(settings["vocab_size"], rows, positions), precision, tiled)
     planned = plan(shape_from_config(model.config, family), parse_hardware("1x80gb"),
                    Strategy("one process", "ddp", 0, mixed_precision="bf16" if precision == "bf16" else "no"),
                    rows, positions, checkpointing, foreach=False, chunked_cross_entropy=tiled,
                    gradient_accumulation_steps=1)
+    return planned, measured
+
+
+@pytest.mark.parametrize("family,precision,checkpointing,tiled", CASES)
+def test_each_family_is_planned_within_the_band(family, precision, checkpointing, tiled):
+    planned, measured = planned_and_measured(family, {**SIZES, **EXTRAS[family]}, precision, checkpointing, tiled,
+                                             rows=2, positions=256)
     ratios = {name: planned.phases[name]["total"] / measured[name] for name in ("forward_backward", "optimizer")}
     step = max(planned.phases[name]["total"] for name in ratios) / max(measured.values())
     print(f"{family} {precision} checkpointing={checkpointing} tiled={tiled}: step {step:.3f}; per phase {ratios}")
@@ -75,19 +83,8 @@ MOE_CASES = [("qwen3_moe", "fp32", False, False), ("mixtral", "bf16", True, True
 
 @pytest.mark.parametrize("family,precision,checkpointing,tiled", MOE_CASES)
 def test_each_mixture_of_experts_is_planned_within_the_band(family, precision, checkpointing, tiled):
-    torch.set_num_threads(1)
-    config = AutoConfig.for_model(family, **MOE_SIZES, **MOE_EXTRAS[family])
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).train()
-    if checkpointing:
-        enable_gradient_checkpointing(model, 1)
-    rows, positions = 4, 512
-    measured = measured_step(model, padded_batch(MOE_SIZES["vocab_size"], rows, positions), precision, tiled)
-    planned = plan(shape_from_config(model.config, family), parse_hardware("1x80gb"),
-                   Strategy("one process", "ddp", 0, mixed_precision="bf16" if precision == "bf16" else "no"),
-                   rows, positions, checkpointing, foreach=False, chunked_cross_entropy=tiled,
-                   gradient_accumulation_steps=1)
+    planned, measured = planned_and_measured(family, {**MOE_SIZES, **MOE_EXTRAS[family]}, precision, checkpointing,
+                                             tiled, rows=4, positions=512)
     activations = planned.phases["forward_backward"]["activations"]
     assert activations > planned.phases["forward_backward"]["weights"]  # the experts' activations are measured
     ratios = {name: planned.phases[name]["total"] / measured[name] for name in ("forward_backward", "optimizer")}
