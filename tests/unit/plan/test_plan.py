@@ -458,3 +458,17 @@ def test_the_multi_node_layouts_are_searched_on_several_nodes_only():
         "fsdp_full_shard")
     assert two_nodes.index("ds_zero2") < two_nodes.index("fsdp_hybrid_shard")
     assert {"fsdp_hybrid_shard", "ds_zero3_hpz"}.isdisjoint(order(H100))
+
+
+
+def test_an_accelerate_config_edited_between_reads_is_read_again(tmp_path):
+    """read_accelerate_config keeps each parsed YAML for the searches that read it thousands of times: a file
+    rewritten in place to the same size is parsed again (its mtime moved), and a caller never sees another's
+    result."""
+    path = tmp_path / "launch.yaml"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: '1'\n")
+    full_shard = read_accelerate_config(str(path))
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: '2'\n")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1))
+    grad_op = read_accelerate_config(str(path))
+    assert (full_shard.shard, grad_op.shard) == (3, 2), (full_shard, grad_op)
